@@ -1,0 +1,51 @@
+"""Cross-rank bucket arrival: how late each rank reaches each bucket, how long others wait.
+
+A fast rank blocks in a bucket's all-reduce until the slowest rank reaches the same bucket, so
+per-rank durations even out; arrival times on aligned clocks do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ddpdoctor.analysis.clock_align import ClockOffsets
+from ddpdoctor.events import Step
+
+
+@dataclass
+class StepArrivals:
+    """One step across ranks: per rank, per bucket arrival lateness and the wait it caused."""
+
+    step: int
+    lateness_us: dict[int, list[float]] = field(default_factory=dict)  # behind the earliest rank
+    wait_us: dict[int, float] = field(default_factory=dict)  # this rank blocked for others (max over buckets)
+
+
+def arrivals(steps_by_rank: dict[int, list[Step]], clocks: ClockOffsets) -> list[StepArrivals]:
+    """Every step that all ranks logged with complete bucket ready times."""
+    if len(steps_by_rank) < 2:
+        return []
+    by_step: dict[int, dict[int, list[float]]] = {}
+    for rank, steps in steps_by_rank.items():
+        offset = clocks.offset_us.get(rank, 0.0)
+        for s in steps:
+            ready = s.b_ready_us
+            if not ready or any(t is None for t in ready):
+                continue
+            base = s.t0_wall_ns / 1000.0 - offset
+            by_step.setdefault(s.step, {})[rank] = [base + t for t in ready]
+    out = []
+    ranks = set(steps_by_rank)
+    for step in sorted(by_step):
+        per_rank = by_step[step]
+        if set(per_rank) != ranks or len({len(v) for v in per_rank.values()}) != 1:
+            continue
+        n = len(next(iter(per_rank.values())))
+        earliest = [min(per_rank[r][b] for r in per_rank) for b in range(n)]
+        latest = [max(per_rank[r][b] for r in per_rank) for b in range(n)]
+        sa = StepArrivals(step=step)
+        for r, times in per_rank.items():
+            sa.lateness_us[r] = [t - e for t, e in zip(times, earliest)]
+            sa.wait_us[r] = max(lt - t for t, lt in zip(times, latest))
+        out.append(sa)
+    return out

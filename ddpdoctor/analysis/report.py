@@ -1,0 +1,130 @@
+"""From a run to the report: per-rank step-time breakdown, run facts and findings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+from ddpdoctor.analysis.bucket_wait import arrivals
+from ddpdoctor.analysis.clock_align import estimate_offsets
+from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.phases import PHASES, step_phases
+from ddpdoctor.events import SCHEMA_VERSION
+from ddpdoctor.runlog import RankLog, Run
+
+REPORT_SCHEMA_VERSION = 1
+#: Phases reported per rank (medians, ms), plus the cross-rank "bucket_wait".
+REPORTED = ["step", "forward", "buffer_sync", "backward", "allreduce", "bucket_wait", "exposed_comm", "optimizer", "rest"]
+
+
+@dataclass
+class Report:
+    """What ``ddpdoctor report`` prints; ``to_dict()`` is the JSON shape of DESIGN.md."""
+
+    run: dict[str, Any]
+    ranks: list[dict[str, Any]]
+    stats: dict[str, Any]
+    findings: list[Finding] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": REPORT_SCHEMA_VERSION,
+            "run": self.run,
+            "ranks": self.ranks,
+            "stats": self.stats,
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+
+def _median(values: list[float]) -> float | None:
+    return round(median(values), 3) if values else None
+
+
+def _rank_status(log: RankLog) -> str:
+    if log.end is not None:
+        return "finished"
+    return "running"
+
+
+def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: str) -> dict[str, Any]:
+    columns: dict[str, list[float]] = {name: [] for name in PHASES}
+    for s in log.steps:
+        for name, value in step_phases(s).items():
+            if value is not None:
+                columns[name].append(value)
+    medians = {name: _median(columns.get(name, [])) for name in REPORTED if name != "bucket_wait"}
+    medians["bucket_wait"] = _median(wait_ms)
+    h = log.header
+    last = log.steps[-1] if log.steps else None
+    return {
+        "rank": log.rank,
+        "host": h.host if h else None,
+        "pid": h.pid if h else None,
+        "device": h.device if h else None,
+        "local_rank": h.local_rank if h else None,
+        "status": _rank_status(log),
+        "steps": len(log.steps),
+        "last_step": last.step if last else None,
+        "buckets": len(last.b_ready_us) if last else 0,
+        "buffer_bytes_per_step": last.bcast_bytes if last else 0,
+        "medians_ms": {name: medians[name] for name in REPORTED},
+        "clock_offset_ms": round(offset_us / 1000.0, 3),
+        "clock_alignment": method,
+        "corrupt_lines": log.corrupt_lines,
+        "unknown_lines": log.unknown_lines,
+        "torn_tail": log.torn_tail,
+        "probes_off": [p.probe for p in log.probes_off],
+        "end_reason": log.end.reason if log.end else None,
+    }
+
+
+def analyze(run: Run) -> Report:
+    """Analyze a loaded run (``ddpdoctor.load_run``): per-rank breakdown, stats, findings."""
+    steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
+    clocks = estimate_offsets(steps_by_rank)
+    wait_ms: dict[int, list[float]] = {r: [] for r in run.ranks}
+    for sa in arrivals(steps_by_rank, clocks):
+        for r, w in sa.wait_us.items():
+            wait_ms[r].append(w / 1000.0)
+    ranks = [
+        _rank_entry(log, wait_ms[r], clocks.offset_us.get(r, 0.0), clocks.method.get(r, "wall"))
+        for r, log in sorted(run.ranks.items())
+    ]
+    header = next((log.header for log in run.ranks.values() if log.header is not None), None)
+    layout = None
+    for log in run.ranks.values():
+        if log.layouts:
+            layout = log.layouts[-1]
+            break
+    run_info: dict[str, Any] = {
+        "dir": str(run.dir),
+        "run_id": header.run_id if header else None,
+        "world_size": run.world_size,
+        "ranks_logged": sorted(run.ranks),
+        "missing_ranks": run.missing_ranks(),
+        "backend": header.backend if header else None,
+        "torch": header.torch if header else None,
+        "device": header.device if header else None,
+        "hosts": sorted({log.header.host for log in run.ranks.values() if log.header}),
+        "ddp_options": header.ddp_options if header else {},
+        "log_schema": header.schema if header else SCHEMA_VERSION,
+        "corrupt_lines": run.corrupt_lines,
+        "unknown_lines": run.unknown_lines,
+        "finished": bool(run.ranks) and all(log.end is not None for log in run.ranks.values()),
+    }
+    all_steps = [v for r in ranks for v in ([r["medians_ms"]["step"]] if r["medians_ms"]["step"] is not None else [])]
+    stats: dict[str, Any] = {
+        "steps": max((r["steps"] for r in ranks), default=0),
+        "median_ms": {
+            name: _median([r["medians_ms"][name] for r in ranks if r["medians_ms"][name] is not None])
+            for name in REPORTED
+        },
+        "slowest_rank_step_ms": max(all_steps) if all_steps else None,
+        "phases": PHASES | {"bucket_wait": "blocked in all-reduce waiting for slower ranks (max over buckets)"},
+        "buckets": [
+            {"index": b.index, "bytes": b.bytes, "dtype": b.dtype, "params": len(b.params)} for b in layout.buckets
+        ] if layout else [],
+        "layout_rebuilt": any(lay.reason == "rebuilt" for log in run.ranks.values() for lay in log.layouts),
+    }
+    return Report(run=run_info, ranks=ranks, stats=stats, findings=[])

@@ -1,0 +1,67 @@
+"""The demo's training: a small real model with BatchNorm, trained by N gloo ranks on CPU."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class DemoNet(nn.Module):
+    """A small convnet with BatchNorm buffers and several gradient buckets."""
+
+    def __init__(self, width: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, width * 2, 3, padding=1, stride=2), nn.BatchNorm2d(width * 2), nn.ReLU(),
+            nn.Conv2d(width * 2, width * 2, 3, padding=1, stride=2), nn.BatchNorm2d(width * 2), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        )
+        self.head = nn.Sequential(nn.Linear(width * 2, 256), nn.ReLU(), nn.Linear(256, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+@dataclass
+class DemoConfig:
+    world_size: int
+    steps: int
+    run_dir: str
+    port: int
+    batch: int = 32
+    bucket_cap_mb: float = 0.05  # small buckets so that even this model has several
+    scenario: str = "healthy"
+
+
+def train_rank(rank: int, config: DemoConfig) -> None:
+    """One rank of the demo (the target of torch.multiprocessing.spawn)."""
+    import ddpdoctor
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(config.port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=config.world_size)
+    try:
+        torch.manual_seed(0)
+        model = ddpdoctor.DistributedDataParallel(
+            DemoNet(), bucket_cap_mb=config.bucket_cap_mb, ddpdoctor_run_dir=config.run_dir,
+            ddpdoctor_options={"proc_interval": 1.0},
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(1000 + rank)
+        loss_fn = nn.CrossEntropyLoss()
+        for _ in range(config.steps):
+            x = torch.randn(config.batch, 3, 16, 16, generator=gen)
+            y = torch.randint(0, 10, (config.batch,), generator=gen)
+            loss = loss_fn(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        model.ddpdoctor.close()
+    finally:
+        dist.destroy_process_group()

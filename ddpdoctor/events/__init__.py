@@ -1,0 +1,37 @@
+"""Schema of what is logged, and its encoding. Needs msgspec only (no torch)."""
+
+from __future__ import annotations
+
+from ddpdoctor.events.codec import CorruptLine, UnknownRecord, decode, encode, encode_into
+from ddpdoctor.events.schema import (
+    SCHEMA_VERSION,
+    BucketInfo,
+    BufferInfo,
+    End,
+    Header,
+    Layout,
+    ParamInfo,
+    ProbeOff,
+    ProcSample,
+    Record,
+    Step,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BucketInfo",
+    "BufferInfo",
+    "CorruptLine",
+    "End",
+    "Header",
+    "Layout",
+    "ParamInfo",
+    "ProbeOff",
+    "ProcSample",
+    "Record",
+    "Step",
+    "UnknownRecord",
+    "decode",
+    "encode",
+    "encode_into",
+]

@@ -1,0 +1,146 @@
+"""What one rank logs: the record kinds of the per-rank JSON-lines log.
+
+Every record is a JSON object on one line with a ``kind`` field. Times inside a step are
+microseconds relative to the step's start (``t0``); absolute anchors are nanoseconds of the
+rank's monotonic clock (``*_mono_ns``) and wall clock (``*_wall_ns``), so the reader can align
+ranks without assuming their clocks agree.
+
+Adding a field with a default keeps old logs readable; renaming or removing one bumps
+``SCHEMA_VERSION``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class _Record(msgspec.Struct, tag_field="kind", omit_defaults=True, kw_only=True):
+    rank: int
+    ddp: int = 0  # index of the DDP model in its process: 0 unless one process wraps several
+
+
+class ParamInfo(msgspec.Struct, omit_defaults=True):
+    """One parameter as it was when ddpdoctor attached."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    numel: int
+    requires_grad: bool
+    ignored: bool = False  # listed in DDP's parameters_to_ignore
+
+
+class BufferInfo(msgspec.Struct, omit_defaults=True):
+    """One module buffer as it was when ddpdoctor attached."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    bytes: int
+    broadcast: bool  # part of what DDP broadcasts from rank 0 at each forward
+    version: int = 0  # the tensor's version counter: it moves on every in-place change
+    checksum: float = 0.0  # sum of the values, a cheap fingerprint
+
+
+class Header(_Record, tag="header", kw_only=True):
+    """First line of every rank file: who wrote it and how DDP was configured."""
+
+    schema: int = SCHEMA_VERSION
+    run_id: str = ""
+    world_size: int = 1
+    local_rank: int = 0
+    host: str = ""
+    pid: int = 0
+    backend: str = ""
+    device: str = "cpu"
+    clock: str = "host"  # "host": bucket times from host clocks; "cuda": from CUDA events
+    torch: str = ""
+    python: str = ""
+    argv: list[str] = []
+    t_mono_ns: int = 0
+    t_wall_ns: int = 0
+    ddp_options: dict[str, Any] = {}
+    params: list[ParamInfo] = []
+    buffers: list[BufferInfo] = []
+
+
+class BucketInfo(msgspec.Struct):
+    """One gradient bucket: which parameters it holds, how many bytes, which dtype."""
+
+    index: int
+    params: list[str]
+    bytes: int
+    dtype: str
+
+
+class Layout(_Record, tag="layout", kw_only=True):
+    """The bucket layout seen at ``step``: once at the start, again after DDP rebuilds it."""
+
+    step: int
+    reason: str  # "initial", "rebuilt" or "changed"
+    buckets: list[BucketInfo]
+
+
+class Step(_Record, tag="step", kw_only=True):
+    """One synchronized training step on one rank, with per-bucket arrays.
+
+    ``t0`` is the start of the first forward of the step (the first ``no_sync`` micro-step when
+    gradients are accumulated). Durations and offsets are in microseconds from ``t0``; a field is
+    absent (None) when its probe did not see the event.
+    """
+
+    step: int
+    t0_mono_ns: int
+    t0_wall_ns: int
+    micro: int = 0  # forwards run under no_sync before this step's synchronizing forward
+    fwd_start_us: float = 0.0  # start of the synchronizing forward
+    fwd_us: float | None = None  # forward compute, buffer broadcast excluded
+    bcast_us: float | None = None  # buffer broadcast inside that forward
+    bcast_bytes: int = 0
+    fwd_end_us: float | None = None
+    bwd_end_us: float | None = None  # backward compute finished (autograd graph done)
+    b_ready_us: list[float] = []  # per bucket: all its gradients ready (comm hook called)
+    b_launch_us: list[float] = []  # per bucket: communication launched (hook returned)
+    b_done_us: list[float] = []  # per bucket: communication completed
+    b_bytes: list[int] = []
+    sync_end_us: float | None = None  # last bucket completed
+    opt_start_us: float | None = None  # optimizer.step() of this step, when one ran
+    opt_end_us: float | None = None
+    end_us: float | None = None  # start of the next step: the step's duration
+    clock: str = "host"
+
+
+class ProcSample(_Record, tag="proc", kw_only=True):
+    """Process statistics sampled at a low rate."""
+
+    t_mono_ns: int
+    t_wall_ns: int
+    cpu_pct: float
+    rss_bytes: int
+    dev_mem_bytes: int | None = None
+    dev_max_mem_bytes: int | None = None
+
+
+class ProbeOff(_Record, tag="probe_off", kw_only=True):
+    """A ddpdoctor probe failed and was switched off; training went on."""
+
+    t_wall_ns: int
+    probe: str
+    error: str
+
+
+class End(_Record, tag="end", kw_only=True):
+    """The monitor closed: the stream ended cleanly, not by a crash."""
+
+    t_mono_ns: int
+    t_wall_ns: int
+    steps: int
+    reason: str  # "close", "exit" or "signal"
+
+
+Record = Union[Header, Layout, Step, ProcSample, ProbeOff, End]
+RECORD_TYPES: tuple[type, ...] = (Header, Layout, Step, ProcSample, ProbeOff, End)

@@ -1,0 +1,79 @@
+"""A whole run read back: every rank file of a run dir."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddpdoctor.runlog.rank_file import RankFileTail, RankLog, parse_name
+
+
+class RunDirError(ValueError):
+    """The path is not a readable ddpdoctor run dir (message says why)."""
+
+
+@dataclass
+class Run:
+    """A run dir's logs: ``ranks`` maps global rank to its log (first DDP model of each rank)."""
+
+    dir: Path
+    ranks: dict[int, RankLog] = field(default_factory=dict)
+    other_models: list[RankLog] = field(default_factory=list)  # second and later DDP models
+
+    @property
+    def corrupt_lines(self) -> int:
+        return sum(log.corrupt_lines for log in self.ranks.values())
+
+    @property
+    def unknown_lines(self) -> int:
+        return sum(log.unknown_lines for log in self.ranks.values())
+
+    @property
+    def world_size(self) -> int:
+        sizes = [log.header.world_size for log in self.ranks.values() if log.header is not None]
+        return max(sizes) if sizes else len(self.ranks)
+
+    def missing_ranks(self) -> list[int]:
+        """Ranks the headers promise but for which there is no file."""
+        return [r for r in range(self.world_size) if r not in self.ranks]
+
+
+def rank_files(directory: Path) -> list[tuple[Path, int, int]]:
+    """(path, rank, ddp index) of every rank file in ``directory``, by rank."""
+    found = []
+    for entry in os.scandir(directory):
+        parsed = parse_name(Path(entry.path))
+        if parsed is not None and entry.is_file():
+            found.append((Path(entry.path), parsed[0], parsed[1]))
+    return sorted(found, key=lambda t: (t[1], t[2]))
+
+
+def check_run_dir(directory: str | os.PathLike[str]) -> Path:
+    path = Path(directory)
+    if not path.exists():
+        raise RunDirError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise RunDirError(f"{path}: not a directory (give the run dir, not a rank file)")
+    return path
+
+
+def load_run(directory: str | os.PathLike[str]) -> Run:
+    """Read every rank file of a run dir (finished or still being written).
+
+    Corrupt lines and a torn last line are skipped and counted per rank (``corrupt_lines``),
+    never fatal. Raises ``RunDirError`` when the directory is missing or holds no rank file.
+    """
+    path = check_run_dir(directory)
+    files = rank_files(path)
+    if not files:
+        raise RunDirError(f"{path}: no rank files (rank-NNNNN.jsonl) here; is this a ddpdoctor run dir?")
+    run = Run(dir=path)
+    for file, rank, ddp in files:
+        tail = RankFileTail(file, rank, ddp)
+        tail.poll(final=True)
+        if ddp == 0:
+            run.ranks[rank] = tail.log
+        else:
+            run.other_models.append(tail.log)
+    return run

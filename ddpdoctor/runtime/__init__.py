@@ -1,0 +1,8 @@
+"""Per-rank hot path: attaches to a DDP instance, times, checks, emits to a sink. Needs torch."""
+
+from __future__ import annotations
+
+from ddpdoctor.runtime.ddp import DistributedDataParallel
+from ddpdoctor.runtime.monitor import Monitor, instrument
+
+__all__ = ["DistributedDataParallel", "Monitor", "instrument"]

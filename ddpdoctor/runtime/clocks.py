@@ -1,0 +1,69 @@
+"""Timestamps for the hot path: host clocks on CPU, CUDA events on GPU.
+
+A *mark* is whatever ``now()`` returns. Host marks are nanoseconds of the monotonic clock. CUDA
+marks are events recorded on the current stream: reading the host clock would time the launch,
+not the work, and synchronizing would change training; events are resolved later with
+``query()`` (never blocking) once the GPU has passed them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+Mark = Any
+
+
+class HostClock:
+    """Marks are ``time.perf_counter_ns()`` values (CLOCK_MONOTONIC on Linux)."""
+
+    name = "host"
+
+    def now(self) -> Mark:
+        return time.perf_counter_ns()
+
+    def ready(self, marks: Iterable[Mark]) -> bool:
+        return True
+
+    def us(self, t0: Mark, mark: Mark | None) -> float | None:
+        if mark is None:
+            return None
+        return round((mark - t0) / 1000.0, 1)
+
+
+class CudaClock:
+    """Marks are CUDA events recorded on the current stream; resolved without synchronizing."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        import torch
+
+        self._event = torch.cuda.Event
+        self._pool: list[Any] = []
+
+    def now(self) -> Mark:
+        event = self._pool.pop() if self._pool else self._event(enable_timing=True)
+        event.record()
+        return event
+
+    def ready(self, marks: Iterable[Mark]) -> bool:
+        return all(m is None or m.query() for m in marks)
+
+    def us(self, t0: Mark, mark: Mark | None) -> float | None:
+        if mark is None:
+            return None
+        return round(t0.elapsed_time(mark) * 1000.0, 1)
+
+    def recycle(self, marks: Iterable[Mark]) -> None:
+        """Give resolved events back for reuse (creating events costs a driver call)."""
+        self._pool.extend(m for m in marks if m is not None)
+        del self._pool[4096:]
+
+
+def wall_ns() -> int:
+    return time.time_ns()
+
+
+def mono_ns() -> int:
+    return time.perf_counter_ns()

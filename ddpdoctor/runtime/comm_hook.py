@@ -1,0 +1,182 @@
+"""Per-bucket timing through DDP's communication hook, keeping the user's own hook working.
+
+DDP accepts exactly one comm hook per reducer. ddpdoctor registers ``timed_hook``, which calls
+the *inner* hook: the user's, or one doing what DDP does by default (divide by world size, then
+all-reduce; bit-identical results). A user hook registered after ``instrument`` is routed to the
+inner slot by shadowing ``register_comm_hook`` on the instance. A hook registered before is
+found in ``ddp._comm_hooks``; since the reducer will not take a second one, the reducer is
+rebuilt the way DDP itself rebuilds it when unpickled, with the same parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from ddpdoctor.events import BucketInfo
+
+if TYPE_CHECKING:
+    from ddpdoctor.runtime.monitor import Monitor
+
+_ONCE_MSG = "register_comm_hook or register_builtin_comm_hook can only be called once."
+
+_BUILTIN_EQUIVALENTS: dict[str, Callable[..., Any]] = {
+    "ALLREDUCE": default_hooks.allreduce_hook,
+    "FP16_COMPRESS": default_hooks.fp16_compress_hook,
+}
+
+
+class HookUnsupported(RuntimeError):
+    """This DDP instance's communication cannot be timed (message says why and what to do)."""
+
+
+class HookState:
+    """State of ``timed_hook``: the monitor (weak: the hook outlives it) and the inner hook."""
+
+    __slots__ = ("_monitor", "inner_hook", "inner_state", "user_hook_name", "__weakref__")
+
+    def __init__(self, monitor: Monitor, inner_hook: Callable[..., Any], inner_state: object) -> None:
+        self._monitor = weakref.ref(monitor)
+        self.inner_hook = inner_hook
+        self.inner_state = inner_state
+        self.user_hook_name: str | None = None
+
+    @property
+    def monitor(self) -> Monitor | None:
+        return self._monitor()
+
+    def detach(self) -> None:
+        """After ``close``: the hook keeps calling the inner hook and times nothing."""
+        self._monitor = lambda: None  # type: ignore[assignment]
+
+
+def timed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The registered comm hook: timestamps around the inner hook, never in its way."""
+    monitor = state.monitor
+    step = None
+    if monitor is not None and monitor.probes.on["buckets"]:
+        try:
+            step = monitor.on_bucket_ready(bucket)
+        except Exception as exc:
+            monitor.probes.failed("buckets", exc)
+            step = None
+    fut = state.inner_hook(state.inner_state, bucket)  # the user's errors propagate untouched
+    if step is None:
+        return fut
+    try:
+        index = bucket.index()
+        recorder = monitor.recorder
+        recorder.bucket_launched(step, index)
+        probes = monitor.probes
+
+        def done(f: torch.futures.Future[Any]) -> Any:
+            try:
+                recorder.bucket_done(step, index)
+            except Exception as exc:
+                probes.failed("buckets", exc)
+            return f.value()
+
+        return fut.then(done)
+    except Exception as exc:
+        monitor.probes.failed("buckets", exc)
+        return fut
+
+
+def bucket_info(bucket: dist.GradBucket, names: dict[int, str]) -> BucketInfo:
+    buf = bucket.buffer()
+    return BucketInfo(
+        index=bucket.index(),
+        params=[names.get(id(p), "?") for p in bucket.parameters()],
+        bytes=buf.numel() * buf.element_size(),
+        dtype=str(buf.dtype).removeprefix("torch."),
+    )
+
+
+def attach(ddp: torch.nn.parallel.DistributedDataParallel, monitor: Monitor) -> HookState:
+    """Register ``timed_hook`` on ``ddp`` and route past and future user hooks through it."""
+    if getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "_delay_all_reduce_all_params", False):
+        raise HookUnsupported("this DDP runs without a C++ reducer (compiled DDP or all parameters delayed)")
+    existing = _registered_hook(ddp)
+    state = HookState(monitor, default_hooks.allreduce_hook, ddp.process_group)
+    if existing is not None:
+        hook, hook_state, name = existing
+        _rebuild_reducer(ddp)
+        state.inner_hook, state.inner_state, state.user_hook_name = hook, hook_state, name
+    dist._register_comm_hook(ddp.reducer, state, timed_hook)
+    if existing is not None and ddp.logger is not None:
+        ddp.logger._set_comm_hook_name(existing[2])
+    _shadow_registration(ddp, state)
+    return state
+
+
+def _registered_hook(ddp: Any) -> tuple[Callable[..., Any], object, str] | None:
+    hooks = getattr(ddp, "_comm_hooks", None) or []
+    if hooks:
+        hook, hook_state = hooks[-1]
+        return hook, hook_state, getattr(hook, "__qualname__", repr(hook))
+    try:
+        name = str(ddp._get_ddp_logging_data().get("comm_hook", "") or "")
+    except Exception:
+        name = ""
+    if name.startswith("BuiltinCommHookType."):
+        kind = name.split(".", 1)[1]
+        if kind not in _BUILTIN_EQUIVALENTS:
+            raise HookUnsupported(f"built-in comm hook {name} has no Python equivalent to time it with")
+        return _BUILTIN_EQUIVALENTS[kind], ddp.process_group, name
+    if name:
+        raise HookUnsupported(f"a comm hook ({name}) was registered in a way ddpdoctor cannot see")
+    return None
+
+
+def _rebuild_reducer(ddp: Any) -> None:
+    """Build a fresh reducer over the same parameters, as DDP's own ``__setstate__`` does."""
+    if getattr(ddp, "mixed_precision", None) is not None:
+        raise HookUnsupported("DDP's native mixed precision registers its own comm hook")
+    old_count = ddp._get_ddp_logging_data().get("num_parameter_tensors")
+    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+    if old_count is not None and int(old_count) != len(parameters):
+        # requires_grad changed since DDP was built: a new reducer would silently change what is
+        # synchronized, which is training's business, not ours.
+        raise HookUnsupported(
+            "requires_grad changed since DDP was built; call ddpdoctor.instrument before registering "
+            "the comm hook"
+        )
+    ddp._remove_autograd_hooks()
+    mapping = ddp._build_debug_param_to_name_mapping(parameters)
+    ddp._ddp_init_helper(parameters, expect_sparse_gradient, mapping, ddp.static_graph)
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
+    ddp._has_rebuilt_buckets = False
+
+
+def _shadow_registration(ddp: Any, state: HookState) -> None:
+    """Make later ``register_comm_hook`` calls fill the inner slot instead of failing."""
+
+    def register_comm_hook(hook_state: object, hook: Callable[..., Any]) -> None:
+        ddp._check_comm_hook(hook)
+        if state.user_hook_name is not None:
+            raise RuntimeError(_ONCE_MSG)
+        name = getattr(hook, "__qualname__", repr(hook))
+        if ddp.logger is not None:
+            ddp.logger._set_comm_hook_name(name)
+        ddp._comm_hooks.append((hook, hook_state))
+        state.inner_hook, state.inner_state, state.user_hook_name = hook, hook_state, name
+
+    def register_builtin_comm_hook(comm_hook_type: Any) -> None:
+        kind = str(comm_hook_type).split(".")[-1]
+        if kind not in _BUILTIN_EQUIVALENTS:
+            raise RuntimeError(f"ddpdoctor cannot time the built-in comm hook {comm_hook_type}")
+        if state.user_hook_name is not None:
+            raise RuntimeError(_ONCE_MSG)
+        if ddp.logger is not None:
+            ddp.logger._set_comm_hook_name(str(comm_hook_type))
+        state.inner_hook, state.inner_state = _BUILTIN_EQUIVALENTS[kind], ddp.process_group
+        state.user_hook_name = str(comm_hook_type)
+
+    ddp.__dict__["register_comm_hook"] = register_comm_hook
+    ddp.__dict__["_register_builtin_comm_hook"] = register_builtin_comm_hook

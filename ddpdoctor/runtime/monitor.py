@@ -1,0 +1,270 @@
+"""Attaching to a DDP instance: ``instrument()`` and the Monitor it returns."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning
+from ddpdoctor.events import End, ProbeOff, Record
+from ddpdoctor.runtime import comm_hook, exit_flush, optimizer_hooks, proc_stats, run_dir
+from ddpdoctor.runtime.clocks import CudaClock, HostClock, mono_ns, wall_ns
+from ddpdoctor.runtime.header import build_header
+from ddpdoctor.runtime.probes import Probes
+from ddpdoctor.runtime.step_recorder import OpenStep, StepRecorder
+from ddpdoctor.sinks import FileSink, NullSink, Sink, SinkError
+
+#: How often the buffer byte count is recomputed (buffers are rarely replaced).
+_BUFFER_BYTES_EVERY = 100
+
+
+class Monitor:
+    """Watches one DDP model on one rank and writes what it sees to a sink.
+
+    Use as a context manager or call ``close()``; it is also closed at interpreter exit and on
+    SIGTERM. ``path`` is this rank's log file (None with a custom or null sink).
+    """
+
+    def __init__(
+        self,
+        ddp: torch.nn.parallel.DistributedDataParallel,
+        *,
+        run_dir_path: str | os.PathLike[str] | None = None,
+        sink: Sink | None = None,
+        proc_interval: float = 2.0,
+        cuda_timing: bool | None = None,
+    ) -> None:
+        self.ddp = ddp
+        self.closed = False
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.probes = Probes(self._report_probe_off)
+        self.path: Path | None = None
+        self.run_dir: Path | None = None
+        self.ddp_index = 0
+        self.sink: Sink = sink if sink is not None else self._open_file_sink(run_dir_path)
+        device = getattr(ddp, "device", torch.device("cpu"))
+        self._cuda = device.type == "cuda" if cuda_timing is None else bool(cuda_timing)
+        self.recorder = StepRecorder(self.rank, self.ddp_index, self.emit, CudaClock() if self._cuda else HostClock())
+        self._param_names = {id(p): n for n, p in ddp.module.named_parameters()}
+        self._bwd_queued: OpenStep | None = None
+        self._buffer_bytes = 0
+        self._buffer_bytes_age = _BUFFER_BYTES_EVERY
+        self.emit(build_header(ddp, self.rank, self.ddp_index, self.run_dir.name if self.run_dir else "",
+                               self.recorder.clock.name))
+        self.hook_state: comm_hook.HookState | None = None
+        try:
+            self.hook_state = comm_hook.attach(ddp, self)
+        except comm_hook.HookUnsupported as exc:
+            self.probes.on["buckets"] = False
+            warnings.warn(f"ddpdoctor: per-bucket timing is off: {exc}", CommHookWarning, stacklevel=3)
+        self._handles = [
+            ddp.register_forward_pre_hook(self._on_forward_pre, prepend=True),
+            ddp.register_forward_hook(self._on_forward_post, always_call=True),
+        ]
+        self._orig_sync_buffers = ddp._sync_buffers
+        ddp.__dict__["_sync_buffers"] = self._on_sync_buffers
+        optimizer_hooks.watch(self)
+        proc_stats.sampler(proc_interval).add(self)
+        exit_flush.register(self)
+
+    def _open_file_sink(self, explicit: str | os.PathLike[str] | None) -> Sink:
+        store = None
+        if explicit is None and not os.environ.get(run_dir.RUN_DIR_ENV) and dist.is_initialized():
+            try:
+                store = dist.distributed_c10d._get_default_store()
+            except Exception:
+                store = None
+        self.run_dir = run_dir.resolve(explicit, self.rank, store, "0")
+        self.path, self.ddp_index = run_dir.rank_file(self.run_dir, self.rank)
+        try:
+            return FileSink(self.path)
+        except SinkError as exc:
+            warnings.warn(f"ddpdoctor: {exc}; training goes on without a log", LogWriteWarning, stacklevel=4)
+            self.path = None
+            return NullSink()
+
+    # -- records -------------------------------------------------------------------------
+
+    def emit(self, record: Record) -> None:
+        """Hand a record to the sink (never raises)."""
+        if not self.probes.on["emit"]:
+            return
+        try:
+            self.sink.emit(record)
+        except Exception as exc:
+            self.probes.failed("emit", exc)
+
+    def _report_probe_off(self, probe: str, detail: str) -> None:
+        self.emit(ProbeOff(rank=self.rank, ddp=self.ddp_index, t_wall_ns=wall_ns(), probe=probe, error=detail))
+
+    @property
+    def steps(self) -> int:
+        """Steps recorded so far."""
+        return self.recorder.steps_emitted
+
+    # -- probes (hot path) ---------------------------------------------------------------
+
+    def _on_forward_pre(self, module: Any, args: Any) -> None:
+        if not self.probes.on["forward"] or not torch.is_grad_enabled():
+            return
+        try:
+            self.recorder.forward_start(bool(self.ddp.require_backward_grad_sync))
+        except Exception as exc:
+            self.probes.failed("forward", exc)
+
+    def _on_forward_post(self, module: Any, args: Any, output: Any) -> None:
+        if not self.probes.on["forward"]:
+            return
+        try:
+            self.recorder.forward_end()
+        except Exception as exc:
+            self.probes.failed("forward", exc)
+
+    def _on_sync_buffers(self) -> None:
+        if not (self.probes.on["buffers"] and self.recorder.in_sync_forward):
+            return self._orig_sync_buffers()
+        clock = self.recorder.clock
+        try:
+            start = clock.now()
+        except Exception as exc:
+            self.probes.failed("buffers", exc)
+            return self._orig_sync_buffers()
+        self._orig_sync_buffers()
+        try:
+            end = clock.now()
+            self._buffer_bytes_age += 1
+            if self._buffer_bytes_age >= _BUFFER_BYTES_EVERY:
+                self._buffer_bytes = sum(b.numel() * b.element_size() for b in self.ddp.modules_buffers)
+                self._buffer_bytes_age = 0
+            self.recorder.buffers_broadcast(start, end, self._buffer_bytes)
+        except Exception as exc:
+            self.probes.failed("buffers", exc)
+        return None
+
+    def on_bucket_ready(self, bucket: dist.GradBucket) -> OpenStep | None:
+        """First thing in the comm hook: ready time, bytes, layout sample, backward-end callback."""
+        buf = bucket.buffer()
+        index = bucket.index()
+        step = self.recorder.bucket_ready(index, buf.numel() * buf.element_size())
+        if step is None:
+            return None
+        if step.layout is not None and self.probes.on["layout"]:
+            try:
+                self.recorder.bucket_layout(step, index, comm_hook.bucket_info(bucket, self._param_names))
+            except Exception as exc:
+                self.probes.failed("layout", exc)
+        if self._bwd_queued is not step and self.probes.on["backward_end"]:
+            self._bwd_queued = step
+            try:
+                # Final callbacks run when the autograd graph is done, before DDP's own
+                # finalization waits for the all-reduces: that instant is "backward compute end".
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._on_backward_end(step))
+            except Exception as exc:
+                self.probes.failed("backward_end", exc)
+        return step
+
+    def _on_backward_end(self, step: OpenStep) -> None:
+        try:
+            self.recorder.backward_end(step)
+        except Exception as exc:  # an exception here would surface inside loss.backward()
+            self.probes.failed("backward_end", exc)
+
+    def on_optimizer(self, start: bool) -> None:
+        if self.closed or not self.probes.on["optimizer"]:
+            return
+        try:
+            if start:
+                self.recorder.optimizer_start()
+            else:
+                self.recorder.optimizer_end()
+        except Exception as exc:
+            self.probes.failed("optimizer", exc)
+
+    def device_memory(self) -> tuple[int | None, int | None]:
+        if not self._cuda:
+            return None, None
+        device = self.ddp.device
+        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self, reason: str = "close", timeout: float = 5.0) -> None:
+        """Stop monitoring: detach from DDP, emit the last step and an End record, flush."""
+        if self.closed:
+            return
+        self.closed = True
+        for handle in self._handles:
+            handle.remove()
+        self.ddp.__dict__.pop("_sync_buffers", None)
+        if self.hook_state is not None:
+            self.hook_state.detach()  # the hook stays registered (DDP allows one) and passes through
+        try:
+            self.recorder.close()
+        except Exception as exc:
+            self.probes.failed("emit", exc)
+        self.emit(End(rank=self.rank, ddp=self.ddp_index, t_mono_ns=mono_ns(), t_wall_ns=wall_ns(),
+                      steps=self.recorder.steps_emitted, reason=reason))
+        try:
+            self.sink.close(timeout)
+        except Exception as exc:
+            self.probes.failed("emit", exc)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+class _DisabledMonitor:
+    """What ``instrument`` returns when it could not attach: same surface, does nothing."""
+
+    closed = True
+    steps = 0
+    path = None
+    run_dir = None
+
+    def close(self, reason: str = "close", timeout: float = 5.0) -> None:
+        return None
+
+    def __enter__(self) -> _DisabledMonitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def instrument(
+    ddp_model: torch.nn.parallel.DistributedDataParallel,
+    run_dir: str | os.PathLike[str] | None = None,
+    *,
+    sink: Sink | None = None,
+    proc_interval: float = 2.0,
+    cuda_timing: bool | None = None,
+) -> Monitor:
+    """Start monitoring ``ddp_model`` on this rank; call it on every rank.
+
+    Args:
+        ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` instance.
+        run_dir: directory shared by all ranks' files. Default: ``$DDPDOCTOR_RUN_DIR``, else a new
+            ``ddpdoctor-runs/<time>-<id>`` agreed with rank 0 through the rendezvous store.
+        sink: where records go instead of the run dir (``MemorySink`` in tests, ``NullSink``).
+        proc_interval: seconds between process statistics samples (CPU %, RSS, device memory).
+        cuda_timing: time with CUDA events; default: when the model is on a CUDA device.
+
+    Returns:
+        A ``Monitor``: a context manager; ``close()`` detaches and flushes. If ddpdoctor cannot
+        attach, it warns and returns a monitor that does nothing: training is never broken.
+    """
+    try:
+        return Monitor(ddp_model, run_dir_path=run_dir, sink=sink, proc_interval=proc_interval, cuda_timing=cuda_timing)
+    except Exception as exc:
+        warnings.warn(f"ddpdoctor could not attach to the model ({type(exc).__name__}: {exc}); "
+                      "training goes on unmonitored", ProbeDisabledWarning, stacklevel=2)
+        return _DisabledMonitor()  # type: ignore[return-value]

@@ -1,0 +1,43 @@
+"""Never break training: every probe runs guarded, and a failing probe is switched off."""
+
+from __future__ import annotations
+
+import threading
+import traceback
+import warnings
+from typing import Callable
+
+from ddpdoctor.categories import ProbeDisabledWarning
+
+
+class Probes:
+    """On/off switches for a monitor's probes.
+
+    Hot-path code tests ``probes.on[name]`` and wraps its work in ``try``; on an exception it
+    calls ``failed(name, exc)``, which switches the probe off, warns once and tells the log.
+    """
+
+    NAMES = ("forward", "buffers", "buckets", "backward_end", "optimizer", "layout", "emit", "proc")
+
+    def __init__(self, report: Callable[[str, str], None]) -> None:
+        self.on: dict[str, bool] = dict.fromkeys(self.NAMES, True)
+        self._report = report
+        self._lock = threading.Lock()
+
+    def failed(self, name: str, exc: BaseException) -> None:
+        with self._lock:
+            if not self.on.get(name, True):
+                return
+            self.on[name] = False
+        where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+        at = f" at {where[0].filename}:{where[0].lineno}" if where else ""
+        detail = f"{type(exc).__name__}: {exc}{at}"
+        warnings.warn(
+            f"ddpdoctor: the '{name}' probe failed ({detail}) and was switched off; training is not affected",
+            ProbeDisabledWarning,
+            stacklevel=2,
+        )
+        try:
+            self._report(name, detail)
+        except Exception:  # the log itself may be what failed
+            pass

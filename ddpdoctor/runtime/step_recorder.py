@@ -1,0 +1,244 @@
+"""The per-rank step state machine: collects marks during a step, emits one Step record.
+
+A *step* is one synchronized iteration: optional ``no_sync`` micro-steps, the synchronizing
+forward, its backward with the bucket all-reduces, and whatever follows (optimizer, data) until
+the next training forward starts, which closes the step. Everything here runs on the training
+thread, except ``bucket_done`` (called from the communication library's thread).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ddpdoctor.events import BucketInfo, Layout, Record, Step
+from ddpdoctor.runtime.clocks import HostClock, Mark, mono_ns, wall_ns
+
+#: Steps whose CUDA events are still in flight are kept this long before being given up.
+MAX_PENDING_STEPS = 64
+
+
+def _put(values: list[Any], index: int, value: Any) -> None:
+    if index >= len(values):
+        values.extend([None] * (index + 1 - len(values)))
+    values[index] = value
+
+
+class OpenStep:
+    """Marks of the step in progress (plain slots: this is the hot path)."""
+
+    __slots__ = (
+        "index", "t0", "t0_mono_ns", "t0_wall_ns", "micro", "fwd_start", "fwd_end", "bcast",
+        "bcast_bytes", "bwd_end", "ready", "launch", "done", "nbytes", "opt_start", "opt_end",
+        "end", "synced_forward", "layout",
+    )
+
+    def __init__(self, index: int, t0: Mark) -> None:
+        self.index = index
+        self.t0 = t0
+        self.t0_mono_ns = mono_ns()
+        self.t0_wall_ns = wall_ns()
+        self.micro = 0
+        self.fwd_start: Mark = None
+        self.fwd_end: Mark = None
+        self.bcast: list[tuple[Mark, Mark]] = []
+        self.bcast_bytes = 0
+        self.bwd_end: Mark = None
+        self.ready: list[Mark] = []
+        self.launch: list[Mark] = []
+        self.done: list[Mark] = []
+        self.nbytes: list[int | None] = []
+        self.opt_start: Mark = None
+        self.opt_end: Mark = None
+        self.end: Mark = None
+        self.synced_forward = False
+        self.layout: dict[int, BucketInfo] | None = None
+
+    def marks(self) -> list[Mark]:
+        out = [self.t0, self.fwd_start, self.fwd_end, self.bwd_end, self.opt_start, self.opt_end, self.end]
+        out += self.ready + self.launch + self.done
+        for a, b in self.bcast:
+            out += (a, b)
+        return out
+
+
+class StepRecorder:
+    """Turns probe calls into Step and Layout records for one DDP model on one rank."""
+
+    def __init__(self, rank: int, ddp_index: int, emit: Callable[[Record], None], clock: Any = None) -> None:
+        self.rank = rank
+        self.ddp_index = ddp_index
+        self.emit = emit
+        self.clock = clock or HostClock()
+        self.current: OpenStep | None = None
+        self.in_forward = False  # inside a training forward (buffer broadcasts count)
+        self.in_sync_forward = False
+        self.steps_emitted = 0
+        self._next_index = 0
+        self._pending: list[OpenStep] = []
+        self._last_layout: list[tuple[int, str]] | None = None  # (bytes, dtype) per bucket
+        self._layout_wanted = True
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward_start(self, sync: bool) -> None:
+        now = self.clock.now()
+        step = self.current
+        if step is not None and (step.ready or (sync and step.synced_forward)):
+            self._close(step, now)
+            step = None
+        if step is None:
+            step = self.current = OpenStep(self._next_index, now)
+            self._next_index += 1
+            if self._layout_wanted:
+                step.layout = {}
+        if sync:
+            step.fwd_start = now
+            step.synced_forward = True
+        else:
+            step.micro += 1
+        self.in_forward = True
+        self.in_sync_forward = sync
+
+    def forward_end(self) -> None:
+        if self.in_sync_forward and self.current is not None:
+            self.current.fwd_end = self.clock.now()
+        self.in_forward = False
+        self.in_sync_forward = False
+
+    def buffers_broadcast(self, start: Mark, end: Mark, nbytes: int) -> None:
+        step = self.current
+        if self.in_sync_forward and step is not None:
+            step.bcast.append((start, end))
+            step.bcast_bytes += nbytes
+
+    # -- backward / buckets ----------------------------------------------------------------
+
+    def bucket_ready(self, index: int, nbytes: int) -> OpenStep | None:
+        """Called first thing in the comm hook; returns the step the bucket belongs to."""
+        step = self.current
+        if step is None or not step.synced_forward:
+            return None
+        _put(step.ready, index, self.clock.now())
+        _put(step.nbytes, index, nbytes)
+        return step
+
+    def is_first_bucket(self, step: OpenStep) -> bool:
+        return sum(m is not None for m in step.ready) == 1
+
+    def bucket_launched(self, step: OpenStep, index: int) -> None:
+        _put(step.launch, index, self.clock.now())
+
+    def bucket_done(self, step: OpenStep, index: int) -> None:
+        _put(step.done, index, self.clock.now())
+
+    def bucket_layout(self, step: OpenStep, index: int, info: BucketInfo) -> None:
+        if step.layout is not None:
+            step.layout[index] = info
+
+    def backward_end(self, step: OpenStep) -> None:
+        if step.bwd_end is None:
+            step.bwd_end = self.clock.now()
+
+    # -- optimizer -------------------------------------------------------------------------
+
+    def optimizer_start(self) -> None:
+        step = self.current
+        if step is not None and step.ready and step.opt_start is None:
+            step.opt_start = self.clock.now()
+
+    def optimizer_end(self) -> None:
+        step = self.current
+        if step is not None and step.opt_start is not None and step.opt_end is None:
+            step.opt_end = self.clock.now()
+
+    # -- emission --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End of monitoring: emit the open step (its duration unknown) and anything pending."""
+        if self.current is not None and self.current.synced_forward:
+            self._close(self.current, None)
+        self.current = None
+        self._drain(force=True)
+
+    def _close(self, step: OpenStep, end: Mark) -> None:
+        step.end = end
+        self._pending.append(step)
+        self.current = None
+        self._drain(force=False)
+
+    def _drain(self, force: bool) -> None:
+        while self._pending:
+            step = self._pending[0]
+            if not self.clock.ready(step.marks()):
+                if not force and len(self._pending) < MAX_PENDING_STEPS:
+                    return
+            self._pending.pop(0)
+            self._emit_step(step)
+
+    def _emit_step(self, step: OpenStep) -> None:
+        us = self.clock.us
+        t0 = step.t0
+        resolved = self.clock.ready(step.marks())
+        bcast_us = None
+        if step.bcast and resolved:
+            bcast_us = round(sum(us(a, b) for a, b in step.bcast), 1)
+        fwd_us = None
+        if resolved and step.fwd_start is not None and step.fwd_end is not None:
+            fwd_us = round(us(step.fwd_start, step.fwd_end) - (bcast_us or 0.0), 1)
+        done = step.done
+        sync_end = None
+        if resolved and done and all(m is not None for m in done):
+            sync_end = max(us(t0, m) for m in done)
+        if not resolved:  # GPU never passed these events in time: keep what the host knows
+            record = Step(rank=self.rank, ddp=self.ddp_index, step=step.index, t0_mono_ns=step.t0_mono_ns,
+                          t0_wall_ns=step.t0_wall_ns, micro=step.micro, b_bytes=list(step.nbytes),
+                          bcast_bytes=step.bcast_bytes, clock=self.clock.name)
+        else:
+            record = Step(
+                rank=self.rank,
+                ddp=self.ddp_index,
+                step=step.index,
+                t0_mono_ns=step.t0_mono_ns,
+                t0_wall_ns=step.t0_wall_ns,
+                micro=step.micro,
+                fwd_start_us=us(t0, step.fwd_start) or 0.0,
+                fwd_us=fwd_us,
+                bcast_us=bcast_us,
+                bcast_bytes=step.bcast_bytes,
+                fwd_end_us=us(t0, step.fwd_end),
+                bwd_end_us=us(t0, step.bwd_end),
+                b_ready_us=[us(t0, m) for m in step.ready],
+                b_launch_us=[us(t0, m) for m in step.launch],
+                b_done_us=[us(t0, m) for m in done],
+                b_bytes=list(step.nbytes),
+                sync_end_us=sync_end,
+                opt_start_us=us(t0, step.opt_start),
+                opt_end_us=us(t0, step.opt_end),
+                end_us=us(t0, step.end),
+                clock=self.clock.name,
+            )
+        self._emit_layout(step)
+        self.emit(record)
+        self.steps_emitted += 1
+        recycle = getattr(self.clock, "recycle", None)
+        if recycle is not None and resolved:
+            recycle(step.marks())
+
+    def _emit_layout(self, step: OpenStep) -> None:
+        shape = [(n or 0, "") for n in step.nbytes]
+        if step.layout:
+            buckets = [step.layout[i] for i in sorted(step.layout)]
+            signature = [(b.bytes, b.dtype) for b in buckets]
+            if signature != self._last_layout:
+                if self._last_layout is None:
+                    reason = "initial"
+                elif step.index <= 1:
+                    reason = "rebuilt"
+                else:
+                    reason = "changed"
+                self.emit(Layout(rank=self.rank, ddp=self.ddp_index, step=step.index, reason=reason, buckets=buckets))
+                self._last_layout = signature
+            # DDP rebuilds its buckets once, before the second step's forward: look again then.
+            self._layout_wanted = step.index < 1
+        elif self._last_layout is not None and [s[0] for s in shape] != [b for b, _ in self._last_layout]:
+            self._layout_wanted = True  # bucket sizes moved: capture names on the next step

@@ -1,0 +1,28 @@
+"""The sink boundary: one method to hand a record over, never blocking training."""
+
+from __future__ import annotations
+
+from ddpdoctor.events import Record
+
+
+class SinkError(OSError):
+    """A sink could not be opened (e.g. the run dir is not writable)."""
+
+
+class Sink:
+    """Where a rank's records go.
+
+    ``emit`` is the whole contract on the hot path: it must return at once and never raise for
+    I/O reasons. ``flush`` and ``close`` are for the end of a run and for emergencies (a signal,
+    a hang); both take a timeout so that a stuck disk cannot stall the process.
+    """
+
+    def emit(self, record: Record) -> None:
+        raise NotImplementedError
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Make everything emitted so far durable; True if it was done within ``timeout``."""
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush and release; later ``emit`` calls are dropped."""
