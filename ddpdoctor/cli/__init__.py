@@ -1,0 +1,1 @@
+"""Command-line front end: ``ddpdoctor demo|report|watch``."""

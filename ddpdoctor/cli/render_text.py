@@ -1,0 +1,86 @@
+"""The report as text: what ``ddpdoctor report`` and the demo print."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpdoctor.analysis import Report
+from ddpdoctor.analysis.findings import SEVERITY_ORDER
+
+_COLUMNS = [
+    ("step", "step"),
+    ("forward", "fwd"),
+    ("buffer_sync", "bufsync"),
+    ("backward", "bwd"),
+    ("allreduce", "allred"),
+    ("bucket_wait", "wait"),
+    ("exposed_comm", "exposed"),
+    ("optimizer", "optim"),
+    ("rest", "rest"),
+]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def rank_table(ranks: list[dict[str, Any]]) -> list[str]:
+    """Per-rank medians (ms) as aligned text lines."""
+    head = ["rank", "host", "steps", "status"] + [short for _, short in _COLUMNS]
+    rows = [head]
+    for r in ranks:
+        m = r["medians_ms"]
+        rows.append([str(r["rank"]), str(r["host"] or "?"), str(r["steps"]), r["status"]]
+                    + [_ms(m.get(name)) for name, _ in _COLUMNS])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return ["  ".join(cell.rjust(w) if i >= 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            for row in rows]
+
+
+def render(report: Report) -> str:
+    """The whole report as readable text."""
+    run, stats = report.run, report.stats
+    opts = run.get("ddp_options") or {}
+    lines = [
+        f"ddpdoctor report: {run['dir']}",
+        f"  world size {run['world_size']}, backend {run['backend']}, torch {run['torch']}, device {run['device']}, "
+        f"hosts {', '.join(run['hosts']) or '?'}",
+        f"  {stats['steps']} steps, {'finished' if run['finished'] else 'not finished (still running, or a rank died)'}",
+    ]
+    if opts:
+        lines.append(
+            f"  DDP: bucket_cap_mb={opts.get('bucket_cap_mb'):.3g} find_unused_parameters={opts.get('find_unused_parameters')} "
+            f"static_graph={opts.get('static_graph')} broadcast_buffers={opts.get('broadcast_buffers')} "
+            f"gradient_as_bucket_view={opts.get('gradient_as_bucket_view')} comm_hook={opts.get('comm_hook') or 'default'}"
+            if opts.get("bucket_cap_mb") is not None else f"  DDP: {opts}"
+        )
+    if run["missing_ranks"]:
+        lines.append(f"  missing rank files: {run['missing_ranks']}")
+    if run["corrupt_lines"] or run["unknown_lines"]:
+        lines.append(f"  skipped {run['corrupt_lines']} corrupt and {run['unknown_lines']} unknown log lines")
+    lines += ["", "Per-rank medians (ms):"]
+    lines += ["  " + line for line in rank_table(report.ranks)]
+    buckets = stats.get("buckets") or []
+    if buckets:
+        total = sum(b["bytes"] for b in buckets)
+        sizes = ", ".join(_bytes(b["bytes"]) for b in buckets)
+        rebuilt = " (rebuilt after the first step)" if stats.get("layout_rebuilt") else ""
+        lines += ["", f"Buckets: {len(buckets)}, {_bytes(total)} per step{rebuilt}: {sizes}"]
+    lines.append("")
+    if not report.findings:
+        lines.append("No findings.")
+    else:
+        lines.append(f"Findings ({len(report.findings)}):")
+        for f in sorted(report.findings, key=lambda f: -SEVERITY_ORDER[f.severity]):
+            where = f" ranks {f.ranks}" if f.ranks else ""
+            at = f" from step {f.step}" if f.step is not None else ""
+            lines += [f"  [{f.severity}] {f.code}: {f.title}{where}{at}", f"      {f.detail}", f"      fix: {f.fix}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,33 @@
+"""``ddpdoctor report``: post-mortem analysis of a run dir (works on a run still being written)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ddpdoctor.analysis import analyze, at_least
+from ddpdoctor.cli.render_text import render
+from ddpdoctor.runlog import load_run
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("report", help="post-mortem analysis of a run dir")
+    p.add_argument("run_dir", type=Path, help="the run dir (holds rank-NNNNN.jsonl files)")
+    p.add_argument("--format", choices=["text", "json"], default="text")
+    p.add_argument("-o", "--output", type=Path, help="write the report to this file instead of stdout")
+    p.add_argument("--fail-on", choices=["warning", "error"], help="exit 1 if a finding this severe or worse exists")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = analyze(load_run(args.run_dir))
+    text = json.dumps(report.to_dict(), indent=2) + "\n" if args.format == "json" else render(report)
+    if args.output is not None:
+        args.output.write_text(text)
+    else:
+        sys.stdout.write(text)
+    if args.fail_on and at_least(report.findings, args.fail_on):
+        return 1
+    return 0
