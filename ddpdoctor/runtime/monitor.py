@@ -127,7 +127,7 @@ class Monitor:
             self.probes.failed("forward", exc)
 
     def _on_sync_buffers(self) -> None:
-        if not (self.probes.on["buffers"] and self.recorder.in_sync_forward):
+        if not (self.probes.on["buffers"] and self.recorder.in_forward):
             return self._orig_sync_buffers()
         clock = self.recorder.clock
         try:

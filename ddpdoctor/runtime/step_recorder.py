@@ -40,7 +40,7 @@ class OpenStep:
         self.micro = 0
         self.fwd_start: Mark = None
         self.fwd_end: Mark = None
-        self.bcast: list[tuple[Mark, Mark]] = []
+        self.bcast: list[tuple[Mark, Mark, bool]] = []  # (start, end, inside the synchronizing forward)
         self.bcast_bytes = 0
         self.bwd_end: Mark = None
         self.ready: list[Mark] = []
@@ -56,7 +56,7 @@ class OpenStep:
     def marks(self) -> list[Mark]:
         out = [self.t0, self.fwd_start, self.fwd_end, self.bwd_end, self.opt_start, self.opt_end, self.end]
         out += self.ready + self.launch + self.done
-        for a, b in self.bcast:
+        for a, b, _ in self.bcast:
             out += (a, b)
         return out
 
@@ -107,8 +107,10 @@ class StepRecorder:
 
     def buffers_broadcast(self, start: Mark, end: Mark, nbytes: int) -> None:
         step = self.current
-        if self.in_sync_forward and step is not None:
-            step.bcast.append((start, end))
+        if self.in_forward and step is not None:
+            # After a no_sync micro-step DDP skips the broadcast in the synchronizing forward:
+            # the step's broadcast then happened in the micro-step, and still counts.
+            step.bcast.append((start, end, self.in_sync_forward))
             step.bcast_bytes += nbytes
 
     # -- backward / buckets ----------------------------------------------------------------
@@ -181,10 +183,11 @@ class StepRecorder:
         resolved = self.clock.ready(step.marks())
         bcast_us = None
         if step.bcast and resolved:
-            bcast_us = round(sum(us(a, b) for a, b in step.bcast), 1)
+            bcast_us = round(sum(us(a, b) for a, b, _ in step.bcast), 1)
         fwd_us = None
         if resolved and step.fwd_start is not None and step.fwd_end is not None:
-            fwd_us = round(us(step.fwd_start, step.fwd_end) - (bcast_us or 0.0), 1)
+            in_fwd = sum(us(a, b) for a, b, sync in step.bcast if sync)
+            fwd_us = round(us(step.fwd_start, step.fwd_end) - in_fwd, 1)
         done = step.done
         sync_end = None
         if resolved and done and all(m is not None for m in done):

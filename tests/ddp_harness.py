@@ -1,0 +1,79 @@
+"""Starting real multi-process gloo DDP from tests: free ports, timeouts, children killed."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, args: tuple[Any, ...]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    result_path = Path(out_dir) / f"result-{rank}.pkl"
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        payload: dict[str, Any] = {"ok": True, "result": result}
+    except BaseException:
+        payload = {"ok": False, "error": traceback.format_exc()}
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+    result_path.write_bytes(pickle.dumps(payload))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple[Any, ...] = (), timeout: float = 180.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
+
+    ``fn`` must be importable (module-level). A rank's exception is re-raised here with its
+    traceback; a rank still running after ``timeout`` seconds fails the test; every child is
+    killed on the way out.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="ddpdoctor-ranks-") as out_dir:
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args), daemon=True)
+                 for r in range(world_size)]
+        try:
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout)
+            alive = [r for r, p in enumerate(procs) if p.is_alive()]
+            if alive:
+                raise TimeoutError(f"ranks {alive} still running after {timeout} s")
+            results = []
+            for r in range(world_size):
+                path = Path(out_dir) / f"result-{r}.pkl"
+                if not path.exists():
+                    raise RuntimeError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+                payload = pickle.loads(path.read_bytes())
+                if not payload["ok"]:
+                    raise RuntimeError(f"rank {r} failed:\n{payload['error']}")
+                results.append(payload["result"])
+            return results
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)

@@ -1,0 +1,186 @@
+"""Rank-side code of the runtime tests (module level, so spawned children can import it)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpdoctor
+from tests.models import DelayNet, batches, make_model
+
+BUCKET_CAP_MB = 0.01  # ~10 KB: SmallNet's ~60 KB of gradients fall into several buckets
+
+COLLECTIVES = [
+    "all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_object", "all_gather_into_tensor",
+    "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "gather", "scatter", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+    "batch_isend_irecv", "_broadcast_coalesced",
+]
+
+
+class CollectiveCounter:
+    """Counts calls into torch.distributed's collectives (and CUDA synchronizations) while active."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._saved: dict[str, Callable[..., Any]] = {}
+
+    def __enter__(self) -> CollectiveCounter:
+        for name in COLLECTIVES + ["cuda.synchronize"]:
+            owner, attr = (torch.cuda, "synchronize") if name == "cuda.synchronize" else (dist, name)
+            original = getattr(owner, attr, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def counting(*args: Any, _name: str = name, _orig: Callable[..., Any] = original, **kwargs: Any) -> Any:
+                self.counts[_name] = self.counts.get(_name, 0) + 1
+                return _orig(*args, **kwargs)
+
+            setattr(owner, attr, counting)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            owner, attr = (torch.cuda, "synchronize") if name == "cuda.synchronize" else (dist, name)
+            setattr(owner, attr, original)
+
+
+def train(ddp: torch.nn.Module, rank: int, steps: int = 6) -> list[float]:
+    """Adam, BatchNorm, and a no_sync micro-step before every third step."""
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    data = iter(batches(rank, steps * 2))
+    losses = []
+    for s in range(steps):
+        if s % 3 == 2:
+            x, y = next(data)
+            with ddp.no_sync():
+                ((ddp(x) - y) ** 2).mean().backward()
+        x, y = next(data)
+        loss = ((ddp(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def sum_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real (not string) annotations
+    """A custom hook with a visible effect: sums gradients without averaging them."""
+    state.append(bucket.index())
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def fresh_ddp() -> DDP:
+    return DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+
+
+def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    root = Path(tmp)
+    out: dict[str, Any] = {"rank": rank}
+
+    ddp = fresh_ddp()
+    with CollectiveCounter() as c:
+        out["plain"] = train(ddp, rank)
+    out["plain_counts"] = c.counts
+
+    ddp = fresh_ddp()
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    with CollectiveCounter() as c:
+        out["pyhook"] = train(ddp, rank)
+    out["pyhook_counts"] = c.counts
+
+    ddp = fresh_ddp()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = ddpdoctor.instrument(ddp, run_dir=root / "instr")
+        with CollectiveCounter() as c:
+            out["instr"] = train(ddp, rank)
+        monitor.close()
+    out["instr_counts"] = c.counts
+    out["instr_warnings"] = [str(w.category.__name__) for w in caught if issubclass(w.category, ddpdoctor.DDPDoctorWarning)]
+    out["instr_path"] = str(monitor.path)
+
+    # torch's fp16 compression hook, registered BEFORE instrument
+    ddp = fresh_ddp()
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    out["fp16_plain"] = train(ddp, rank)
+    ddp = fresh_ddp()
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    with ddpdoctor.instrument(ddp, run_dir=root / "fp16"):
+        out["fp16_instr"] = train(ddp, rank)
+
+    # a custom hook registered AFTER instrument
+    calls: list[int] = []
+    ddp = fresh_ddp()
+    ddp.register_comm_hook(calls, sum_hook)
+    out["sum_plain"] = train(ddp, rank)
+    calls_instr: list[int] = []
+    ddp = fresh_ddp()
+    with ddpdoctor.instrument(ddp, run_dir=root / "custom"):
+        ddp.register_comm_hook(calls_instr, sum_hook)
+        out["sum_instr"] = train(ddp, rank)
+    out["sum_hook_calls"] = (len(calls), len(calls_instr))
+    try:
+        ddp.register_comm_hook(None, sum_hook)
+        out["second_register"] = "accepted"
+    except RuntimeError as exc:
+        out["second_register"] = str(exc)
+
+    # an exception injected inside a probe
+    ddp = fresh_ddp()
+    monitor = ddpdoctor.instrument(ddp, run_dir=root / "probe")
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected failure")
+
+    monitor.recorder.bucket_ready = boom  # type: ignore[method-assign]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["probe"] = train(ddp, rank)
+    monitor.close()
+    out["probe_warnings"] = [(w.category.__name__, str(w.message)) for w in caught
+                             if issubclass(w.category, ddpdoctor.DDPDoctorWarning)]
+
+    # an unwritable run dir (its parent is a regular file)
+    blocker = root / f"not-a-dir-{rank}"
+    blocker.write_text("x")
+    ddp = fresh_ddp()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = ddpdoctor.instrument(ddp, run_dir=blocker / "run")
+        out["unwritable"] = train(ddp, rank)
+        monitor.close()
+    out["unwritable_warnings"] = [(w.category.__name__, str(w.message)) for w in caught
+                                  if issubclass(w.category, ddpdoctor.DDPDoctorWarning)]
+    out["unwritable_path"] = monitor.path
+
+    # no run dir given: the ranks agree on one through the rendezvous store
+    os.environ.pop("DDPDOCTOR_RUN_DIR", None)
+    cwd = root / "cwd"
+    cwd.mkdir(exist_ok=True)
+    os.chdir(cwd)
+    ddp = ddpdoctor.DistributedDataParallel(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    train(ddp, rank, steps=2)
+    ddp.ddpdoctor.close()
+    out["default_run_dir"] = str(ddp.ddpdoctor.run_dir.resolve())
+    return out
+
+
+def delay_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Rank 1's forward is 30 ms slower and its backward 60 ms slower than rank 0's."""
+    slow = rank == 1
+    torch.manual_seed(0)
+    model = DelayNet(forward_s=0.03 if slow else 0.0, backward_s=0.06 if slow else 0.0)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    with ddpdoctor.instrument(ddp, run_dir=Path(tmp) / "delay"):
+        train(ddp, rank, steps=5)
+    return {"rank": rank}

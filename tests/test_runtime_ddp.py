@@ -1,0 +1,151 @@
+"""The runtime on real 2-rank gloo DDP: unchanged training, no added collective, hooks, safety."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ddpdoctor
+from ddpdoctor.events import Header, Layout, ProbeOff, Step
+from tests.ddp_harness import run_ranks
+from tests.runtime_workers import core_checks, delay_checks
+
+
+@pytest.fixture(scope="module")
+def core(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    tmp = tmp_path_factory.mktemp("core")
+    return run_ranks(core_checks, 2, args=(str(tmp),), timeout=240), tmp
+
+
+def test_losses_bit_identical_with_and_without_instrument(core: Any) -> None:
+    results, _ = core
+    for r in results:
+        assert len(r["plain"]) == 6
+        assert r["instr"] == r["plain"]  # exact float equality, every step
+        assert r["pyhook"] == r["plain"]
+        assert r["instr_warnings"] == []
+
+
+def test_no_collective_added_to_the_training_step(core: Any) -> None:
+    results, tmp = core
+    run = ddpdoctor.load_run(tmp / "instr")
+    for r in results:
+        # DDP's own buffer broadcasts are the same with and without ddpdoctor ...
+        assert r["instr_counts"].get("_broadcast_coalesced") == r["plain_counts"].get("_broadcast_coalesced")
+        # ... and the only other communication is one all-reduce per bucket per step, exactly what
+        # DDP does with a Python allreduce hook, and what its C++ default does natively.
+        assert r["instr_counts"] == r["pyhook_counts"]
+        buckets_logged = sum(len(s.b_ready_us) for s in run.ranks[r["rank"]].steps)
+        assert r["instr_counts"]["all_reduce"] == buckets_logged > 6
+        assert "cuda.synchronize" not in r["instr_counts"]
+
+
+def test_log_records_steps_buckets_layout_and_header(core: Any) -> None:
+    _, tmp = core
+    run = ddpdoctor.load_run(tmp / "instr")
+    assert sorted(run.ranks) == [0, 1]
+    for rank, log in run.ranks.items():
+        h = log.header
+        assert isinstance(h, Header) and h.rank == rank and h.world_size == 2 and h.backend == "gloo"
+        assert h.ddp_options["broadcast_buffers"] is True and h.ddp_options["forward_sync_buffers"] is True
+        assert h.ddp_options["find_unused_parameters"] is False
+        assert abs(h.ddp_options["bucket_cap_mb"] - 0.01) < 1e-4
+        assert {p.name for p in h.params} >= {"body.0.weight", "head.bias"} and all(p.requires_grad for p in h.params)
+        assert {b.name for b in h.buffers} == {"body.1.running_mean", "body.1.running_var", "body.1.num_batches_tracked"}
+        assert all(b.broadcast for b in h.buffers)
+        assert [s.step for s in log.steps] == list(range(6))
+        assert [s.micro for s in log.steps] == [0, 0, 1, 0, 0, 1]
+        bn_bytes = sum(b.bytes for b in h.buffers)
+        for s in log.steps:
+            assert isinstance(s, Step)
+            n = len(s.b_ready_us)
+            # DDP reduces the first iteration in one bucket, then rebuilds in autograd order
+            assert n >= (3 if s.step else 1) and len(s.b_launch_us) == len(s.b_done_us) == len(s.b_bytes) == n
+            for ready, launch, done in zip(s.b_ready_us, s.b_launch_us, s.b_done_us):
+                assert s.fwd_end_us <= ready <= launch <= done
+            assert s.bwd_end_us is not None and max(s.b_ready_us) <= s.bwd_end_us
+            assert s.sync_end_us == max(s.b_done_us)
+            assert s.fwd_us is not None and s.fwd_us > 0
+            assert s.bcast_bytes == bn_bytes and s.bcast_us is not None and s.bcast_us > 0
+            assert s.opt_start_us is not None and s.sync_end_us <= s.opt_start_us <= s.opt_end_us
+            if s.micro:
+                assert s.fwd_start_us > 0  # the micro-step came first
+        assert all(s.end_us is not None and s.end_us >= s.opt_end_us for s in log.steps[:-1])
+        assert sum(s.b_bytes[0] + sum(s.b_bytes[1:]) for s in log.steps[:1]) > 0
+        layouts = log.layouts
+        assert [lay.reason for lay in layouts][:2] == ["initial", "rebuilt"]
+        assert isinstance(layouts[0], Layout)
+        names = [p for b in layouts[-1].buckets for p in b.params]
+        assert sorted(names) == sorted(p.name for p in h.params)
+        assert log.procs and log.procs[0].rss_bytes > 0
+        assert log.end is not None and log.end.reason == "close" and log.end.steps == 6
+        assert log.corrupt_lines == 0
+
+
+def test_user_hook_registered_before_instrument_still_applies(core: Any) -> None:
+    results, tmp = core
+    for r in results:
+        assert r["fp16_instr"] == r["fp16_plain"]
+        assert r["fp16_plain"] != r["plain"]  # the hook visibly changes training
+    run = ddpdoctor.load_run(tmp / "fp16")
+    assert run.ranks[0].header.ddp_options["comm_hook"] == "fp16_compress_hook"
+    assert all(len(s.b_done_us) >= (3 if s.step else 1) for s in run.ranks[0].steps)  # and it is timed
+
+
+def test_user_hook_registered_after_instrument_still_applies(core: Any) -> None:
+    results, tmp = core
+    for r in results:
+        assert r["sum_instr"] == r["sum_plain"]
+        assert r["sum_plain"][1:] != r["plain"][1:]
+        assert r["sum_hook_calls"][0] == r["sum_hook_calls"][1] > 0
+        assert "only be called once" in r["second_register"]  # DDP's rule still holds
+    run = ddpdoctor.load_run(tmp / "custom")
+    assert all(len(s.b_done_us) >= (3 if s.step else 1) for s in run.ranks[1].steps)
+
+
+def test_failing_probe_warns_once_switches_off_and_training_finishes(core: Any) -> None:
+    results, tmp = core
+    run = ddpdoctor.load_run(tmp / "probe")
+    for r in results:
+        assert r["probe"] == r["plain"]
+        assert len(r["probe_warnings"]) == 1
+        category, message = r["probe_warnings"][0]
+        assert category == "ProbeDisabledWarning" and "'buckets'" in message and "injected failure" in message
+        log = run.ranks[r["rank"]]
+        assert [p.probe for p in log.probes_off] == ["buckets"]
+        assert isinstance(log.probes_off[0], ProbeOff)
+        assert len(log.steps) == 6 and all(s.fwd_us is not None and not s.b_ready_us for s in log.steps)
+
+
+def test_unwritable_run_dir_warns_and_training_finishes(core: Any) -> None:
+    results, _ = core
+    for r in results:
+        assert r["unwritable"] == r["plain"]
+        assert r["unwritable_path"] is None
+        assert [c for c, _ in r["unwritable_warnings"]] == ["LogWriteWarning"]
+        assert "not-a-dir" in r["unwritable_warnings"][0][1]
+
+
+def test_ranks_agree_on_a_default_run_dir(core: Any) -> None:
+    results, _ = core
+    dirs = {r["default_run_dir"] for r in results}
+    assert len(dirs) == 1
+    run_dir = Path(dirs.pop())
+    assert run_dir.parent.name == "ddpdoctor-runs"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["rank-00000.jsonl", "rank-00001.jsonl"]
+
+
+def test_timings_measure_real_delays(tmp_path: Path) -> None:
+    run_ranks(delay_checks, 2, args=(str(tmp_path),), timeout=180)
+    run = ddpdoctor.load_run(tmp_path / "delay")
+    report = ddpdoctor.analyze(run)
+    fast, slow = report.ranks
+    assert slow["medians_ms"]["forward"] >= 30 > fast["medians_ms"]["forward"]
+    assert slow["medians_ms"]["backward"] >= 60 > fast["medians_ms"]["backward"] + 25
+    # the fast rank blocks in the all-reduce for the slow one, the slow rank does not wait
+    assert fast["medians_ms"]["bucket_wait"] >= 60
+    assert slow["medians_ms"]["bucket_wait"] < 15
+    # both ranks' step times are evened out by the collective
+    assert abs(fast["medians_ms"]["step"] - slow["medians_ms"]["step"]) < 20
