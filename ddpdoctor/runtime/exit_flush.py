@@ -3,8 +3,8 @@
 A Python-level SIGTERM handler only runs when the main thread returns to the interpreter; a
 rank blocked inside a collective (the very hang ddpdoctor diagnoses) would then ignore SIGTERM.
 So the handler is backed by a wakeup fd read on a daemon thread: that thread flushes at once
-and, if the process had the default disposition and the main thread has not acted within a
-grace period, restores the default disposition and re-raises SIGTERM itself. The process dies
+if the main thread has not run the handler within a moment (it is blocked), flushes and, if
+the process had the default disposition, restores the default disposition and re-raises SIGTERM itself. The process dies
 from SIGTERM exactly as it would have without ddpdoctor, only with its log flushed.
 """
 
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from ddpdoctor.runtime.monitor import Monitor
 
 GRACE_S = 2.0
+#: How long the main thread gets to run the Python-level handler before the watcher acts.
+MAIN_THREAD_WAIT_S = 0.3
 _monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
 _lock = threading.Lock()
 _installed = False
@@ -103,10 +105,11 @@ def _watch(reader: socket.socket) -> None:
             return
         if signal.SIGTERM not in data:
             continue
+        if _handled.wait(MAIN_THREAD_WAIT_S):
+            return  # the main thread's handler runs: it flushes and re-raises
+        # The main thread is stuck in native code: flush from here, then die by SIGTERM as the
+        # process would have without ddpdoctor.
         close_all("signal")
-        if _handled.wait(GRACE_S):
-            return
-        # The main thread is stuck in native code: die by SIGTERM as without ddpdoctor.
         libc = ctypes.CDLL(None)
         libc.signal(int(signal.SIGTERM), 0)  # SIG_DFL, settable from any thread at the C level
         os.kill(os.getpid(), signal.SIGTERM)

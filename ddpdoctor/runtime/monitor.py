@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from pathlib import Path
 from types import TracebackType
@@ -42,6 +43,7 @@ class Monitor:
     ) -> None:
         self.ddp = ddp
         self.closed = False
+        self._close_lock = threading.Lock()
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.probes = Probes(self._report_probe_off)
         self.path: Path | None = None
@@ -196,9 +198,13 @@ class Monitor:
 
     def close(self, reason: str = "close", timeout: float = 5.0) -> None:
         """Stop monitoring: detach from DDP, emit the last step and an End record, flush."""
-        if self.closed:
-            return
-        self.closed = True
+        with self._close_lock:  # a signal may close from another thread: the second caller waits
+            if self.closed:
+                return
+            self.closed = True
+            self._close(reason, timeout)
+
+    def _close(self, reason: str, timeout: float) -> None:
         for handle in self._handles:
             handle.remove()
         self.ddp.__dict__.pop("_sync_buffers", None)

@@ -1,0 +1,68 @@
+"""The command line as a user runs it: demo, report (text/json, -o, --fail-on), errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpdoctor.cli.main import main
+
+
+def _ddpdoctor(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ddpdoctor", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    run_dir = tmp_path_factory.mktemp("demo") / "run"
+    return run_dir, _ddpdoctor("demo", "--headless", "--ranks", "2", "--steps", "8", "--run-dir", str(run_dir))
+
+
+def test_demo_headless_trains_and_prints_a_per_rank_summary(demo_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+    run_dir, proc = demo_run
+    assert proc.returncode == 0, proc.stderr
+    assert f"run dir: {run_dir}" in proc.stdout
+    assert sorted(p.name for p in run_dir.iterdir()) == ["rank-00000.jsonl", "rank-00001.jsonl"]
+    lines = proc.stdout.splitlines()
+    table = lines[lines.index("Per-rank medians (ms):") + 1 :]
+    assert table[0].split()[:4] == ["rank", "host", "steps", "status"]
+    assert table[1].split()[0] == "0" and table[2].split()[0] == "1"
+    assert table[1].split()[2] == "8" and table[1].split()[3] == "finished"
+    assert "No findings." in proc.stdout
+
+
+def test_report_json_has_the_design_shape(demo_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path) -> None:
+    run_dir, _ = demo_run
+    out = tmp_path / "report.json"
+    assert main(["report", str(run_dir), "--format", "json", "-o", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report) == ["schema_version", "run", "ranks", "stats", "findings"]
+    assert report["run"]["world_size"] == 2 and report["run"]["backend"] == "gloo" and report["run"]["finished"]
+    assert report["run"]["ddp_options"]["broadcast_buffers"] is True
+    for rank in report["ranks"]:
+        medians = rank["medians_ms"]
+        assert set(medians) >= {"step", "forward", "backward", "buffer_sync", "bucket_wait", "exposed_comm"}
+        assert medians["step"] > 0 and medians["forward"] > 0 and medians["backward"] > 0
+        assert medians["buffer_sync"] > 0 and medians["bucket_wait"] >= 0 and medians["exposed_comm"] >= 0
+        assert rank["steps"] == 8 and rank["buckets"] >= 2
+    assert report["findings"] == []
+
+
+def test_report_text_and_fail_on(demo_run: tuple[Path, subprocess.CompletedProcess[str]], capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir, _ = demo_run
+    assert main(["report", str(run_dir), "--fail-on", "warning"]) == 0  # a healthy run has nothing to fail on
+    text = capsys.readouterr().out
+    assert text.startswith(f"ddpdoctor report: {run_dir}")
+    assert "world size 2, backend gloo" in text and "Buckets:" in text
+
+
+def test_report_on_a_bad_dir_is_a_clear_error_exit_2(tmp_path: Path) -> None:
+    proc = _ddpdoctor("report", str(tmp_path / "nope"), timeout=60)
+    assert proc.returncode == 2
+    assert "no such directory" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _ddpdoctor("report", str(tmp_path), timeout=60)
+    assert proc.returncode == 2 and "no rank files" in proc.stderr

@@ -1,0 +1,78 @@
+"""SIGTERM flushes the log and the process still dies by SIGTERM, even blocked in a collective."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ddpdoctor.events import End
+from ddpdoctor.runlog import RankFileTail
+from tests.ddp_harness import free_port
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_until_killed.py"
+
+
+def _start(rank: int, world: int, port: int, run_dir: Path, stall_after: int = -1) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port), STALL_AFTER=str(stall_after))
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(run_dir)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _wait_for_steps(tail: RankFileTail, n: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while len(tail.log.steps) < n:
+        assert time.monotonic() < deadline, f"only {len(tail.log.steps)} steps logged after {timeout} s"
+        tail.poll()
+        time.sleep(0.05)  # polling a file with a deadline
+
+
+def _wait_until_main_thread_sleeps(pid: int, timeout: float) -> None:
+    """Poll /proc until the main thread has been asleep (blocked) for 20 consecutive reads."""
+    deadline = time.monotonic() + timeout
+    asleep = 0
+    while asleep < 20:
+        assert time.monotonic() < deadline, "rank 0 never blocked"
+        stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+        state = stat.rsplit(")", 1)[1].split()[0]
+        asleep = asleep + 1 if state == "S" else 0
+        time.sleep(0.01)
+
+
+def test_sigterm_flushes_and_the_process_dies_by_sigterm(tmp_path: Path) -> None:
+    proc = _start(0, 1, free_port(), tmp_path)
+    try:
+        tail = RankFileTail(tmp_path / "rank-00000.jsonl", 0, 0)
+        _wait_for_steps(tail, 3, timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        tail.poll(final=True)
+        assert isinstance(tail.log.end, End) and tail.log.end.reason == "signal"
+        assert tail.log.end.steps == len(tail.log.steps) >= 3
+        assert tail.log.corrupt_lines == 0
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_sigterm_while_blocked_in_a_collective_still_flushes_and_kills(tmp_path: Path) -> None:
+    port = free_port()
+    procs = [_start(r, 2, port, tmp_path, stall_after=3) for r in range(2)]
+    try:
+        tail = RankFileTail(tmp_path / "rank-00000.jsonl", 0, 0)
+        # step 2's record is written when step 3 starts: rank 0 then blocks in step 3's collectives
+        _wait_for_steps(tail, 3, timeout=60)
+        _wait_until_main_thread_sleeps(procs[0].pid, timeout=30)
+        start = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=30) == -signal.SIGTERM
+        assert time.monotonic() - start < 15
+        tail.poll(final=True)
+        assert isinstance(tail.log.end, End) and tail.log.end.reason == "signal"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)

@@ -1,0 +1,80 @@
+"""Sinks: the background file writer, its flush bound, and errors that lose nothing."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpdoctor.events import End, Step, decode
+from ddpdoctor.sinks import FileSink, MemorySink, NullSink, SinkError
+from ddpdoctor.sinks.file import FLUSH_INTERVAL_S
+
+
+def _step(i: int) -> Step:
+    return Step(rank=3, step=i, t0_mono_ns=i, t0_wall_ns=i, b_ready_us=[1.0, 2.0], b_done_us=[3.0, 4.0])
+
+
+def _lines(path: Path) -> list[bytes]:
+    return [line for line in path.read_bytes().split(b"\n") if line]
+
+
+def test_file_sink_writes_json_lines_in_order_and_closes(tmp_path: Path) -> None:
+    sink = FileSink(tmp_path / "run" / "rank-00003.jsonl")
+    for i in range(1000):
+        sink.emit(_step(i))
+    sink.emit(End(rank=3, t_mono_ns=0, t_wall_ns=0, steps=1000, reason="close"))
+    sink.close()
+    records = [decode(line) for line in _lines(tmp_path / "run" / "rank-00003.jsonl")]
+    assert [r.step for r in records[:-1]] == list(range(1000))
+    assert isinstance(records[-1], End)
+    sink.emit(_step(5))  # after close: dropped, no error
+
+
+def test_file_sink_reaches_disk_within_the_flush_interval_without_close(tmp_path: Path) -> None:
+    path = tmp_path / "rank-00000.jsonl"
+    sink = FileSink(path)
+    try:
+        start = time.monotonic()
+        sink.emit(_step(0))
+        deadline = start + 5.0
+        while time.monotonic() < deadline and not _lines(path):
+            time.sleep(0.01)  # polling the file with a deadline, not sleeping as synchronization
+        elapsed = time.monotonic() - start
+        assert _lines(path), "record never reached the file"
+        assert elapsed < FLUSH_INTERVAL_S + 0.5
+    finally:
+        sink.close()
+
+
+def test_flush_makes_everything_durable_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "rank-00000.jsonl"
+    sink = FileSink(path, flush_interval=60.0)
+    try:
+        for i in range(10):
+            sink.emit(_step(i))
+        assert sink.flush(timeout=5.0)
+        assert len(_lines(path)) == 10
+    finally:
+        sink.close()
+
+
+def test_unwritable_location_is_a_clear_sink_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SinkError, match="cannot open .*file/run/rank-00000.jsonl"):
+        FileSink(blocker / "run" / "rank-00000.jsonl")
+
+
+def test_memory_and_null_sinks() -> None:
+    mem = MemorySink()
+    mem.emit(_step(1))
+    mem.emit(End(rank=3, t_mono_ns=0, t_wall_ns=0, steps=1, reason="close"))
+    assert [type(r) for r in mem.records] == [Step, End]
+    assert len(mem.of_kind(Step)) == 1
+    mem.close()
+    mem.emit(_step(2))
+    assert len(mem.records) == 2
+    NullSink().emit(_step(1))
+    assert NullSink().flush() is True
