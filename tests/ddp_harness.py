@@ -19,7 +19,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, args: tuple[Any, ...]) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, args: tuple[Any, ...],
+           backend: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -28,7 +29,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_di
     torch.set_num_threads(1)
     result_path = Path(out_dir) / f"result-{rank}.pkl"
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         payload: dict[str, Any] = {"ok": True, "result": result}
     except BaseException:
@@ -42,8 +43,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_di
     result_path.write_bytes(pickle.dumps(payload))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple[Any, ...] = (), timeout: float = 180.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
+def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple[Any, ...] = (), timeout: float = 180.0,
+              backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo unless ``backend`` says); return each rank's result.
 
     ``fn`` must be importable (module-level). A rank's exception is re-raised here with its
     traceback; a rank still running after ``timeout`` seconds fails the test; every child is
@@ -52,7 +54,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple[Any, ...]
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ddpdoctor-ranks-") as out_dir:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args), daemon=True)
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args, backend), daemon=True)
                  for r in range(world_size)]
         try:
             for p in procs:
