@@ -53,6 +53,15 @@ class CollectiveCounter:
             setattr(owner, attr, original)
 
 
+VARIANTS: dict[str, dict[str, Any]] = {
+    "find_unused": {"find_unused_parameters": True},
+    "static_graph": {"static_graph": True},
+    "bucket_view": {"gradient_as_bucket_view": True},
+    "no_buffer_sync": {"broadcast_buffers": False},
+    "forward_sync_off": {"forward_sync_buffers": False},
+}
+
+
 def train(ddp: torch.nn.Module, rank: int, steps: int = 6) -> list[float]:
     """Adam, BatchNorm, and a no_sync micro-step before every third step."""
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
@@ -162,6 +171,15 @@ def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out["unwritable_warnings"] = [(w.category.__name__, str(w.message)) for w in caught
                                   if issubclass(w.category, ddpdoctor.DDPDoctorWarning)]
     out["unwritable_path"] = monitor.path
+
+    # other DDP options: every one of them trains the same with ddpdoctor attached
+    out["variants"] = {}
+    for name, options in VARIANTS.items():
+        plain = train(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, **options), rank)
+        ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, **options)
+        with ddpdoctor.instrument(ddp, run_dir=root / f"variant-{name}") as monitor:
+            instr = train(ddp, rank)
+        out["variants"][name] = (plain, instr, monitor.steps)
 
     # no run dir given: the ranks agree on one through the rendezvous store
     os.environ.pop("DDPDOCTOR_RUN_DIR", None)

@@ -149,3 +149,21 @@ def test_timings_measure_real_delays(tmp_path: Path) -> None:
     assert slow["medians_ms"]["bucket_wait"] < 15
     # both ranks' step times are evened out by the collective
     assert abs(fast["medians_ms"]["step"] - slow["medians_ms"]["step"]) < 20
+
+
+def test_other_ddp_options_train_identically_and_are_recorded(core: Any) -> None:
+    results, tmp = core
+    for r in results:
+        for name, (plain, instr, steps) in r["variants"].items():
+            assert instr == plain, name
+            assert steps == 6, name
+    for name, key, value in [("find_unused", "find_unused_parameters", True), ("static_graph", "static_graph", True),
+                             ("bucket_view", "gradient_as_bucket_view", True)]:
+        options = ddpdoctor.load_run(tmp / f"variant-{name}").ranks[0].header.ddp_options
+        assert options[key] is value, name
+    for name in ("no_buffer_sync", "forward_sync_off"):  # both spellings of the same switch
+        log = ddpdoctor.load_run(tmp / f"variant-{name}").ranks[0]
+        assert log.header.ddp_options["broadcast_buffers"] is False
+        assert log.header.ddp_options["forward_sync_buffers"] is False
+        assert not any(b.broadcast for b in log.header.buffers)
+        assert all(s.bcast_us is None and s.bcast_bytes == 0 for s in log.steps)
