@@ -55,6 +55,20 @@ from torch import nn
 
 WORLD_SIZE = 2
 DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"
+#: Pseudo debug mode: DETAIL set with ``dist.set_debug_level`` *after* ``init_process_group``.
+NOWRAP = "DETAIL-nowrap"
+#: Fresh-process modes: mode name -> how the ranks are started (None: no debug variable).
+ENV_DEBUG_MODES: dict[str, str | None] = {
+    "plain": None,
+    # What users set. With gloo, torch wraps the default group in ProcessGroupWrapper; in
+    # torch 2.13.0+cpu DDP's constructor then segfaults (c10d::Logger::set_env_variables casts
+    # the wrapper to ProcessGroupGloo). The bench tries it once and reports the crash.
+    "detail": "DETAIL",
+    # Fallback measured when "detail" crashes: DDP/reducer/logger in DETAIL, group not wrapped
+    # (so it leaves out the wrapper's per-collective consistency checks: a lower bound).
+    "detail-nowrap": NOWRAP,
+    "info": "INFO",
+}
 
 # -- models ------------------------------------------------------------------------------------
 
@@ -75,7 +89,7 @@ def long_model() -> nn.Module:
 
 def short_model() -> nn.Module:
     """Tiny MLP with one BatchNorm1d: a few ms/step, several small buckets."""
-    h = 192
+    h = 128
     return nn.Sequential(
         nn.Linear(64, h), nn.BatchNorm1d(h), nn.ReLU(),
         nn.Linear(h, h), nn.ReLU(),
@@ -110,7 +124,9 @@ def _batches(spec: Spec, rank: int, n: int = 8) -> list[tuple[torch.Tensor, torc
     ]
 
 
-def _run_round(rank: int, spec: Spec, mode: str, warmup: int, steps: int, run_dir: str) -> dict[str, Any]:
+def _run_round(
+    rank: int, spec: Spec, mode: str, warmup: int, steps: int, run_dir: str, verify: bool = False
+) -> dict[str, Any]:
     """One round on this rank: fresh model and DDP, warm-up, timed steps. Returns this rank's view."""
     import ddpdoctor
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -123,8 +139,13 @@ def _run_round(rank: int, spec: Spec, mode: str, warmup: int, steps: int, run_di
     loss_fn = nn.CrossEntropyLoss()
     batches = _batches(spec, rank)
     monitor = None
-    if mode == "ddpdoctor":
-        monitor = ddpdoctor.instrument(ddp, run_dir=run_dir)
+    if mode in ("ddpdoctor", "nullsink"):
+        from ddpdoctor.sinks import NullSink
+
+        if mode == "ddpdoctor":
+            monitor = ddpdoctor.instrument(ddp, run_dir=run_dir)
+        else:  # attribution only: every probe, records dropped instead of written
+            monitor = ddpdoctor.instrument(ddp, sink=NullSink())
         if not isinstance(monitor, ddpdoctor.Monitor):
             raise RuntimeError("ddpdoctor.instrument did not attach (returned a disabled monitor)")
     elif mode == "pyhook":  # attribution only: DDP's allreduce done by a Python comm hook
@@ -150,7 +171,7 @@ def _run_round(rank: int, spec: Spec, mode: str, warmup: int, steps: int, run_di
             if i >= warmup:
                 times.append(t1 - t0)
             if i == 0 or i == warmup + steps - 1:
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
     out: dict[str, Any] = {"times": times, "losses": losses}
     try:
         logged = ddp._get_ddp_logging_data()
@@ -164,37 +185,44 @@ def _run_round(rank: int, spec: Spec, mode: str, warmup: int, steps: int, run_di
         monitor.close()
         path = monitor.path
         size = path.stat().st_size if path is not None and path.exists() else 0
-        if steps_before_close <= 0 or monitor.steps < warmup + steps or size == 0 or probes_off:
+        if steps_before_close <= 0 or monitor.steps < warmup + steps or probes_off or (
+            mode == "ddpdoctor" and size == 0
+        ):
             raise RuntimeError(
                 f"ddpdoctor round was not really instrumented: steps before close={steps_before_close}, "
                 f"after={monitor.steps}, log={path} ({size} bytes), probes off={probes_off}"
             )
         out["monitor_steps"] = monitor.steps
         out["log_bytes"] = size
-    if profiler is not None:
-        out["profiler_events"] = len(profiler.events() or []) if rank == 0 and steps <= 60 else None
+    if profiler is not None and verify:  # once per model: the profiler really recorded the steps
+        names = {e.key for e in profiler.key_averages()}
+        if "aten::addmm" not in names and "aten::convolution" not in names:
+            raise RuntimeError(f"torch.profiler recorded no model ops ({len(names)} keys)")
+        out["profiler_keys"] = len(names)
     return out
 
 
 def rank_main(rank: int, port: int, schedule: list[dict[str, Any]], result_path: str, debug: str | None) -> None:
     """One rank: runs ``schedule`` (a list of rounds) in one process group; rank 0 writes results."""
-    if debug is not None:
-        os.environ[DEBUG_ENV] = debug
-        dist.set_debug_level_from_env()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
         timeout=timedelta(seconds=300),
     )
     try:
+        if debug == NOWRAP:
+            # DETAIL for DDP, its reducer and logger, set after the default group was created,
+            # so that group is not wrapped in ProcessGroupWrapper (see ENV_DEBUG_MODES).
+            dist.set_debug_level(dist.DebugLevel.DETAIL)
         level = str(dist.get_debug_level()).rsplit(".", 1)[-1]
-        expected = debug or "OFF"
+        expected = "DETAIL" if debug == NOWRAP else (debug or "OFF")
         if level != expected:
             raise RuntimeError(f"debug level is {level}, expected {expected}")
         results = []
         for entry in schedule:
             spec = SPECS[entry["model"]]
-            mine = _run_round(rank, spec, entry["mode"], entry["warmup"], entry["steps"], entry["run_dir"])
+            mine = _run_round(rank, spec, entry["mode"], entry["warmup"], entry["steps"], entry["run_dir"],
+                              verify=entry["pair"] == 0 and rank == 0)
             gathered: list[Any] = [None] * WORLD_SIZE
             dist.all_gather_object(gathered, mine)
             per_step_max = [max(ts) for ts in zip(*(g["times"] for g in gathered))]
@@ -225,13 +253,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class RankFailure(RuntimeError):
+    def __init__(self, codes: list[int | None]) -> None:
+        signals = {-11: "SIGSEGV", -6: "SIGABRT", -9: "SIGKILL"}
+        names = [signals.get(c, str(c)) if c is not None else "?" for c in codes]
+        super().__init__(f"ranks exited with {', '.join(names)}")
+        self.codes = codes
+
+
 def launch(schedule: list[dict[str, Any]], workdir: str, debug: str | None, timeout: float) -> list[dict[str, Any]]:
     """Run ``schedule`` on a fresh pair of gloo ranks; kill them on timeout or failure."""
     ctx = mp.get_context("spawn")
     result_path = tempfile.mktemp(suffix=".json", dir=workdir)
     port = _free_port()
     saved = os.environ.get(DEBUG_ENV)
-    if debug is None:
+    if debug is None or debug == NOWRAP:
         os.environ.pop(DEBUG_ENV, None)
     else:
         os.environ[DEBUG_ENV] = debug  # read by torch.distributed at import in the child
@@ -256,7 +292,7 @@ def launch(schedule: list[dict[str, Any]], workdir: str, debug: str | None, time
             time.sleep(0.2)
         codes = [p.exitcode for p in procs]
         if any(c != 0 for c in codes):
-            raise RuntimeError(f"rank exit codes {codes}")
+            raise RankFailure(codes)
         with open(result_path) as f:
             return json.load(f)
     finally:
@@ -278,8 +314,11 @@ def summarize(results: list[dict[str, Any]], models: list[str], tools: list[tupl
     for model in models:
         for group, mode, _label in tools:
             pairs = sorted({r["pair"] for r in results if r["group"] == group and r["model"] == model})
-            plain = [by[(group, model, "plain", p)]["step_ms"] for p in pairs if (group, model, mode, p) in by]
-            tool = [by[(group, model, mode, p)]["step_ms"] for p in pairs if (group, model, mode, p) in by]
+            pairs = [p for p in pairs if (group, model, mode, p) in by and (group, model, "plain", p) in by]
+            if not pairs:
+                continue
+            plain = [by[(group, model, "plain", p)]["step_ms"] for p in pairs]
+            tool = [by[(group, model, mode, p)]["step_ms"] for p in pairs]
             ratios = [t / b - 1 for t, b in zip(tool, plain)]
             summary[f"{model}/{mode}"] = {
                 "plain_ms": statistics.median(plain), "tool_ms": statistics.median(tool),
@@ -288,14 +327,19 @@ def summarize(results: list[dict[str, Any]], models: list[str], tools: list[tupl
     return summary
 
 
-def table(summary: dict[str, Any], models: list[str], tools: list[tuple[str, str, str]], info: dict[str, Any]) -> str:
+def table(summary: dict[str, Any], models: list[str], tools: list[tuple[str, str, str]], info: dict[str, Any],
+          failed: dict[str, str]) -> str:
     lines = [
         "| model | tool | plain ms/step | with tool ms/step | overhead (median of pairs) | pairs: min … max |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for model in models:
         for _group, mode, label in tools:
-            s = summary[f"{model}/{mode}"]
+            s = summary.get(f"{model}/{mode}")
+            if mode in failed or s is None:
+                why = failed.get(mode, "no result")
+                lines.append(f"| {model} ({info[model]}) | {label} | – | – | **{why}** | – |")
+                continue
             lines.append(
                 f"| {model} ({info[model]}) | {label} | {s['plain_ms']:.2f} | {s['tool_ms']:.2f} | "
                 f"**{_pct(s['overhead'])}** | {_pct(s['min'])} … {_pct(s['max'])} (n={s['pairs']}) |"
@@ -307,16 +351,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=7, help="interleaved pairs per tool and model (default 7)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per round, long model (default 40)")
-    parser.add_argument("--short-steps", type=int, default=None, help="timed steps per round, short model (default 10 x --steps)")
+    parser.add_argument("--short-steps", type=int, default=None,
+                        help="timed steps per round, short model (default 10 x --steps)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per round, long model (default 5; short: 5x)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (< 60 s)")
     parser.add_argument("--attribution", action="store_true",
-                        help="also time plain DDP with a Python allreduce comm hook (what ddpdoctor's hook wraps)")
-    parser.add_argument("--no-detail", action="store_true", help="skip the TORCH_DISTRIBUTED_DEBUG=DETAIL rounds")
+                        help="also time plain DDP with a Python allreduce comm hook (what ddpdoctor's hook wraps) "
+                             "and ddpdoctor with a NullSink (all probes, no writer thread, no file)")
+    parser.add_argument("--no-debug-env", action="store_true", help="skip the TORCH_DISTRIBUTED_DEBUG rounds")
     parser.add_argument("--json", default=None, help="write the raw per-round results here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.pairs, args.steps = 2, 4
+        args.pairs, args.steps = 1, 4
         short_steps = args.short_steps or 30
         warm_long, warm_short = args.warmup or 2, 10
     else:
@@ -328,15 +374,24 @@ def main(argv: list[str] | None = None) -> int:
 
     tools: list[tuple[str, str, str]] = [("main", "ddpdoctor", "ddpdoctor.instrument (file sink)")]
     if args.attribution:
-        tools.append(("main", "pyhook", "(attribution) DDP + Python allreduce_hook, no ddpdoctor"))
+        tools.append(("main", "pyhook", "(attribution) plain DDP + Python allreduce_hook, no ddpdoctor"))
+        tools.append(("main", "nullsink", "(attribution) ddpdoctor.instrument with NullSink"))
     tools.append(("main", "profiler", "torch.profiler (CPU activities)"))
-    if not args.no_detail:
-        tools.append(("detail", "detail", "TORCH_DISTRIBUTED_DEBUG=DETAIL"))
-    main_modes = ["plain", "ddpdoctor"] + (["pyhook"] if args.attribution else []) + ["profiler"]
+    main_modes = ["plain", "ddpdoctor"] + (["pyhook", "nullsink"] if args.attribution else []) + ["profiler"]
 
     workdir = tempfile.mkdtemp(prefix="ddpdoctor-bench-")
     started = time.monotonic()
     results: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
+
+    def log(message: str) -> None:
+        print(f"[bench {time.monotonic() - started:5.0f} s] {message}", file=sys.stderr, flush=True)
+
+    def fresh_schedule(mode: str, pair: int) -> list[dict[str, Any]]:
+        return [{"group": "env", "model": model, "mode": mode, "pair": pair, "warmup": plan[model][0],
+                 "steps": plan[model][1], "run_dir": ""} for model in models]
+
+    per_launch = 600 + 60 * (1 + args.steps / 10)
     try:
         # plain / ddpdoctor / (pyhook) / profiler: interleaved rounds in one process group
         schedule = []
@@ -349,21 +404,34 @@ def main(argv: list[str] | None = None) -> int:
                         "group": "main", "model": model, "mode": mode, "pair": pair, "warmup": warmup,
                         "steps": steps, "run_dir": os.path.join(workdir, f"run-{model}-{mode}-{pair}"),
                     })
-        budget = 600 + 30 * len(schedule) * (1 + args.steps / 10)
-        print(f"[bench] main group: {len(schedule)} rounds", file=sys.stderr, flush=True)
-        results += launch(schedule, workdir, None, budget)
-        print(f"[bench] main group done at {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        log(f"main group: {len(schedule)} rounds in one process group")
+        results += launch(schedule, workdir, None, 600 + 30 * len(schedule) * (1 + args.steps / 10))
+        log("main group done")
 
-        # DETAIL: alternating fresh process groups, plain and DETAIL
-        if not args.no_detail:
+        # TORCH_DISTRIBUTED_DEBUG: each round in fresh processes, alternating with plain ones
+        if not args.no_debug_env:
+            env_modes = ["detail", "info"]
+            try:  # the real thing, as users set it
+                results += launch(fresh_schedule("detail", 0), workdir, ENV_DEBUG_MODES["detail"], per_launch)
+            except RankFailure as exc:
+                failed["detail"] = f"crashed ({exc})"
+                env_modes = ["detail-nowrap", "info"]
+                log(f"TORCH_DISTRIBUTED_DEBUG=DETAIL: {exc}; measuring DETAIL without the group wrapper instead")
             for pair in range(args.pairs):
-                for debug in ((None, "DETAIL") if pair % 2 == 0 else ("DETAIL", None)):
-                    schedule = [{
-                        "group": "detail", "model": model, "mode": "detail" if debug else "plain", "pair": pair,
-                        "warmup": plan[model][0], "steps": plan[model][1], "run_dir": "",
-                    } for model in models]
-                    results += launch(schedule, workdir, debug, 600 + 60 * (1 + args.steps / 10))
-            print(f"[bench] DETAIL groups done at {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+                kinds = ["plain"] + env_modes
+                shift = pair % len(kinds)
+                for mode in kinds[shift:] + kinds[:shift]:
+                    if mode == "detail" and pair == 0:
+                        continue  # already run above
+                    results += launch(fresh_schedule(mode, pair), workdir, ENV_DEBUG_MODES[mode], per_launch)
+                log(f"fresh-process pair {pair + 1}/{args.pairs} done")
+            if "detail" in failed:
+                tools.append(("env", "detail", "TORCH_DISTRIBUTED_DEBUG=DETAIL"))
+                tools.append(("env", "detail-nowrap",
+                              "DETAIL set after init_process_group (DDP side only, no ProcessGroupWrapper)"))
+            else:
+                tools.append(("env", "detail", "TORCH_DISTRIBUTED_DEBUG=DETAIL"))
+            tools.append(("env", "info", "TORCH_DISTRIBUTED_DEBUG=INFO"))
     except Exception:
         traceback.print_exc()
         return 1
@@ -374,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         losses = {json.dumps(r["losses"]) for r in results if r["model"] == model}
         if len(losses) != 1:
-            print(f"[bench] warning: {model}: losses differ between rounds: {sorted(losses)}", file=sys.stderr)
+            log(f"note: {model}: first/last losses differ between modes: {sorted(losses)}")
 
     summary = summarize(results, models, tools)
     info = {}
@@ -382,14 +450,14 @@ def main(argv: list[str] | None = None) -> int:
         r = next(r for r in results if r["model"] == model)
         n_params = sum(p.numel() for p in SPECS[model].build().parameters())
         info[model] = f"{n_params / 1e3:.0f}k params, {r['buckets']} buckets, {plan[model][1]} steps/round"
-    print(table(summary, models, tools, info))
+    print(table(summary, models, tools, info, failed))
     print(
         f"\n{WORLD_SIZE} gloo ranks on CPU, torch {torch.__version__}, 1 thread/rank, {os.cpu_count()} cores; "
-        f"{args.pairs} pairs; warm-up {warm_long}/{warm_short} steps; total {time.monotonic() - started:.0f} s"
+        f"{args.pairs} pairs; warm-up {warm_long}/{warm_short} steps (long/short); total {time.monotonic() - started:.0f} s"
     )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "summary": summary, "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "summary": summary, "failed": failed, "results": results}, f, indent=1)
     return 0
 
 
