@@ -156,8 +156,10 @@ def _rebuild_reducer(ddp: Any) -> None:
 
 def _shadow_registration(ddp: Any, state: HookState) -> None:
     """Make later ``register_comm_hook`` calls fill the inner slot instead of failing."""
+    ddp_ref = weakref.ref(ddp)  # these functions live in ddp.__dict__: no cycle back to it
 
     def register_comm_hook(hook_state: object, hook: Callable[..., Any]) -> None:
+        ddp = ddp_ref()
         ddp._check_comm_hook(hook)
         if state.user_hook_name is not None:
             raise RuntimeError(_ONCE_MSG)
@@ -168,6 +170,7 @@ def _shadow_registration(ddp: Any, state: HookState) -> None:
         state.inner_hook, state.inner_state, state.user_hook_name = hook, hook_state, name
 
     def register_builtin_comm_hook(comm_hook_type: Any) -> None:
+        ddp = ddp_ref()
         kind = str(comm_hook_type).split(".")[-1]
         if kind not in _BUILTIN_EQUIVALENTS:
             raise RuntimeError(f"ddpdoctor cannot time the built-in comm hook {comm_hook_type}")

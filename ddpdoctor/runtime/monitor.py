@@ -220,6 +220,10 @@ class Monitor:
             self.sink.close(timeout)
         except Exception as exc:
             self.probes.failed("emit", exc)
+        # Let the model go: a monitor kept by the user must not keep DDP's reducer (and its process
+        # group) alive past destroy_process_group.
+        self.ddp = None  # type: ignore[assignment]
+        self._orig_sync_buffers = None  # type: ignore[assignment]
 
     def __enter__(self) -> Monitor:
         return self
