@@ -51,7 +51,26 @@ class HangWarning(DDPDoctorWarning):
     """No progress: a hang or a lost rank."""
 
 
+#: The warning category of each finding code (the codes are DESIGN.md's contract).
+CATEGORY_OF_CODE: dict[str, type[DDPDoctorWarning]] = {
+    "frozen-after-wrap": StaleRequiresGradWarning,
+    "unfrozen-after-wrap": StaleRequiresGradWarning,
+    "replica-divergence": ReplicaDivergenceWarning,
+    "buffer-divergence": ReplicaDivergenceWarning,
+    "constant-buffers": BufferWarning,
+    "buffer-broadcast-cost": BufferWarning,
+    "unused-parameters": UnusedParametersWarning,
+    "find-unused-unneeded": UnusedParametersWarning,
+    "sync-during-accumulation": AccumulationWarning,
+    "straggler": PerformanceWarning,
+    "exposed-communication": PerformanceWarning,
+    "bucket-size": PerformanceWarning,
+    "hang": HangWarning,
+    "rank-lost": HangWarning,
+}
+
 __all__ = [
+    "CATEGORY_OF_CODE",
     "AccumulationWarning",
     "BufferWarning",
     "CommHookWarning",

@@ -115,7 +115,7 @@ def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             out["instr"] = train(ddp, rank)
         monitor.close()
     out["instr_counts"] = c.counts
-    out["instr_warnings"] = [str(w.category.__name__) for w in caught if issubclass(w.category, ddpdoctor.DDPDoctorWarning)]
+    out["instr_warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, ddpdoctor.DDPDoctorWarning)]
     out["instr_path"] = str(monitor.path)
 
     # torch's fp16 compression hook, registered BEFORE instrument

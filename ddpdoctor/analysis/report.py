@@ -8,6 +8,7 @@ from typing import Any
 
 from ddpdoctor.analysis.bucket_wait import arrivals
 from ddpdoctor.analysis.clock_align import estimate_offsets
+from ddpdoctor.analysis.diagnose import diagnose
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.phases import PHASES, step_phases
 from ddpdoctor.events import SCHEMA_VERSION
@@ -127,4 +128,4 @@ def analyze(run: Run) -> Report:
         ] if layout else [],
         "layout_rebuilt": any(lay.reason == "rebuilt" for log in run.ranks.values() for lay in log.layouts),
     }
-    return Report(run=run_info, ranks=ranks, stats=stats, findings=[])
+    return Report(run=run_info, ranks=ranks, stats=stats, findings=diagnose(run))

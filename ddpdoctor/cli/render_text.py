@@ -82,5 +82,6 @@ def render(report: Report) -> str:
         for f in sorted(report.findings, key=lambda f: -SEVERITY_ORDER[f.severity]):
             where = f" ranks {f.ranks}" if f.ranks else ""
             at = f" from step {f.step}" if f.step is not None else ""
-            lines += [f"  [{f.severity}] {f.code}: {f.title}{where}{at}", f"      {f.detail}", f"      fix: {f.fix}"]
+            fix = f.fix.replace("\n", "\n           ")
+            lines += [f"  [{f.severity}] {f.code}: {f.title}{where}{at}", f"      {f.detail}", f"      fix: {fix}"]
     return "\n".join(lines) + "\n"

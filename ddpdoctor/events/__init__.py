@@ -8,6 +8,9 @@ from ddpdoctor.events.schema import (
     BucketInfo,
     BufferInfo,
     End,
+    FindingRecord,
+    Fingerprint,
+    GradFlags,
     Header,
     Layout,
     ParamInfo,
@@ -15,6 +18,7 @@ from ddpdoctor.events.schema import (
     ProcSample,
     Record,
     Step,
+    Unused,
 )
 
 __all__ = [
@@ -23,6 +27,9 @@ __all__ = [
     "BufferInfo",
     "CorruptLine",
     "End",
+    "FindingRecord",
+    "Fingerprint",
+    "GradFlags",
     "Header",
     "Layout",
     "ParamInfo",
@@ -31,6 +38,7 @@ __all__ = [
     "Record",
     "Step",
     "UnknownRecord",
+    "Unused",
     "decode",
     "encode",
     "encode_into",

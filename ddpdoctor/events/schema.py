@@ -32,6 +32,7 @@ class ParamInfo(msgspec.Struct, omit_defaults=True):
     numel: int
     requires_grad: bool
     ignored: bool = False  # listed in DDP's parameters_to_ignore
+    reduced: bool = True  # DDP synchronizes its gradient (decided once, in DDP's constructor)
 
 
 class BufferInfo(msgspec.Struct, omit_defaults=True):
@@ -66,6 +67,8 @@ class Header(_Record, tag="header", kw_only=True):
     ddp_options: dict[str, Any] = {}
     params: list[ParamInfo] = []
     buffers: list[BufferInfo] = []
+    reason: str = "attach"  # "attach", or "rewrap" when ddpdoctor.rewrap rebuilt DDP mid-run
+    first_step: int = 0  # index of the first step recorded under this header
 
 
 class BucketInfo(msgspec.Struct):
@@ -142,5 +145,51 @@ class End(_Record, tag="end", kw_only=True):
     reason: str  # "close", "exit" or "signal"
 
 
-Record = Union[Header, Layout, Step, ProcSample, ProbeOff, End]
-RECORD_TYPES: tuple[type, ...] = (Header, Layout, Step, ProcSample, ProbeOff, End)
+class GradFlags(_Record, tag="grad_flags", kw_only=True):
+    """requires_grad differs from what DDP was built with (logged when it changes)."""
+
+    step: int
+    frozen: list[str] = []  # reduced by DDP, requires_grad now False
+    unfrozen: list[str] = []  # not reduced by DDP, requires_grad now True
+
+
+class Fingerprint(_Record, tag="fingerprint", kw_only=True):
+    """Cheap fingerprints of parameters and buffers, taken by every rank at the same sampled steps.
+
+    Lists follow the header's ``params`` and ``buffers`` order: the L2 norm and the sum of each
+    tensor, and each buffer's version counter (in-place changes since creation).
+    """
+
+    step: int
+    param_norms: list[float] = []
+    param_sums: list[float] = []
+    buffer_norms: list[float] = []
+    buffer_sums: list[float] = []
+    buffer_versions: list[int] = []
+    after_broadcast: bool = False  # taken after DDP broadcast the buffers in this forward
+
+
+class Unused(_Record, tag="unused", kw_only=True):
+    """At a sampled step: DDP-reduced parameters that received no gradient."""
+
+    step: int
+    names: list[str] = []
+    post_forward_us: float | None = None  # DDP's post-forward work (graph search with find_unused)
+
+
+class FindingRecord(_Record, tag="finding", kw_only=True):
+    """A finding raised live on this rank, as the warning said it."""
+
+    step: int | None = None
+    code: str
+    severity: str
+    title: str
+    detail: str
+    fix: str
+    ranks: list[int] = []
+    evidence: dict[str, Any] = {}
+
+
+Record = Union[Header, Layout, Step, ProcSample, ProbeOff, End, GradFlags, Fingerprint, Unused, FindingRecord]
+RECORD_TYPES: tuple[type, ...] = (Header, Layout, Step, ProcSample, ProbeOff, End, GradFlags, Fingerprint, Unused,
+                                  FindingRecord)

@@ -6,7 +6,22 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpdoctor.events import CorruptLine, End, Header, Layout, ProbeOff, ProcSample, Record, Step, UnknownRecord, decode
+from ddpdoctor.events import (
+    CorruptLine,
+    End,
+    FindingRecord,
+    Fingerprint,
+    GradFlags,
+    Header,
+    Layout,
+    ProbeOff,
+    ProcSample,
+    Record,
+    Step,
+    UnknownRecord,
+    Unused,
+    decode,
+)
 
 
 @dataclass
@@ -16,8 +31,13 @@ class RankLog:
     rank: int
     ddp: int
     path: Path
-    header: Header | None = None
+    header: Header | None = None  # the first header; ``headers`` has later ones (after a rewrap)
+    headers: list[Header] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
+    grad_flags: list[GradFlags] = field(default_factory=list)
+    fingerprints: list[Fingerprint] = field(default_factory=list)
+    unused: list[Unused] = field(default_factory=list)
+    findings: list[FindingRecord] = field(default_factory=list)
     layouts: list[Layout] = field(default_factory=list)
     procs: list[ProcSample] = field(default_factory=list)
     probes_off: list[ProbeOff] = field(default_factory=list)
@@ -34,11 +54,30 @@ class RankLog:
         elif isinstance(record, Layout):
             self.layouts.append(record)
         elif isinstance(record, Header):
-            self.header = record
+            if self.header is None:
+                self.header = record
+            self.headers.append(record)
+        elif isinstance(record, Fingerprint):
+            self.fingerprints.append(record)
+        elif isinstance(record, GradFlags):
+            self.grad_flags.append(record)
+        elif isinstance(record, Unused):
+            self.unused.append(record)
+        elif isinstance(record, FindingRecord):
+            self.findings.append(record)
         elif isinstance(record, End):
             self.end = record
         elif isinstance(record, ProbeOff):
             self.probes_off.append(record)
+
+
+    def segments(self) -> list[tuple[Header, int, int | None]]:
+        """(header, first step, first step of the next header or None) for each DDP instance seen."""
+        out = []
+        for i, h in enumerate(self.headers):
+            nxt = self.headers[i + 1].first_step if i + 1 < len(self.headers) else None
+            out.append((h, h.first_step, nxt))
+        return out
 
 
 def parse_name(path: Path) -> tuple[int, int] | None:

@@ -54,7 +54,8 @@ def _checksum(t: torch.Tensor) -> float:
     return float(t.detach().double().sum()) if t.is_floating_point() else float(t.detach().sum())
 
 
-def build_header(ddp: Any, rank: int, ddp_index: int, run_id: str, clock: str) -> Header:
+def build_header(ddp: Any, rank: int, ddp_index: int, run_id: str, clock: str, reason: str = "attach",
+                 first_step: int = 0) -> Header:
     """Everything a reader needs to interpret this rank's records, taken at attach time."""
     group = ddp.process_group
     world_size = group.size() if group is not None else 1
@@ -65,7 +66,8 @@ def build_header(ddp: Any, rank: int, ddp_index: int, run_id: str, clock: str) -
     ignore = set(getattr(ddp, "parameters_to_ignore", None) or [])
     params = [
         ParamInfo(name=n, shape=list(p.shape), dtype=str(p.dtype).removeprefix("torch."), numel=p.numel(),
-                  requires_grad=bool(p.requires_grad), ignored=n in ignore)
+                  requires_grad=bool(p.requires_grad), ignored=n in ignore,
+                  reduced=bool(p.requires_grad) and n not in ignore)
         for n, p in ddp.module.named_parameters()
     ]
     broadcast_ids = {id(b) for b in getattr(ddp, "modules_buffers", [])}
@@ -98,4 +100,6 @@ def build_header(ddp: Any, rank: int, ddp_index: int, run_id: str, clock: str) -
         ddp_options=ddp_options(ddp),
         params=params,
         buffers=buffers,
+        reason=reason,
+        first_step=first_step,
     )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import warnings
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -13,16 +15,41 @@ import torch
 import torch.distributed as dist
 
 from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning
-from ddpdoctor.events import End, ProbeOff, Record
+from ddpdoctor.events import End, Fingerprint, GradFlags, ProbeOff, Record, Unused
 from ddpdoctor.runtime import comm_hook, exit_flush, optimizer_hooks, proc_stats, run_dir
 from ddpdoctor.runtime.clocks import CudaClock, HostClock, mono_ns, wall_ns
+from ddpdoctor.runtime.fingerprints import Fingerprinter
 from ddpdoctor.runtime.header import build_header
+from ddpdoctor.runtime.live_findings import LiveFindings
 from ddpdoctor.runtime.probes import Probes
 from ddpdoctor.runtime.step_recorder import OpenStep, StepRecorder
 from ddpdoctor.sinks import FileSink, NullSink, Sink, SinkError
 
 #: How often the buffer byte count is recomputed (buffers are rarely replaced).
 _BUFFER_BYTES_EVERY = 100
+#: Default interval of the sampled checks (fingerprints, unused parameters), in steps.
+CHECK_EVERY = 50
+_requires_grad = operator.attrgetter("requires_grad")
+
+#: The monitor attached to each DDP instance (for ddpdoctor.rewrap).
+_monitors: weakref.WeakKeyDictionary[Any, Monitor] = weakref.WeakKeyDictionary()
+
+
+def monitor_of(ddp: Any) -> Monitor | None:
+    """The live monitor attached to ``ddp``, if any."""
+    monitor = _monitors.get(ddp)
+    return monitor if monitor is not None and not monitor.closed else None
+
+
+class _Sample:
+    """A sampled step in progress: which reduced parameters received a gradient."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.seen: set[int] = set()
+        self.hooked: list[tuple[int, str]] = []
+        self.handles: list[Any] = []
+        self.post_forward_us: float | None = None
 
 
 class Monitor:
@@ -40,6 +67,7 @@ class Monitor:
         sink: Sink | None = None,
         proc_interval: float = 2.0,
         cuda_timing: bool | None = None,
+        check_every: int = CHECK_EVERY,
     ) -> None:
         self.ddp = ddp
         self.closed = False
@@ -49,31 +77,74 @@ class Monitor:
         self.path: Path | None = None
         self.run_dir: Path | None = None
         self.ddp_index = 0
+        self.check_every = max(1, int(check_every))
         self.sink: Sink = sink if sink is not None else self._open_file_sink(run_dir_path)
         device = getattr(ddp, "device", torch.device("cpu"))
         self._cuda = device.type == "cuda" if cuda_timing is None else bool(cuda_timing)
         self.recorder = StepRecorder(self.rank, self.ddp_index, self.emit, CudaClock() if self._cuda else HostClock())
-        self._param_names = {id(p): n for n, p in ddp.module.named_parameters()}
+        self.live = LiveFindings(self.rank, self.ddp_index, self.emit, self._flush_now)
+        self.fingerprinter = Fingerprinter(self._deliver_fingerprint)
+        self.hook_state: comm_hook.HookState | None = None
+        self._handles: list[Any] = []
+        self._sample: _Sample | None = None
+        self._bcast_in_forward = False
         self._bwd_queued: OpenStep | None = None
+        self._attach(ddp, reason="attach")
+        optimizer_hooks.watch(self)
+        proc_stats.sampler(proc_interval).add(self)
+        exit_flush.register(self)
+
+    def _attach(self, ddp: Any, reason: str) -> None:
+        """Hook into ``ddp``: header, comm hook, forward hooks, buffer broadcast timing."""
+        self.ddp = ddp
+        _monitors[ddp] = self
+        named = list(ddp.module.named_parameters())
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._param_names = {id(p): n for n, p in named}
         self._buffer_bytes = 0
         self._buffer_bytes_age = _BUFFER_BYTES_EVERY
-        self.emit(build_header(ddp, self.rank, self.ddp_index, self.run_dir.name if self.run_dir else "",
-                               self.recorder.clock.name))
-        self.hook_state: comm_hook.HookState | None = None
+        header = build_header(ddp, self.rank, self.ddp_index, self.run_dir.name if self.run_dir else "",
+                              self.recorder.clock.name, reason=reason, first_step=self.recorder.next_index)
+        self._reduced = [p.reduced for p in header.params]
+        self._ignored = [p.ignored for p in header.params]
+        self._flags = [p.requires_grad for p in header.params]
+        self.emit(header)
         try:
             self.hook_state = comm_hook.attach(ddp, self)
         except comm_hook.HookUnsupported as exc:
             self.probes.on["buckets"] = False
-            warnings.warn(f"ddpdoctor: per-bucket timing is off: {exc}", CommHookWarning, stacklevel=3)
+            warnings.warn(f"ddpdoctor: per-bucket timing is off: {exc}", CommHookWarning, stacklevel=4)
         self._handles = [
             ddp.register_forward_pre_hook(self._on_forward_pre, prepend=True),
             ddp.register_forward_hook(self._on_forward_post, always_call=True),
         ]
         self._orig_sync_buffers = ddp._sync_buffers
         ddp.__dict__["_sync_buffers"] = self._on_sync_buffers
-        optimizer_hooks.watch(self)
-        proc_stats.sampler(proc_interval).add(self)
-        exit_flush.register(self)
+
+    def _detach(self) -> None:
+        """Undo ``_attach`` (the comm hook stays registered, DDP allows only one, and passes through)."""
+        self._end_sample()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self.ddp is not None:
+            self.ddp.__dict__.pop("_sync_buffers", None)
+            self.ddp.__dict__.pop("_post_forward", None)
+            _monitors.pop(self.ddp, None)
+        if self.hook_state is not None:
+            self.hook_state.detach()
+            self.hook_state = None
+
+    def reattach(self, ddp: Any) -> None:
+        """Follow the model into a new DDP instance (``ddpdoctor.rewrap``): same log, steps go on."""
+        with self._close_lock:
+            if self.closed:
+                return
+            self.recorder.close()
+            self._detach()
+            self.recorder.reset_layout()
+            self._attach(ddp, reason="rewrap")
 
     def _open_file_sink(self, explicit: str | os.PathLike[str] | None) -> Sink:
         store = None
@@ -94,13 +165,20 @@ class Monitor:
     # -- records -------------------------------------------------------------------------
 
     def emit(self, record: Record) -> None:
-        """Hand a record to the sink (never raises)."""
-        if not self.probes.on["emit"]:
-            return
-        try:
-            self.sink.emit(record)
-        except Exception as exc:
-            self.probes.failed("emit", exc)
+        """Hand a record to the sink and to the live checks (never raises)."""
+        if self.probes.on["emit"]:
+            try:
+                self.sink.emit(record)
+            except Exception as exc:
+                self.probes.failed("emit", exc)
+        if self.probes.on["live"]:
+            try:
+                self.live.observe(record)
+            except Exception as exc:
+                self.probes.failed("live", exc)
+
+    def _flush_now(self) -> None:
+        self.sink.flush(timeout=2.0)
 
     def _report_probe_off(self, probe: str, detail: str) -> None:
         self.emit(ProbeOff(rank=self.rank, ddp=self.ddp_index, t_wall_ns=wall_ns(), probe=probe, error=detail))
@@ -115,10 +193,94 @@ class Monitor:
     def _on_forward_pre(self, module: Any, args: Any) -> None:
         if not self.probes.on["forward"] or not torch.is_grad_enabled():
             return
+        sync = bool(self.ddp.require_backward_grad_sync)
         try:
-            self.recorder.forward_start(bool(self.ddp.require_backward_grad_sync))
+            previous = self.recorder.current
+            self.recorder.forward_start(sync)
+            step = self.recorder.current
+            self._bcast_in_forward = False
         except Exception as exc:
             self.probes.failed("forward", exc)
+            return
+        if self.probes.on["checks"]:
+            try:
+                if step is not previous:
+                    self._end_sample()
+                    self.fingerprinter.poll()
+                self._check_grad_flags(step.index)
+                if sync and self._sample is None and self._sample_due(step.index):
+                    self._begin_sample(step.index)
+            except Exception as exc:
+                self.probes.failed("checks", exc)
+
+    # -- sampled checks --------------------------------------------------------------------
+
+    def _check_grad_flags(self, step: int) -> None:
+        """Compare requires_grad with what DDP was built with: every forward, one C-level pass."""
+        flags = list(map(_requires_grad, self._params))
+        if flags == self._flags:
+            return
+        self._flags = flags
+        frozen = [n for n, r, f in zip(self._names, self._reduced, flags) if r and not f]
+        unfrozen = [n for n, r, f, i in zip(self._names, self._reduced, flags, self._ignored) if f and not r and not i]
+        self.emit(GradFlags(rank=self.rank, ddp=self.ddp_index, step=step, frozen=frozen, unfrozen=unfrozen))
+
+    def _sample_due(self, step: int) -> bool:
+        return step in (0, 1, 3) or step % self.check_every == 0
+
+    def _begin_sample(self, step: int) -> None:
+        sample = self._sample = _Sample(step)
+        seen = sample.seen
+        for i, (p, reduced) in enumerate(zip(self._params, self._reduced)):
+            if reduced and p.requires_grad:
+                sample.hooked.append((i, self._names[i]))
+                sample.handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: seen.add(i)))
+        # after DDP's own pre-forward (buffer broadcast), right before the wrapped module runs
+        sample.handles.append(self.ddp.module.register_forward_pre_hook(self._on_module_pre))
+        ddp = self.ddp
+        original = ddp._post_forward
+        clock = HostClock()
+
+        def timed_post_forward(output: Any) -> Any:
+            ddp.__dict__.pop("_post_forward", None)
+            start = clock.now()
+            try:
+                return original(output)
+            finally:
+                sample.post_forward_us = clock.us(start, clock.now())
+
+        ddp.__dict__["_post_forward"] = timed_post_forward
+
+    def _on_module_pre(self, module: Any, args: Any) -> None:
+        sample = self._sample
+        if sample is None or not self.probes.on["checks"]:
+            return
+        try:
+            handle = sample.handles.pop()  # this hook: once per sample
+            handle.remove()
+            buffers = [b for _, b in self.ddp.module.named_buffers()]
+            meta = (sample.step, len(self._params), [int(b._version) for b in buffers], self._bcast_in_forward)
+            self.fingerprinter.take(self._params + buffers, meta)
+        except Exception as exc:
+            self.probes.failed("checks", exc)
+
+    def _deliver_fingerprint(self, meta: Any, norms: list[float], sums: list[float]) -> None:
+        step, n, versions, after_broadcast = meta
+        self.emit(Fingerprint(rank=self.rank, ddp=self.ddp_index, step=step, param_norms=norms[:n],
+                              param_sums=sums[:n], buffer_norms=norms[n:], buffer_sums=sums[n:],
+                              buffer_versions=versions, after_broadcast=after_broadcast))
+
+    def _end_sample(self) -> None:
+        sample, self._sample = self._sample, None
+        if sample is None:
+            return
+        for handle in sample.handles:
+            handle.remove()
+        if self.ddp is not None:
+            self.ddp.__dict__.pop("_post_forward", None)
+        names = [name for i, name in sample.hooked if i not in sample.seen]
+        self.emit(Unused(rank=self.rank, ddp=self.ddp_index, step=sample.step, names=names,
+                         post_forward_us=sample.post_forward_us))
 
     def _on_forward_post(self, module: Any, args: Any, output: Any) -> None:
         if not self.probes.on["forward"]:
@@ -138,6 +300,7 @@ class Monitor:
             self.probes.failed("buffers", exc)
             return self._orig_sync_buffers()
         self._orig_sync_buffers()
+        self._bcast_in_forward = True
         try:
             end = clock.now()
             self._buffer_bytes_age += 1
@@ -205,13 +368,10 @@ class Monitor:
             self._close(reason, timeout)
 
     def _close(self, reason: str, timeout: float) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self.ddp.__dict__.pop("_sync_buffers", None)
-        if self.hook_state is not None:
-            self.hook_state.detach()  # the hook stays registered (DDP allows one) and passes through
+        self._detach()
         try:
             self.recorder.close()
+            self.fingerprinter.poll()
         except Exception as exc:
             self.probes.failed("emit", exc)
         self.emit(End(rank=self.rank, ddp=self.ddp_index, t_mono_ns=mono_ns(), t_wall_ns=wall_ns(),
@@ -257,6 +417,7 @@ def instrument(
     sink: Sink | None = None,
     proc_interval: float = 2.0,
     cuda_timing: bool | None = None,
+    check_every: int = CHECK_EVERY,
 ) -> Monitor:
     """Start monitoring ``ddp_model`` on this rank; call it on every rank.
 
@@ -267,13 +428,16 @@ def instrument(
         sink: where records go instead of the run dir (``MemorySink`` in tests, ``NullSink``).
         proc_interval: seconds between process statistics samples (CPU %, RSS, device memory).
         cuda_timing: time with CUDA events; default: when the model is on a CUDA device.
+        check_every: interval, in steps, of the sampled checks (parameter and buffer fingerprints
+            compared across ranks, unused parameters); they also run at steps 0, 1 and 3.
 
     Returns:
         A ``Monitor``: a context manager; ``close()`` detaches and flushes. If ddpdoctor cannot
         attach, it warns and returns a monitor that does nothing: training is never broken.
     """
     try:
-        return Monitor(ddp_model, run_dir_path=run_dir, sink=sink, proc_interval=proc_interval, cuda_timing=cuda_timing)
+        return Monitor(ddp_model, run_dir_path=run_dir, sink=sink, proc_interval=proc_interval,
+                       cuda_timing=cuda_timing, check_every=check_every)
     except Exception as exc:
         warnings.warn(f"ddpdoctor could not attach to the model ({type(exc).__name__}: {exc}); "
                       "training goes on unmonitored", ProbeDisabledWarning, stacklevel=2)

@@ -78,6 +78,16 @@ class StepRecorder:
         self._last_layout: list[tuple[int, str]] | None = None  # (bytes, dtype) per bucket
         self._layout_wanted = True
 
+    @property
+    def next_index(self) -> int:
+        """Index the next step will get."""
+        return self._next_index
+
+    def reset_layout(self) -> None:
+        """A new DDP instance: its buckets are new, look at them again."""
+        self._last_layout = None
+        self._layout_wanted = True
+
     # -- forward ---------------------------------------------------------------------------
 
     def forward_start(self, sync: bool) -> None:

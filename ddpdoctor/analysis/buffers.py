@@ -1,0 +1,116 @@
+"""constant-buffers and buffer-broadcast-cost: what DDP's per-forward buffer broadcast costs."""
+
+from __future__ import annotations
+
+from statistics import median
+
+from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.sizes import human_bytes, name_list
+from ddpdoctor.events import Fingerprint, Header, Step
+
+#: Share of the step spent in buffer broadcast that deserves a warning, and an info.
+COST_WARNING_SHARE = 0.10
+COST_INFO_SHARE = 0.03
+#: Training steps a buffer must stay unchanged before it is called constant.
+MIN_STEPS_CONSTANT = 3
+
+
+def _bcast_stats(steps: list[Step]) -> tuple[float | None, float | None, int]:
+    """(broadcast cost ms, step ms, bytes). The broadcast is the step's first collective, so on
+    most steps it also absorbs the wait for slower ranks; its cost is its floor (10th percentile),
+    what it takes when this rank arrives last. Removing the broadcast would not remove the wait."""
+    bcast = sorted(s.bcast_us for s in steps if s.bcast_us is not None)
+    total = [s.end_us for s in steps if s.end_us is not None]
+    nbytes = max((s.bcast_bytes for s in steps), default=0)
+    floor = bcast[len(bcast) // 10] / 1000.0 if bcast else None
+    return (floor, median(total) / 1000.0 if total else None, nbytes)
+
+
+def constant_buffers(header: Header, prints: list[Fingerprint], steps: list[Step], rank: int) -> list[Finding]:
+    """Broadcast buffers that never changed since DDP was attached (version and values)."""
+    if not prints or not header.buffers:
+        return []
+    last = prints[-1]
+    if last.step < MIN_STEPS_CONSTANT or len(last.buffer_versions) != len(header.buffers):
+        return []
+    broadcast = [i for i, b in enumerate(header.buffers) if b.broadcast]
+    if not broadcast:
+        return []
+    usable = [p for p in prints if len(p.buffer_versions) == len(p.buffer_norms) == len(header.buffers)]
+    if len(usable) < 2:
+        return []
+    # The version counter is the cheap signal, but kernels that update buffers internally
+    # (BatchNorm's running statistics) do not bump it: the values must not have moved either.
+    constant = [i for i in broadcast
+                if all(p.buffer_versions[i] == header.buffers[i].version for p in usable)
+                and len({(p.buffer_norms[i], p.buffer_sums[i]) for p in usable}) == 1]
+    if not constant:
+        return []
+    names = [header.buffers[i].name for i in constant]
+    const_bytes = sum(header.buffers[i].bytes for i in constant)
+    all_bytes = sum(header.buffers[i].bytes for i in broadcast)
+    bcast_ms, step_ms, _ = _bcast_stats(steps)
+    everything = len(constant) == len(broadcast)
+    saving_ms = None if bcast_ms is None else bcast_ms * (1.0 if everything else const_bytes / max(1, all_bytes))
+    share = saving_ms / step_ms if saving_ms is not None and step_ms else None
+    severity = "warning" if share is not None and share >= 0.01 else "info"
+    if everything:
+        fix = ("No buffer changes during training: stop broadcasting them at every forward:\n"
+               "    model = DistributedDataParallel(net, broadcast_buffers=False)  # torch>=2.13: forward_sync_buffers=False")
+    else:
+        listed = ", ".join(repr(n) for n in names[:20])
+        fix = ("Exclude just the constant buffers from DDP's broadcast (before wrapping; they are then not synced at "
+               "construction either, so make them equal on every rank yourself):\n"
+               f"    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, [{listed}])\n"
+               "    model = DistributedDataParallel(net)")
+    return [Finding(
+        code="constant-buffers", severity=severity, ranks=[rank], step=prints[0].step,
+        title=f"{len(constant)} constant buffer(s) broadcast at every forward",
+        detail=(f"{name_list(names)} ({human_bytes(const_bytes)}) never changed in {last.step} steps, yet DDP "
+                f"broadcasts them from rank 0 at every forward"
+                f"{f'; excluding them would save about {saving_ms:.2f} ms per step ({share:.1%})' if share is not None else ''}."),
+        evidence={"names": names, "bytes_per_step": const_bytes, "broadcast_bytes_per_step": all_bytes,
+                  "broadcast_ms": bcast_ms, "saving_ms": saving_ms, "share_of_step": share, "steps_observed": last.step},
+        fix=fix,
+    )]
+
+
+def cross_rank_floor_ms(steps_by_rank: dict[int, list[Step]]) -> float | None:
+    """Broadcast cost seen across ranks: per step, the rank that arrived last did not wait, so the
+    minimum over ranks is the transfer itself; the median of those minima is the cost."""
+    per_step: dict[int, list[float]] = {}
+    for steps in steps_by_rank.values():
+        for s in steps:
+            if s.bcast_us is not None:
+                per_step.setdefault(s.step, []).append(s.bcast_us)
+    n = len(steps_by_rank)
+    mins = [min(v) for v in per_step.values() if len(v) == n]
+    return median(mins) / 1000.0 if n > 1 and mins else None
+
+
+def buffer_broadcast_cost(header: Header, steps: list[Step], rank: int, cost_ms: float | None = None) -> list[Finding]:
+    """The share of step time that goes to DDP's buffer broadcast (``cost_ms``: a cross-rank
+    estimate of it, when the other ranks' logs are at hand)."""
+    bcast_ms, step_ms, nbytes = _bcast_stats(steps)
+    if cost_ms is not None:
+        bcast_ms = cost_ms
+    if bcast_ms is None or not step_ms or len(steps) < 5:
+        return []
+    share = bcast_ms / step_ms
+    if share < COST_INFO_SHARE:
+        return []
+    first = next(s.step for s in steps if s.bcast_us is not None)
+    return [Finding(
+        code="buffer-broadcast-cost", severity="warning" if share >= COST_WARNING_SHARE else "info", ranks=[rank],
+        step=first,
+        title=f"buffer broadcast takes {share:.0%} of the step",
+        detail=(f"DDP broadcasts {human_bytes(nbytes)} of module buffers from rank 0 at every forward: "
+                f"{bcast_ms:.2f} ms of a {step_ms:.2f} ms step ({len(steps)} steps; time spent waiting for other "
+                "ranks inside the broadcast is not counted)."),
+        evidence={"broadcast_ms": bcast_ms, "step_ms": step_ms, "share_of_step": share, "bytes_per_step": nbytes},
+        fix=("If the buffers need not match on every rank during training (BatchNorm statistics matter at eval "
+             "and checkpoint time), stop the per-forward broadcast and sync them once when needed:\n"
+             "    model = DistributedDataParallel(net, broadcast_buffers=False)\n"
+             "    # before eval / checkpoint:\n"
+             "    for b in model.module.buffers(): torch.distributed.broadcast(b, src=0)"),
+    )]

@@ -1,0 +1,79 @@
+"""All detectors over a run: per-rank findings merged across ranks, plus cross-rank ones."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ddpdoctor.analysis.accumulation import sync_during_accumulation
+from ddpdoctor.analysis.buffers import buffer_broadcast_cost, constant_buffers, cross_rank_floor_ms
+from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
+from ddpdoctor.analysis.replicas import compare_fingerprints
+from ddpdoctor.analysis.requires_grad import stale_requires_grad
+from ddpdoctor.analysis.unused import unused_parameters
+from ddpdoctor.events import FindingRecord
+from ddpdoctor.runlog import RankLog, Run
+
+
+def _in(step: int, first: int, nxt: int | None) -> bool:
+    return step >= first and (nxt is None or step < nxt)
+
+
+def rank_findings(log: RankLog, bcast_cost_ms: float | None = None) -> list[Finding]:
+    """What one rank's own log shows, one DDP instance (header segment) at a time."""
+    out: list[Finding] = []
+    for header, first, nxt in log.segments():
+        steps = [s for s in log.steps if _in(s.step, first, nxt)]
+        flags = [f for f in log.grad_flags if _in(f.step, first, nxt)]
+        prints = [f for f in log.fingerprints if _in(f.step, first, nxt)]
+        unused = [u for u in log.unused if _in(u.step, first, nxt)]
+        out += stale_requires_grad(header, flags, log.rank)
+        out += unused_parameters(header, unused, steps, log.rank)
+        out += constant_buffers(header, prints, steps, log.rank)
+        out += buffer_broadcast_cost(header, steps, log.rank, bcast_cost_ms)
+    out += sync_during_accumulation(log.steps, log.rank)
+    return out
+
+
+def _merge_evidence(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(a)
+    if isinstance(a.get("names"), list) and isinstance(b.get("names"), list):
+        merged["names"] = a["names"] + [n for n in b["names"] if n not in a["names"]]
+    return merged
+
+
+def merge(findings: list[Finding]) -> list[Finding]:
+    """One finding per code: ranks united, first step kept, the worst severity, names united."""
+    by_code: dict[str, Finding] = {}
+    for f in findings:
+        seen = by_code.get(f.code)
+        if seen is None:
+            by_code[f.code] = Finding(**{**f.to_dict(), "ranks": sorted(set(f.ranks))})
+            continue
+        seen.ranks = sorted(set(seen.ranks) | set(f.ranks))
+        if f.step is not None and (seen.step is None or f.step < seen.step):
+            seen.step = f.step
+        if SEVERITY_ORDER[f.severity] > SEVERITY_ORDER[seen.severity]:
+            seen.severity, seen.title, seen.detail, seen.fix = f.severity, f.title, f.detail, f.fix
+        seen.evidence = _merge_evidence(seen.evidence, f.evidence)
+    return sorted(by_code.values(), key=lambda f: (-SEVERITY_ORDER[f.severity], f.code))
+
+
+def _from_record(r: FindingRecord) -> Finding:
+    return Finding(code=r.code, severity=r.severity, title=r.title, detail=r.detail, fix=r.fix,  # type: ignore[arg-type]
+                   ranks=list(r.ranks) or [r.rank], step=r.step, evidence=dict(r.evidence))
+
+
+Detector = Callable[[Run], list[Finding]]
+
+
+def diagnose(run: Run) -> list[Finding]:
+    """Every finding the logs support. Live findings a rank logged are kept when the offline
+    detectors do not find them again (e.g. the log was cut before the evidence)."""
+    cost = cross_rank_floor_ms({r: log.steps for r, log in run.ranks.items()})
+    derived = [f for log in run.ranks.values() for f in rank_findings(log, cost)]
+    header = next((log.header for log in run.ranks.values() if log.header is not None), None)
+    if header is not None:
+        derived += compare_fingerprints(header, {r: log.fingerprints for r, log in run.ranks.items()})
+    codes = {f.code for f in derived}
+    logged = [_from_record(r) for log in run.ranks.values() for r in log.findings if r.code not in codes]
+    return merge(derived + logged)

@@ -1,0 +1,95 @@
+"""replica-divergence and buffer-divergence: comparing the ranks' fingerprints at the same steps."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.sizes import name_list
+from ddpdoctor.events import Fingerprint, Header
+
+RESYNC_FIX = (
+    "Find what updates parameters outside DDP's gradient synchronization on some ranks: requires_grad changed "
+    "after wrapping (rebuild with ddpdoctor.rewrap), in-place edits of p.data on some ranks, rank-dependent "
+    "optimizer state. To put the replicas back in step (one tensor per call):\n"
+    "    for p in model.module.parameters():\n"
+    "        torch.distributed.broadcast(p.data, src=0)"
+)
+BUFFER_FIX = (
+    "Buffers are not broadcast (broadcast_buffers=False), so each rank keeps its own. Broadcast them before "
+    "evaluation or checkpointing:\n"
+    "    for b in model.module.buffers():\n"
+    "        torch.distributed.broadcast(b, src=0)\n"
+    "or use torch.nn.SyncBatchNorm (GPU) / broadcast_buffers=True."
+)
+
+
+def _odd_ranks(values: dict[int, tuple[float, ...]]) -> list[int]:
+    """Ranks whose value is not the most common one (all of them on a tie)."""
+    counts = Counter(values.values())
+    (top, n), *rest = counts.most_common()
+    if rest and rest[0][1] == n:
+        return sorted(values)
+    return sorted(r for r, v in values.items() if v != top)
+
+
+def _rel_diff(values: list[float]) -> float:
+    lo, hi = min(values), max(values)
+    scale = max(abs(lo), abs(hi), 1e-30)
+    return (hi - lo) / scale
+
+
+def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -> list[Finding]:
+    """Parameters and buffers that differ across ranks at a step every rank fingerprinted."""
+    if len(prints) < 2:
+        return []
+    by_step: dict[int, dict[int, Fingerprint]] = {}
+    for rank, records in prints.items():
+        for fp in records:
+            by_step.setdefault(fp.step, {})[rank] = fp
+    params = [p.name for p in header.params]
+    buffers = header.buffers
+    bad_params: dict[str, tuple[int, list[int], float]] = {}
+    bad_buffers: dict[str, tuple[int, list[int], float]] = {}
+    for step in sorted(by_step):
+        at = by_step[step]
+        if set(at) != set(prints):
+            continue
+        for i, name in enumerate(params):
+            if name in bad_params:
+                continue
+            vals = {r: (fp.param_norms[i], fp.param_sums[i]) for r, fp in at.items()
+                    if i < len(fp.param_norms) and i < len(fp.param_sums)}
+            if len(set(vals.values())) > 1:
+                bad_params[name] = (step, _odd_ranks(vals), _rel_diff([v[0] for v in vals.values()]))
+        for i, buf in enumerate(buffers):
+            if buf.broadcast and all(fp.after_broadcast for fp in at.values()):
+                continue  # rank 0's copy is broadcast at every forward: differences do not last
+            if buf.name in bad_buffers:
+                continue
+            vals = {r: (fp.buffer_norms[i], fp.buffer_sums[i]) for r, fp in at.items()
+                    if i < len(fp.buffer_norms) and i < len(fp.buffer_sums)}
+            if len(set(vals.values())) > 1:
+                bad_buffers[buf.name] = (step, _odd_ranks(vals), _rel_diff([v[0] for v in vals.values()]))
+    out = []
+    for code, bad, what, fix, severity in (
+        ("replica-divergence", bad_params, "parameter", RESYNC_FIX, "error"),
+        ("buffer-divergence", bad_buffers, "buffer", BUFFER_FIX, "warning"),
+    ):
+        if not bad:
+            continue
+        names = list(bad)
+        first = min(v[0] for v in bad.values())
+        ranks = sorted({r for v in bad.values() for r in v[1]})
+        out.append(Finding(
+            code=code, severity=severity, ranks=ranks, step=first,
+            title=f"{len(names)} {what}(s) differ across ranks",
+            detail=(f"{name_list(names)} are not identical on every rank from step {first} on "
+                    f"(ranks {ranks} differ from the others; largest relative difference "
+                    f"{max(v[2] for v in bad.values()):.2e})."),
+            evidence={"names": names, "first_step": first, "ranks_differing": ranks,
+                      "max_relative_difference": max(v[2] for v in bad.values()),
+                      "per_name": {n: {"step": v[0], "ranks": v[1]} for n, v in list(bad.items())[:50]}},
+            fix=fix,
+        ))
+    return out

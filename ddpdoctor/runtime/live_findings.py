@@ -1,0 +1,94 @@
+"""Findings raised live on a rank: the analysis' detectors over this rank's own records.
+
+Each distinct problem is warned once (a ``DDPDoctorWarning`` subclass per family), written to
+the log as a ``finding`` record, and, when it is an error that is about to kill training, flushed
+to disk at once so that the log and stderr already say why when DDP raises.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from typing import Callable
+
+from ddpdoctor.analysis.accumulation import sync_during_accumulation
+from ddpdoctor.analysis.buffers import buffer_broadcast_cost, constant_buffers
+from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.requires_grad import stale_requires_grad
+from ddpdoctor.analysis.unused import unused_parameters
+from ddpdoctor.categories import CATEGORY_OF_CODE, DDPDoctorWarning
+from ddpdoctor.events import FindingRecord, Fingerprint, GradFlags, Header, Record, Step, Unused
+
+#: Step-based checks run every this many steps, over at most the last WINDOW steps.
+EVERY = 25
+WINDOW = 200
+#: Steps before the step-based checks first run (medians need a few).
+WARMUP = 20
+
+
+def warn_finding(finding: Finding, rank: int, stacklevel: int = 3) -> None:
+    """The Python warning for a finding, in its family's category."""
+    category = CATEGORY_OF_CODE.get(finding.code, DDPDoctorWarning)
+    step = f" (step {finding.step})" if finding.step is not None else ""
+    warnings.warn(
+        f"ddpdoctor [rank {rank}] {finding.code}: {finding.title}{step}. {finding.detail}\nFix: {finding.fix}",
+        category, stacklevel=stacklevel,
+    )
+
+
+class LiveFindings:
+    """Watches the records one monitor emits and raises what they show."""
+
+    def __init__(self, rank: int, ddp_index: int, emit: Callable[[Record], None], flush: Callable[[], None]) -> None:
+        self.rank = rank
+        self.ddp_index = ddp_index
+        self._emit = emit
+        self._flush = flush
+        self.header: Header | None = None
+        self.steps: deque[Step] = deque(maxlen=WINDOW)
+        self.flags: list[GradFlags] = []
+        self.prints: list[Fingerprint] = []
+        self.unused: list[Unused] = []
+        self.raised: list[Finding] = []
+        self._seen: set[tuple[str, tuple[str, ...]]] = set()
+        self._since_check = 0
+
+    def observe(self, record: Record) -> None:
+        if isinstance(record, Step):
+            self.steps.append(record)
+            self._since_check += 1
+            if len(self.steps) >= WARMUP and self._since_check >= EVERY:
+                self._since_check = 0
+                steps = list(self.steps)
+                self._raise(buffer_broadcast_cost(self.header, steps, self.rank) if self.header else [])
+                self._raise(sync_during_accumulation(steps, self.rank))
+        elif isinstance(record, GradFlags) and self.header is not None:
+            self.flags.append(record)
+            self._raise(stale_requires_grad(self.header, self.flags, self.rank))
+        elif isinstance(record, Unused) and self.header is not None:
+            self.unused.append(record)
+            self._raise(unused_parameters(self.header, self.unused, list(self.steps), self.rank))
+        elif isinstance(record, Fingerprint) and self.header is not None:
+            self.prints.append(record)
+            self._raise(constant_buffers(self.header, self.prints, list(self.steps), self.rank))
+        elif isinstance(record, Header):
+            # a new DDP instance (rewrap): what was stale about the old one no longer applies
+            self.header = record
+            self.flags, self.prints, self.unused = [], [], []
+            self.steps.clear()
+
+    def _raise(self, findings: list[Finding]) -> None:
+        for f in findings:
+            key = (f.code, tuple(f.evidence.get("names", ()) or ()))
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            self.raised.append(f)
+            self._emit(FindingRecord(rank=self.rank, ddp=self.ddp_index, step=f.step, code=f.code,
+                                     severity=f.severity, title=f.title, detail=f.detail, fix=f.fix,
+                                     ranks=f.ranks, evidence=f.evidence))
+            if f.severity == "info":
+                continue
+            if f.severity == "error":
+                self._flush()  # on disk before the error it predicts kills the process
+            warn_finding(f, self.rank, stacklevel=4)
