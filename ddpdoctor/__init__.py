@@ -25,11 +25,11 @@ from ddpdoctor.categories import (
 from ddpdoctor.runlog import Run, RunDirError, load_run
 
 if TYPE_CHECKING:
-    from ddpdoctor.runtime import DistributedDataParallel, Monitor, instrument
+    from ddpdoctor.runtime import DistributedDataParallel, Monitor, check_replicas, instrument, rewrap
 
 __version__ = "0.1.0"
 
-_LAZY = {"instrument", "DistributedDataParallel", "Monitor"}
+_LAZY = {"instrument", "DistributedDataParallel", "Monitor", "check_replicas", "rewrap"}
 
 
 def __getattr__(name: str) -> Any:
@@ -59,6 +59,8 @@ __all__ = [
     "StaleRequiresGradWarning",
     "UnusedParametersWarning",
     "analyze",
+    "check_replicas",
     "instrument",
     "load_run",
+    "rewrap",
 ]

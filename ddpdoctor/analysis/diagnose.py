@@ -27,7 +27,7 @@ def rank_findings(log: RankLog, bcast_cost_ms: float | None = None) -> list[Find
         prints = [f for f in log.fingerprints if _in(f.step, first, nxt)]
         unused = [u for u in log.unused if _in(u.step, first, nxt)]
         out += stale_requires_grad(header, flags, log.rank)
-        out += unused_parameters(header, unused, steps, log.rank)
+        out += unused_parameters(header, unused, steps, log.rank, frozen=any(f.frozen for f in flags))
         out += constant_buffers(header, prints, steps, log.rank)
         out += buffer_broadcast_cost(header, steps, log.rank, bcast_cost_ms)
     out += sync_during_accumulation(log.steps, log.rank)

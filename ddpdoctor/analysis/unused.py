@@ -12,8 +12,10 @@ from ddpdoctor.events import Header, Step, Unused
 MIN_CLEAN_SAMPLES = 2
 
 
-def unused_parameters(header: Header, samples: list[Unused], steps: list[Step], rank: int) -> list[Finding]:
-    """Findings from one rank's sampled unused-parameter checks."""
+def unused_parameters(header: Header, samples: list[Unused], steps: list[Step], rank: int,
+                      frozen: bool = False) -> list[Finding]:
+    """Findings from one rank's sampled unused-parameter checks (``frozen``: some parameter DDP
+    reduces has lost requires_grad, which find_unused_parameters=True is then needed for)."""
     if not samples:
         return []
     find_unused = bool(header.ddp_options.get("find_unused_parameters"))
@@ -27,13 +29,17 @@ def unused_parameters(header: Header, samples: list[Unused], steps: list[Step], 
     if names:
         nbytes = param_bytes(header, names)
         if find_unused:
+            # never used in any sample: dead weight; used in some: conditional branches, DDP copes
+            never = [n for n in names if all(n in s.names for s in samples)]
             return [Finding(
-                code="unused-parameters", severity="info", ranks=[rank], step=first,
+                code="unused-parameters", severity="warning" if never and len(samples) >= 2 else "info",
+                ranks=[rank], step=first,
                 title=f"{len(names)} parameter(s) produced no gradient",
-                detail=(f"{name_list(names)} received no gradient in sampled steps. find_unused_parameters=True "
-                        f"handles it, at the cost of a graph search every step; their {human_bytes(nbytes)} are "
-                        "still all-reduced (as zeros) unless unused on every rank."),
-                evidence={"names": names, "bytes_per_step": nbytes, "samples": len(samples)},
+                detail=(f"{name_list(names)} received no gradient in sampled steps"
+                        f"{f' ({name_list(never)} in none of the {len(samples)} samples)' if never else ''}. "
+                        "find_unused_parameters=True handles it, at the cost of a graph search every step; "
+                        f"their {human_bytes(nbytes)} are still all-reduced (as zeros) unless unused on every rank."),
+                evidence={"names": names, "never_used": never, "bytes_per_step": nbytes, "samples": len(samples)},
                 fix=("If they are never used, delete them from the model (or wrap only the used part). If they are "
                      "used on some steps only, keep find_unused_parameters=True."),
             )]
@@ -47,7 +53,7 @@ def unused_parameters(header: Header, samples: list[Unused], steps: list[Step], 
             fix=("Use every parameter in the forward, or build DDP with find_unused_parameters=True:\n"
                  "    model = DistributedDataParallel(net, find_unused_parameters=True)"),
         )]
-    if not find_unused or len(samples) < MIN_CLEAN_SAMPLES:
+    if not find_unused or frozen or len(samples) < MIN_CLEAN_SAMPLES:
         return []
     post = [s.post_forward_us for s in samples if s.post_forward_us is not None]
     step_us = [s.end_us for s in steps if s.end_us is not None]

@@ -50,7 +50,7 @@ class LiveFindings:
         self.prints: list[Fingerprint] = []
         self.unused: list[Unused] = []
         self.raised: list[Finding] = []
-        self._seen: set[tuple[str, tuple[str, ...]]] = set()
+        self._seen: set[tuple[str, str, tuple[str, ...]]] = set()
         self._since_check = 0
 
     def observe(self, record: Record) -> None:
@@ -60,26 +60,28 @@ class LiveFindings:
             if len(self.steps) >= WARMUP and self._since_check >= EVERY:
                 self._since_check = 0
                 steps = list(self.steps)
-                self._raise(buffer_broadcast_cost(self.header, steps, self.rank) if self.header else [])
-                self._raise(sync_during_accumulation(steps, self.rank))
+                self.raise_findings(buffer_broadcast_cost(self.header, steps, self.rank) if self.header else [])
+                self.raise_findings(sync_during_accumulation(steps, self.rank))
         elif isinstance(record, GradFlags) and self.header is not None:
             self.flags.append(record)
-            self._raise(stale_requires_grad(self.header, self.flags, self.rank))
+            self.raise_findings(stale_requires_grad(self.header, self.flags, self.rank))
         elif isinstance(record, Unused) and self.header is not None:
             self.unused.append(record)
-            self._raise(unused_parameters(self.header, self.unused, list(self.steps), self.rank))
+            frozen = any(f.frozen for f in self.flags)
+            self.raise_findings(unused_parameters(self.header, self.unused, list(self.steps), self.rank, frozen))
         elif isinstance(record, Fingerprint) and self.header is not None:
             self.prints.append(record)
-            self._raise(constant_buffers(self.header, self.prints, list(self.steps), self.rank))
+            self.raise_findings(constant_buffers(self.header, self.prints, list(self.steps), self.rank))
         elif isinstance(record, Header):
             # a new DDP instance (rewrap): what was stale about the old one no longer applies
             self.header = record
             self.flags, self.prints, self.unused = [], [], []
             self.steps.clear()
 
-    def _raise(self, findings: list[Finding]) -> None:
+    def raise_findings(self, findings: list[Finding]) -> None:
+        """Log and warn each finding not raised before."""
         for f in findings:
-            key = (f.code, tuple(f.evidence.get("names", ()) or ()))
+            key = (f.code, f.severity, tuple(f.evidence.get("names", ()) or ()))
             if key in self._seen:
                 continue
             self._seen.add(key)

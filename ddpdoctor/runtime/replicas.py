@@ -1,0 +1,67 @@
+"""``ddpdoctor.check_replicas``: the explicit, on-demand cross-rank comparison of a model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.replicas import compare_fingerprints
+from ddpdoctor.events import BufferInfo, Fingerprint, Header, ParamInfo
+from ddpdoctor.runtime.fingerprints import _values
+from ddpdoctor.runtime.live_findings import warn_finding
+from ddpdoctor.runtime.monitor import monitor_of
+
+
+def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True) -> list[Finding]:
+    """Compare every parameter and buffer across ranks; call on every rank (it is a collective).
+
+    Works on a DDP model or a plain module. Each rank computes an L2 norm and a sum per tensor
+    and the ranks exchange them (one small ``all_gather_object``), so the check costs one pass
+    over the weights. Buffers that DDP broadcasts at every forward are not compared (they differ
+    between forwards by design).
+
+    Returns:
+        ``replica-divergence`` / ``buffer-divergence`` findings naming the tensors and the ranks
+        that differ (empty when the replicas are identical). With ``warn``, each is also raised as
+        a ``ReplicaDivergenceWarning`` and logged when the model is instrumented.
+    """
+    ddp = model if isinstance(model, TorchDDP) else None
+    module = ddp.module if ddp is not None else model
+    if group is None and ddp is not None:
+        group = ddp.process_group
+    params = list(module.named_parameters())
+    buffers = list(module.named_buffers())
+    broadcast = {id(b) for b in getattr(ddp, "modules_buffers", [])} if ddp is not None and ddp.forward_sync_buffers else set()
+    with torch.no_grad():
+        values = _values([p for _, p in params] + [b for _, b in buffers]).cpu()
+    norms, sums = values[:, 0].tolist(), values[:, 1].tolist()
+    world = dist.get_world_size(group)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (norms, sums), group=group)
+    n = len(params)
+    header = Header(
+        rank=dist.get_rank(),
+        params=[ParamInfo(name=name, shape=list(p.shape), dtype=str(p.dtype).removeprefix("torch."), numel=p.numel(),
+                          requires_grad=p.requires_grad) for name, p in params],
+        buffers=[BufferInfo(name=name, shape=list(b.shape), dtype=str(b.dtype).removeprefix("torch."),
+                            bytes=b.numel() * b.element_size(), broadcast=id(b) in broadcast) for name, b in buffers],
+    )
+    monitor = monitor_of(ddp) if ddp is not None else None
+    step = monitor.recorder.next_index if monitor is not None else 0
+    prints = {
+        r: [Fingerprint(rank=r, step=step, param_norms=g[0][:n], param_sums=g[1][:n], buffer_norms=g[0][n:],
+                        buffer_sums=g[1][n:], after_broadcast=True)]
+        for r, g in enumerate(gathered)
+    }
+    findings = compare_fingerprints(header, prints)
+    if warn:
+        for f in findings:
+            if monitor is not None:
+                monitor.live.raise_findings([f])
+            else:
+                warn_finding(f, header.rank)
+    return findings

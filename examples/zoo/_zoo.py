@@ -1,0 +1,65 @@
+"""What the zoo scripts share: a 2-rank gloo launcher on CPU, a small model, data.
+
+Each script is plain PyTorch DDP training with one line of ddpdoctor (``instrument``); run it as
+
+    python examples/zoo/<name>.py [RUN_DIR]
+    ddpdoctor report RUN_DIR
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import sys
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+Train = Callable[[int, int, str], None]
+
+
+class Net(nn.Module):
+    """A small MLP with BatchNorm."""
+
+    def __init__(self, batchnorm: bool = True) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64) if batchnorm else nn.Identity(), nn.ReLU(),
+                                  nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(16, 32, generator=gen), torch.randn(16, 4, generator=gen)
+
+
+def _entry(rank: int, train: Train, world: int, port: int, run_dir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)  # same initial weights everywhere (DDP would broadcast them anyway)
+    train(rank, world, run_dir)
+    gc.collect()
+    dist.destroy_process_group()
+    # torch 2.13's gloo process group sometimes aborts in its destructors at interpreter exit;
+    # the run is complete and its log closed, so skip them.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def launch(train: Train, world: int = 2) -> None:
+    """Run ``train(rank, world, run_dir)`` on ``world`` gloo ranks; RUN_DIR is argv[1]."""
+    run_dir = sys.argv[1] if len(sys.argv) > 1 else os.path.join("ddpdoctor-runs", "zoo-" + os.path.basename(sys.argv[0])[:-3])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    print(f"run dir: {run_dir}", flush=True)
+    mp.spawn(_entry, args=(train, world, port, run_dir), nprocs=world)

@@ -1,0 +1,39 @@
+"""constant-buffers: a fixed lookup table registered as a buffer, broadcast at every forward."""
+
+from __future__ import annotations
+
+import torch
+from _zoo import launch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpdoctor
+
+
+class TableNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.linspace(-1, 1, 256 * 64).reshape(256, 64))  # never changes
+        self.proj = nn.Linear(32, 64)
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.proj(x)) + self.table[:1]
+        return self.head(h)
+
+
+def train(rank: int, world: int, run_dir: str) -> None:
+    model = DDP(TableNet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(rank)
+    with ddpdoctor.instrument(model, run_dir=run_dir, check_every=5):
+        for _ in range(11):
+            x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 4, generator=gen)
+            loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+if __name__ == "__main__":
+    launch(train)
