@@ -1,4 +1,4 @@
-"""Step-time overhead of ddpdoctor vs torch.profiler vs TORCH_DISTRIBUTED_DEBUG=DETAIL.
+"""Step-time overhead of ddpdoctor vs torch.profiler vs TORCH_DISTRIBUTED_DEBUG.
 
 Two gloo ranks on CPU train two small models built here (no torchvision):
 
@@ -11,23 +11,26 @@ How the figures are taken (the machine is small and noisy, so everything is inte
   then N timed steps. Each step is timed on the host with ``time.perf_counter`` around the whole
   step (forward, loss, zero_grad, backward, optimizer). After the round the ranks exchange their
   step times (outside the timed loop); a step's time is the max over ranks and the round's value
-  is the median over its steps.
-* plain / ddpdoctor / torch.profiler rounds share one process group and alternate inside it:
-  for every pair and model, the rounds run back to back in the order plain, ddpdoctor, profiler
-  (even pairs) or profiler, ddpdoctor, plain (odd pairs).
+  is the median over its steps. Rounds are short on purpose: the CPU capacity of a small VM
+  changes from one minute to the next, and a pair must see the same conditions.
+* Rounds with ddpdoctor or torch.profiler (and the ``--attribution`` ones) run in one process
+  group, each right next to its own plain round (plain first or second, alternating).
   ddpdoctor rounds call ``ddpdoctor.instrument(ddp, run_dir=<temp dir>)`` (default file sink,
   default ``proc_interval``) right after building DDP and ``close()`` it after the round (outside
-  the timed steps); the round fails unless the monitor recorded steps, wrote its file and kept
-  all its probes on. Profiler rounds run warm-up and timed steps inside
+  the timed steps); the round fails unless the monitor recorded every step, wrote its file and
+  kept all its probes on. Profiler rounds run warm-up and timed steps inside
   ``torch.profiler.profile(activities=[ProfilerActivity.CPU])``; its post-processing after the
   ``with`` block is not timed.
 * ``TORCH_DISTRIBUTED_DEBUG`` is read when ``torch.distributed`` is imported and applied when a
-  process group is created, so DETAIL cannot share a process group: each DETAIL round runs in a
-  fresh pair of processes started with the variable set, alternating with a fresh pair started
-  without it (plain; order swapped every other pair). Those plain rounds are DETAIL's baseline.
-* Overhead of a tool = median over pairs of (tool round / paired plain round - 1).
+  process group is created, so those modes cannot share a process group: each of their rounds
+  runs in a fresh pair of processes, in rotating order with a fresh plain pair (their shared
+  baseline). DETAIL is tried first as users set it; if the ranks crash (they do with gloo in
+  torch 2.13.0+cpu), the crash is reported and DETAIL set with ``dist.set_debug_level`` right
+  after ``init_process_group`` (DDP, reducer and logger in DETAIL, the group not wrapped in
+  ProcessGroupWrapper) is measured instead, as a lower bound.
+* Overhead of a tool = median over pairs of (tool round / its plain round - 1).
 
-Usage: ``python bench/overhead.py [--pairs 7] [--steps 40] [--short-steps 400] [--quick]``.
+Usage: ``python bench/overhead.py [--pairs 7] [--steps 10] [--attribution] [--quick]``.
 """
 
 from __future__ import annotations
@@ -242,6 +245,12 @@ def rank_main(rank: int, port: int, schedule: list[dict[str, Any]], result_path:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # torch 2.13's gloo process group sometimes aborts in its destructors at interpreter teardown
+    # ("terminate called without an active exception", with or without ddpdoctor). The results
+    # are on disk and every monitor is closed by now, so leave without running them.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- the parent --------------------------------------------------------------------------------
@@ -309,16 +318,19 @@ def _pct(x: float) -> str:
 
 def summarize(results: list[dict[str, Any]], models: list[str], tools: list[tuple[str, str, str]]) -> dict[str, Any]:
     """Per model and tool: median plain ms, median tool ms, overheads of the pairs."""
-    by = {(r["group"], r["model"], r["mode"], r["pair"]): r for r in results}
+    # a plain round is the baseline of the tool named in "baseline_for" (None: of every tool in its group)
+    by = {(r["group"], r["model"], r["mode"], r["pair"], r.get("baseline_for")): r for r in results}
     summary: dict[str, Any] = {}
     for model in models:
         for group, mode, _label in tools:
+            base = mode if group == "main" else None
             pairs = sorted({r["pair"] for r in results if r["group"] == group and r["model"] == model})
-            pairs = [p for p in pairs if (group, model, mode, p) in by and (group, model, "plain", p) in by]
+            pairs = [p for p in pairs
+                     if (group, model, mode, p, None) in by and (group, model, "plain", p, base) in by]
             if not pairs:
                 continue
-            plain = [by[(group, model, "plain", p)]["step_ms"] for p in pairs]
-            tool = [by[(group, model, mode, p)]["step_ms"] for p in pairs]
+            plain = [by[(group, model, "plain", p, base)]["step_ms"] for p in pairs]
+            tool = [by[(group, model, mode, p, None)]["step_ms"] for p in pairs]
             ratios = [t / b - 1 for t, b in zip(tool, plain)]
             summary[f"{model}/{mode}"] = {
                 "plain_ms": statistics.median(plain), "tool_ms": statistics.median(tool),
@@ -350,10 +362,11 @@ def table(summary: dict[str, Any], models: list[str], tools: list[tuple[str, str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=7, help="interleaved pairs per tool and model (default 7)")
-    parser.add_argument("--steps", type=int, default=40, help="timed steps per round, long model (default 40)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round, long model (default 10)")
     parser.add_argument("--short-steps", type=int, default=None,
-                        help="timed steps per round, short model (default 10 x --steps)")
-    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per round, long model (default 5; short: 5x)")
+                        help="timed steps per round, short model (default 20 x --steps)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up steps per round, long model (default 3; short model: 20)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (< 60 s)")
     parser.add_argument("--attribution", action="store_true",
                         help="also time plain DDP with a Python allreduce comm hook (what ddpdoctor's hook wraps) "
@@ -366,9 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         short_steps = args.short_steps or 30
         warm_long, warm_short = args.warmup or 2, 10
     else:
-        short_steps = args.short_steps or 10 * args.steps
-        warm_long = args.warmup if args.warmup is not None else 5
-        warm_short = 5 * warm_long
+        short_steps = args.short_steps or 20 * args.steps
+        warm_long = args.warmup if args.warmup is not None else 3
+        warm_short = 20
     plan = {"long": (warm_long, args.steps), "short": (warm_short, short_steps)}
     models = list(SPECS)
 
@@ -377,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         tools.append(("main", "pyhook", "(attribution) plain DDP + Python allreduce_hook, no ddpdoctor"))
         tools.append(("main", "nullsink", "(attribution) ddpdoctor.instrument with NullSink"))
     tools.append(("main", "profiler", "torch.profiler (CPU activities)"))
-    main_modes = ["plain", "ddpdoctor"] + (["pyhook", "nullsink"] if args.attribution else []) + ["profiler"]
+    main_tools = [mode for group, mode, _ in tools if group == "main"]
 
     workdir = tempfile.mkdtemp(prefix="ddpdoctor-bench-")
     started = time.monotonic()
@@ -396,14 +409,16 @@ def main(argv: list[str] | None = None) -> int:
         # plain / ddpdoctor / (pyhook) / profiler: interleaved rounds in one process group
         schedule = []
         for pair in range(args.pairs):
-            order = main_modes if pair % 2 == 0 else main_modes[::-1]
             for model in models:
                 warmup, steps = plan[model]
-                for mode in order:
-                    schedule.append({
-                        "group": "main", "model": model, "mode": mode, "pair": pair, "warmup": warmup,
-                        "steps": steps, "run_dir": os.path.join(workdir, f"run-{model}-{mode}-{pair}"),
-                    })
+                for k, tool in enumerate(main_tools):
+                    # every tool round has its own plain round right before or after it
+                    for mode in (("plain", tool) if (pair + k) % 2 == 0 else (tool, "plain")):
+                        schedule.append({
+                            "group": "main", "model": model, "mode": mode, "pair": pair, "warmup": warmup,
+                            "steps": steps, "baseline_for": tool if mode == "plain" else None,
+                            "run_dir": os.path.join(workdir, f"run-{model}-{mode}-{pair}"),
+                        })
         log(f"main group: {len(schedule)} rounds in one process group")
         results += launch(schedule, workdir, None, 600 + 30 * len(schedule) * (1 + args.steps / 10))
         log("main group done")

@@ -9,7 +9,7 @@ from ddpdoctor.analysis.sizes import human_bytes, name_list
 from ddpdoctor.events import Fingerprint, Header, Step
 
 #: Share of the step spent in buffer broadcast that deserves a warning, and an info.
-COST_WARNING_SHARE = 0.10
+COST_WARNING_SHARE = 0.15
 COST_INFO_SHARE = 0.03
 #: Training steps a buffer must stay unchanged before it is called constant.
 MIN_STEPS_CONSTANT = 3

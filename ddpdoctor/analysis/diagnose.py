@@ -66,14 +66,20 @@ def _from_record(r: FindingRecord) -> Finding:
 Detector = Callable[[Run], list[Finding]]
 
 
+#: Codes a rank may log from evidence that is not in the log itself (``check_replicas`` compares
+#: the ranks on demand, between sampled fingerprints). Every other code is derived from the log
+#: again, and the derivation, which sees the whole run, wins over what was said live.
+LOGGED_EVIDENCE_CODES = {"replica-divergence", "buffer-divergence"}
+
+
 def diagnose(run: Run) -> list[Finding]:
-    """Every finding the logs support. Live findings a rank logged are kept when the offline
-    detectors do not find them again (e.g. the log was cut before the evidence)."""
+    """Every finding the logs support."""
     cost = cross_rank_floor_ms({r: log.steps for r, log in run.ranks.items()})
     derived = [f for log in run.ranks.values() for f in rank_findings(log, cost)]
     header = next((log.header for log in run.ranks.values() if log.header is not None), None)
     if header is not None:
         derived += compare_fingerprints(header, {r: log.fingerprints for r, log in run.ranks.items()})
     codes = {f.code for f in derived}
-    logged = [_from_record(r) for log in run.ranks.values() for r in log.findings if r.code not in codes]
+    logged = [_from_record(r) for log in run.ranks.values() for r in log.findings
+              if r.code in LOGGED_EVIDENCE_CODES and r.code not in codes]
     return merge(derived + logged)

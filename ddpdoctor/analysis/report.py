@@ -43,9 +43,13 @@ def _median(values: list[float]) -> float | None:
 
 
 def _rank_status(log: RankLog) -> str:
-    if log.end is not None:
-        return "finished"
-    return "running"
+    """finished, failed (an exception ended training), terminated (a signal), or running (no
+    end record: still writing, or killed without a chance to say so)."""
+    if log.end is None:
+        return "running"
+    if log.end.reason.startswith("error"):
+        return "failed"
+    return "terminated" if log.end.reason == "signal" else "finished"
 
 
 def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: str) -> dict[str, Any]:

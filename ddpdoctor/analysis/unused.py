@@ -9,7 +9,7 @@ from ddpdoctor.analysis.sizes import human_bytes, name_list, param_bytes
 from ddpdoctor.events import Header, Step, Unused
 
 #: Sampled steps without any unused parameter before find_unused_parameters=True is called needless.
-MIN_CLEAN_SAMPLES = 2
+MIN_CLEAN_SAMPLES = 3
 
 
 def unused_parameters(header: Header, samples: list[Unused], steps: list[Step], rank: int,

@@ -142,7 +142,7 @@ class End(_Record, tag="end", kw_only=True):
     t_mono_ns: int
     t_wall_ns: int
     steps: int
-    reason: str  # "close", "exit" or "signal"
+    reason: str  # "close", "exit", "signal", or "error: <exception type>" (left a with-block by an exception)
 
 
 class GradFlags(_Record, tag="grad_flags", kw_only=True):

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 
-def _values(tensors: list[torch.Tensor]) -> torch.Tensor:
+def tensor_values(tensors: list[torch.Tensor]) -> torch.Tensor:
     rows = []
     for t in tensors:
         if t.is_sparse or t.is_complex() or t.numel() == 0:
@@ -31,7 +31,7 @@ class Fingerprinter:
 
     def take(self, tensors: list[torch.Tensor], meta: Any) -> None:
         with torch.no_grad():
-            values = _values(tensors)
+            values = tensor_values(tensors)
         if values.is_cuda:
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             host.copy_(values, non_blocking=True)

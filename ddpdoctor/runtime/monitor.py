@@ -389,7 +389,7 @@ class Monitor:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
+        self.close(reason="close" if exc_type is None else f"error: {exc_type.__name__}")
 
 
 class _DisabledMonitor:

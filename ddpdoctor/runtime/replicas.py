@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.events import BufferInfo, Fingerprint, Header, ParamInfo
-from ddpdoctor.runtime.fingerprints import _values
+from ddpdoctor.runtime.fingerprints import tensor_values
 from ddpdoctor.runtime.live_findings import warn_finding
 from ddpdoctor.runtime.monitor import monitor_of
 
@@ -37,7 +37,7 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
     buffers = list(module.named_buffers())
     broadcast = {id(b) for b in getattr(ddp, "modules_buffers", [])} if ddp is not None and ddp.forward_sync_buffers else set()
     with torch.no_grad():
-        values = _values([p for _, p in params] + [b for _, b in buffers]).cpu()
+        values = tensor_values([p for _, p in params] + [b for _, b in buffers]).cpu()
     norms, sums = values[:, 0].tolist(), values[:, 1].tolist()
     world = dist.get_world_size(group)
     gathered: list[Any] = [None] * world

@@ -25,18 +25,18 @@ Train = Callable[[int, int, str], None]
 class Net(nn.Module):
     """A small MLP with BatchNorm."""
 
-    def __init__(self, batchnorm: bool = True) -> None:
+    def __init__(self, batchnorm: bool = True, width: int = 64) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64) if batchnorm else nn.Identity(), nn.ReLU(),
-                                  nn.Linear(64, 64), nn.ReLU())
-        self.head = nn.Linear(64, 4)
+        self.body = nn.Sequential(nn.Linear(32, width), nn.BatchNorm1d(width) if batchnorm else nn.Identity(),
+                                  nn.ReLU(), nn.Linear(width, width), nn.ReLU())
+        self.head = nn.Linear(width, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x))
 
 
-def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(16, 32, generator=gen), torch.randn(16, 4, generator=gen)
+def batch(gen: torch.Generator, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(size, 32, generator=gen), torch.randn(size, 4, generator=gen)
 
 
 def _entry(rank: int, train: Train, world: int, port: int, run_dir: str) -> None:

@@ -14,7 +14,7 @@ class EmaNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(32, 4)
-        self.register_buffer("feature_ema", torch.zeros(2_000_000))  # 8 MB of running statistics
+        self.register_buffer("feature_ema", torch.zeros(4_000_000))  # 16 MB of running statistics
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:

@@ -1,4 +1,4 @@
-"""A healthy run: no warning or error finding."""
+"""A healthy run: no warning or error finding (a model big enough that its step is not all latency)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import ddpdoctor
 
 
 def train(rank: int, world: int, run_dir: str) -> None:
-    model = DDP(Net())
+    model = DDP(Net(width=1024))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)
     with ddpdoctor.instrument(model, run_dir=run_dir, check_every=5):
         for _ in range(30):
-            x, y = batch(gen)
+            x, y = batch(gen, size=128)
             loss = ((model(x) - y) ** 2).mean()
             opt.zero_grad()
             loss.backward()
