@@ -81,6 +81,29 @@ def train(ddp: torch.nn.Module, rank: int, steps: int = 6) -> list[float]:
     return losses
 
 
+def train_with_rebuild(ddp: DDP, rank: int, rebuild: Callable[[DDP], DDP], calls: list[int]) -> dict[str, Any]:
+    """6 steps; after step 2 the head is frozen and DDP rebuilt by ``rebuild``."""
+    ddp.register_comm_hook(calls, sum_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    data = iter(batches(rank, 6))
+    losses = []
+    for step in range(6):
+        if step == 3:
+            ddp.module.head.requires_grad_(False)
+            ddp = rebuild(ddp)
+        x, y = next(data)
+        loss = ((ddp(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    monitor = getattr(ddp, "ddpdoctor", None)
+    if monitor is not None:
+        monitor.close()
+    return {"losses": losses, "type": type(ddp).__qualname__, "find_unused": ddp.find_unused_parameters,
+            "cap": ddp.bucket_bytes_cap}
+
+
 def sum_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real (not string) annotations
     """A custom hook with a visible effect: sums gradients without averaging them."""
     state.append(bucket.index())
@@ -180,6 +203,23 @@ def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         with ddpdoctor.instrument(ddp, run_dir=root / f"variant-{name}") as monitor:
             instr = train(ddp, rank)
         out["variants"][name] = (plain, instr, monitor.steps)
+
+    # rewrap mid-training == rebuilding DDP by hand with the same options and hook
+    def rebuilt_by_hand(ddp: DDP) -> DDP:
+        new = DDP(ddp.module, bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True)
+        new.register_comm_hook(hook_calls, sum_hook)
+        return new
+
+    hook_calls: list[int] = []
+    by_hand = train_with_rebuild(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True),
+                                 rank, rebuilt_by_hand, hook_calls)
+    rewrap_calls: list[int] = []
+    model = ddpdoctor.DistributedDataParallel(make_model(), bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True,
+                                              ddpdoctor_run_dir=root / "rewrap")
+    out["rewrap"] = train_with_rebuild(model, rank, ddpdoctor.rewrap, rewrap_calls)
+    out["rewrap_by_hand"] = by_hand
+    out["rewrap_hook_calls"] = (len(hook_calls), len(rewrap_calls))
+    out["check_replicas"] = [f.code for f in ddpdoctor.check_replicas(make_model())]
 
     # no run dir given: the ranks agree on one through the rendezvous store
     os.environ.pop("DDPDOCTOR_RUN_DIR", None)

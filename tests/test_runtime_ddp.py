@@ -167,3 +167,18 @@ def test_other_ddp_options_train_identically_and_are_recorded(core: Any) -> None
         assert log.header.ddp_options["forward_sync_buffers"] is False
         assert not any(b.broadcast for b in log.header.buffers)
         assert all(s.bcast_us is None and s.bcast_bytes == 0 for s in log.steps)
+
+
+def test_rewrap_equals_rebuilding_ddp_by_hand(core: Any) -> None:
+    results, tmp = core
+    for r in results:
+        assert r["rewrap"]["losses"] == r["rewrap_by_hand"]["losses"]  # same options, same hook, same optimizer
+        assert r["rewrap"]["type"] == "DistributedDataParallel" and r["rewrap"]["find_unused"] is True
+        assert r["rewrap"]["cap"] == r["rewrap_by_hand"]["cap"]
+        assert r["rewrap_hook_calls"][0] == r["rewrap_hook_calls"][1] > 6  # the user's hook survived the rebuild
+        assert r["check_replicas"] == []
+    log = ddpdoctor.load_run(tmp / "rewrap").ranks[0]
+    assert [h.reason for h in log.headers] == ["attach", "rewrap"] and log.headers[1].first_step == 3
+    assert [p.reduced for p in log.headers[1].params if p.name.startswith("head.")] == [False, False]
+    assert [s.step for s in log.steps] == list(range(6))
+    assert not log.findings  # the freeze was followed by a rewrap: nothing stale

@@ -14,10 +14,8 @@ from ddpdoctor.runtime.monitor import monitor_of
 def constructor_options(ddp: TorchDDP) -> dict[str, Any]:
     """The options ``ddp`` was built with, as keyword arguments of DDP's constructor."""
     accepted = set(inspect.signature(TorchDDP.__init__).parameters)
-    config = getattr(ddp, "_bucket_config", None)
-    cap_mb = getattr(config, "bucket_cap_mb", None)
-    if cap_mb is None and getattr(ddp, "bucket_bytes_cap", None):
-        cap_mb = ddp.bucket_bytes_cap / 2**20
+    # from the exact byte cap (the config's own bucket_cap_mb is rounded to whole MiB)
+    cap_mb = ddp.bucket_bytes_cap / 2**20 if getattr(ddp, "bucket_bytes_cap", None) else None
     forward_sync = bool(getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True)))
     options: dict[str, Any] = {
         "device_ids": ddp.device_ids,
