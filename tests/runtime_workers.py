@@ -25,31 +25,44 @@ COLLECTIVES = [
 ]
 
 
+PG_METHODS = ["allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base", "barrier", "reduce",
+              "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "alltoall", "alltoall_base", "send",
+              "recv", "recv_anysource"]
+
+
 class CollectiveCounter:
-    """Counts calls into torch.distributed's collectives (and CUDA synchronizations) while active."""
+    """Counts calls into torch.distributed's collectives, into the ProcessGroup's methods (as
+    ``pg.<name>``), and CUDA synchronizations, while active. DDP's own C++ all-reduces do not pass
+    through Python and are not counted."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
-        self._saved: dict[str, Callable[..., Any]] = {}
+        self._saved: list[tuple[Any, str, Callable[..., Any]]] = []
+
+    def _patch(self, owner: Any, attr: str, label: str) -> None:
+        original = getattr(owner, attr, None)
+        if original is None:
+            return
+        # restore the raw class attribute (pybind's method descriptor), not what getattr returned
+        raw = owner.__dict__.get(attr, original) if isinstance(owner, type) else original
+        self._saved.append((owner, attr, raw))
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            self.counts[label] = self.counts.get(label, 0) + 1
+            return original(*args, **kwargs)
+
+        setattr(owner, attr, counting)
 
     def __enter__(self) -> CollectiveCounter:
-        for name in COLLECTIVES + ["cuda.synchronize"]:
-            owner, attr = (torch.cuda, "synchronize") if name == "cuda.synchronize" else (dist, name)
-            original = getattr(owner, attr, None)
-            if original is None:
-                continue
-            self._saved[name] = original
-
-            def counting(*args: Any, _name: str = name, _orig: Callable[..., Any] = original, **kwargs: Any) -> Any:
-                self.counts[_name] = self.counts.get(_name, 0) + 1
-                return _orig(*args, **kwargs)
-
-            setattr(owner, attr, counting)
+        for name in COLLECTIVES:
+            self._patch(dist, name, name)
+        for name in PG_METHODS:
+            self._patch(dist.ProcessGroup, name, f"pg.{name}")
+        self._patch(torch.cuda, "synchronize", "cuda.synchronize")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name, original in self._saved.items():
-            owner, attr = (torch.cuda, "synchronize") if name == "cuda.synchronize" else (dist, name)
+        for owner, attr, original in reversed(self._saved):
             setattr(owner, attr, original)
 
 

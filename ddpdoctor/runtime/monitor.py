@@ -314,9 +314,8 @@ class Monitor:
 
     def on_bucket_ready(self, bucket: dist.GradBucket) -> OpenStep | None:
         """First thing in the comm hook: ready time, bytes, layout sample, backward-end callback."""
-        buf = bucket.buffer()
         index = bucket.index()
-        step = self.recorder.bucket_ready(index, buf.numel() * buf.element_size())
+        step = self.recorder.bucket_ready(index, bucket)
         if step is None:
             return None
         if step.layout is not None and self.probes.on["layout"]:

@@ -125,23 +125,34 @@ class StepRecorder:
 
     # -- backward / buckets ----------------------------------------------------------------
 
-    def bucket_ready(self, index: int, nbytes: int) -> OpenStep | None:
+    def bucket_ready(self, index: int, bucket: Any) -> OpenStep | None:
         """Called first thing in the comm hook; returns the step the bucket belongs to."""
+        now = self.clock.now()
         step = self.current
         if step is None or not step.synced_forward:
             return None
-        _put(step.ready, index, self.clock.now())
-        _put(step.nbytes, index, nbytes)
+        buf = bucket.buffer()
+        nbytes = buf.numel() * buf.element_size()
+        if index == len(step.ready):  # buckets arrive in index order: the common case
+            step.ready.append(now)
+            step.nbytes.append(nbytes)
+        else:
+            _put(step.ready, index, now)
+            _put(step.nbytes, index, nbytes)
         return step
 
     def is_first_bucket(self, step: OpenStep) -> bool:
         return sum(m is not None for m in step.ready) == 1
 
     def bucket_launched(self, step: OpenStep, index: int) -> None:
-        _put(step.launch, index, self.clock.now())
+        now = self.clock.now()
+        if index == len(step.launch):
+            step.launch.append(now)
+        else:
+            _put(step.launch, index, now)
 
     def bucket_done(self, step: OpenStep, index: int) -> None:
-        _put(step.done, index, self.clock.now())
+        _put(step.done, index, self.clock.now())  # any order: completions race on gloo's threads
 
     def bucket_layout(self, step: OpenStep, index: int, info: BucketInfo) -> None:
         if step.layout is not None:
