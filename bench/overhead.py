@@ -5,32 +5,37 @@ Two gloo ranks on CPU train two small models built here (no torchvision):
 * ``long``: a conv stack with BatchNorm (buffers broadcast every step), >= 50 ms/step;
 * ``short``: a tiny MLP (one BatchNorm1d) with small buckets, <= 5 ms/step.
 
-How the figures are taken (the machine is small and noisy, so everything is interleaved):
+How the figures are taken. The machine this was written for is a 2-vCPU VM whose CPU capacity
+changes by up to 2x from one few-second stretch to the next, so everything is interleaved at
+the granularity of short *rounds*:
 
-* Each *round* builds a fresh model (same seeds) and a fresh DDP wrapper, runs warm-up steps,
-  then N timed steps. Each step is timed on the host with ``time.perf_counter`` around the whole
-  step (forward, loss, zero_grad, backward, optimizer). After the round the ranks exchange their
-  step times (outside the timed loop); a step's time is the max over ranks and the round's value
-  is the median over its steps. Rounds are short on purpose: the CPU capacity of a small VM
-  changes from one minute to the next, and a pair must see the same conditions.
-* Rounds with ddpdoctor or torch.profiler (and the ``--attribution`` ones) run in one process
-  group, each right next to its own plain round (plain first or second, alternating).
-  ddpdoctor rounds call ``ddpdoctor.instrument(ddp, run_dir=<temp dir>)`` (default file sink,
-  default ``proc_interval``) right after building DDP and ``close()`` it after the round (outside
-  the timed steps); the round fails unless the monitor recorded every step, wrote its file and
-  kept all its probes on. Profiler rounds run warm-up and timed steps inside
-  ``torch.profiler.profile(activities=[ProfilerActivity.CPU])``; its post-processing after the
-  ``with`` block is not timed.
-* ``TORCH_DISTRIBUTED_DEBUG`` is read when ``torch.distributed`` is imported and applied when a
-  process group is created, so those modes cannot share a process group: each of their rounds
-  runs in a fresh pair of processes, in rotating order with a fresh plain pair (their shared
-  baseline). DETAIL is tried first as users set it; if the ranks crash (they do with gloo in
-  torch 2.13.0+cpu), the crash is reported and DETAIL set with ``dist.set_debug_level`` right
-  after ``init_process_group`` (DDP, reducer and logger in DETAIL, the group not wrapped in
-  ProcessGroupWrapper) is measured instead, as a lower bound.
-* Overhead of a tool = median over pairs of (tool round / its plain round - 1).
+* A round builds a fresh model (same seeds) and a fresh DDP wrapper, runs warm-up steps, then N
+  timed steps. Each step is timed on the host with ``time.perf_counter`` around the whole step
+  (forward, loss, zero_grad, backward, optimizer). After the round the ranks exchange their step
+  times (outside the timed loop); a step's time is the max over ranks and the round's value is
+  the median over its steps (the mean is kept too).
+* Several 2-rank process groups live side by side and take turns; only one runs at a time, the
+  others block on a queue (idle). ``main`` runs plain, ddpdoctor and torch.profiler rounds
+  (and the ``--attribution`` ones). ``TORCH_DISTRIBUTED_DEBUG`` is read when
+  ``torch.distributed`` is imported and applied when a process group is created, so each debug
+  setting has its own group, started with the variable set, and its baseline is ``envplain``, a
+  group started identically without it.
+* Every tool round runs right before or after its own plain round (order alternating), in a
+  schedule that rotates tools and models pair by pair. Overhead of a tool = median over pairs of
+  (tool round / its plain round - 1). A "plain vs plain" row measures the same way what a tool
+  that does nothing would show: the noise floor of the run.
+* ddpdoctor rounds call ``ddpdoctor.instrument(ddp, run_dir=<temp dir>)`` (default file sink and
+  options) right after building DDP and ``close()`` the monitor after the round (not timed); the
+  round fails unless the monitor recorded every step, wrote its file and kept all probes on.
+  Profiler rounds run warm-up and timed steps inside
+  ``torch.profiler.profile(activities=[ProfilerActivity.CPU])``; its post-processing is not timed.
+* DETAIL is started as users set it; if its ranks crash (they do with gloo in torch 2.13.0+cpu:
+  segfault in DDP's constructor), the crash is reported and DETAIL set with
+  ``dist.set_debug_level`` right after ``init_process_group`` is measured instead (DDP, reducer
+  and logger in DETAIL; the group is not wrapped in ProcessGroupWrapper, so this leaves out the
+  wrapper's per-collective checks: a lower bound).
 
-Usage: ``python bench/overhead.py [--pairs 7] [--steps 10] [--attribution] [--quick]``.
+Usage: ``python bench/overhead.py [--pairs 7] [--steps 10] [--attribution] [--json FILE] [--quick]``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import contextlib
 import gc
 import json
 import os
+import queue
 import shutil
 import socket
 import statistics
@@ -58,27 +64,15 @@ from torch import nn
 
 WORLD_SIZE = 2
 DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"
-#: Pseudo debug mode: DETAIL set with ``dist.set_debug_level`` *after* ``init_process_group``.
+#: Pseudo debug setting: DETAIL set with ``dist.set_debug_level`` *after* ``init_process_group``.
 NOWRAP = "DETAIL-nowrap"
-#: Fresh-process modes: mode name -> how the ranks are started (None: no debug variable).
-ENV_DEBUG_MODES: dict[str, str | None] = {
-    "plain": None,
-    # What users set. With gloo, torch wraps the default group in ProcessGroupWrapper; in
-    # torch 2.13.0+cpu DDP's constructor then segfaults (c10d::Logger::set_env_variables casts
-    # the wrapper to ProcessGroupGloo). The bench tries it once and reports the crash.
-    "detail": "DETAIL",
-    # Fallback measured when "detail" crashes: DDP/reducer/logger in DETAIL, group not wrapped
-    # (so it leaves out the wrapper's per-collective consistency checks: a lower bound).
-    "detail-nowrap": NOWRAP,
-    "info": "INFO",
-}
 
 # -- models ------------------------------------------------------------------------------------
 
 
 def long_model() -> nn.Module:
-    """Conv stack with BatchNorm: ~0.3 M parameters, >= 50 ms/step on one CPU thread."""
-    w = 40
+    """Conv stack with BatchNorm: ~0.17 M parameters, >= 50 ms/step on one CPU thread."""
+    w = 32
     return nn.Sequential(
         nn.Conv2d(3, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU(),
         nn.Conv2d(w, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU(), nn.MaxPool2d(2),
@@ -116,7 +110,7 @@ SPECS = {
     "short": Spec("short", short_model, (64,), bucket_cap_mb=0.05),
 }
 
-# -- one rank ------------------------------------------------------------------------------
+# -- one rank ----------------------------------------------------------------------------------
 
 
 def _batches(spec: Spec, rank: int, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -205,49 +199,55 @@ def _run_round(
     return out
 
 
-def rank_main(rank: int, port: int, schedule: list[dict[str, Any]], result_path: str, debug: str | None) -> None:
-    """One rank: runs ``schedule`` (a list of rounds) in one process group; rank 0 writes results."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=300),
-    )
+def rank_worker(rank: int, group: str, port: int, debug: str | None, commands: Any, done: Any) -> None:
+    """One rank of one process group: runs the rounds it is sent until it is sent None."""
     try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
+            timeout=timedelta(seconds=300),
+        )
         if debug == NOWRAP:
-            # DETAIL for DDP, its reducer and logger, set after the default group was created,
-            # so that group is not wrapped in ProcessGroupWrapper (see ENV_DEBUG_MODES).
+            # DETAIL for DDP, its reducer and logger; the default group, created before, is not
+            # wrapped in ProcessGroupWrapper.
             dist.set_debug_level(dist.DebugLevel.DETAIL)
         level = str(dist.get_debug_level()).rsplit(".", 1)[-1]
         expected = "DETAIL" if debug == NOWRAP else (debug or "OFF")
         if level != expected:
             raise RuntimeError(f"debug level is {level}, expected {expected}")
-        results = []
-        for entry in schedule:
+        done.put(("ready", group, rank, level))
+        while True:
+            entry = commands.get()
+            if entry is None:
+                break
             spec = SPECS[entry["model"]]
             mine = _run_round(rank, spec, entry["mode"], entry["warmup"], entry["steps"], entry["run_dir"],
-                              verify=entry["pair"] == 0 and rank == 0)
+                              verify=entry.get("verify", False) and rank == 0)
             gathered: list[Any] = [None] * WORLD_SIZE
             dist.all_gather_object(gathered, mine)
-            per_step_max = [max(ts) for ts in zip(*(g["times"] for g in gathered))]
-            results.append({
-                **{k: v for k, v in entry.items() if k != "run_dir"},
-                "debug": level,
-                "step_ms": statistics.median(per_step_max) * 1e3,
-                "rank_median_ms": [statistics.median(g["times"]) * 1e3 for g in gathered],
-                "buckets": gathered[0]["buckets"],
-                "losses": gathered[0]["losses"],
-                "monitor_steps": gathered[0].get("monitor_steps"),
-                "log_bytes": gathered[0].get("log_bytes"),
-            })
-        if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump(results, f)
+            if rank == 0:
+                per_step_max = [max(ts) for ts in zip(*(g["times"] for g in gathered))]
+                done.put(("result", group, rank, {
+                    **{k: v for k, v in entry.items() if k not in ("run_dir", "verify")},
+                    "group": group,
+                    "debug": level,
+                    "step_ms": statistics.median(per_step_max) * 1e3,
+                    "mean_ms": statistics.fmean(per_step_max) * 1e3,
+                    "rank_median_ms": [statistics.median(g["times"]) * 1e3 for g in gathered],
+                    "buckets": gathered[0]["buckets"],
+                    "losses": gathered[0]["losses"],
+                    "monitor_steps": gathered[0].get("monitor_steps"),
+                    "log_bytes": gathered[0].get("log_bytes"),
+                }))
         dist.barrier()
-    finally:
         dist.destroy_process_group()
+    except BaseException:
+        done.put(("error", group, rank, traceback.format_exc()))
+        sys.stderr.flush()
+        os._exit(1)
     # torch 2.13's gloo process group sometimes aborts in its destructors at interpreter teardown
-    # ("terminate called without an active exception", with or without ddpdoctor). The results
-    # are on disk and every monitor is closed by now, so leave without running them.
+    # ("terminate called without an active exception", with or without ddpdoctor). Everything is
+    # reported and every monitor closed by now, so leave without running them.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -263,98 +263,165 @@ def _free_port() -> int:
 
 
 class RankFailure(RuntimeError):
-    def __init__(self, codes: list[int | None]) -> None:
+    def __init__(self, group: str, codes: list[int | None], detail: str = "") -> None:
         signals = {-11: "SIGSEGV", -6: "SIGABRT", -9: "SIGKILL"}
-        names = [signals.get(c, str(c)) if c is not None else "?" for c in codes]
-        super().__init__(f"ranks exited with {', '.join(names)}")
+        names = [signals.get(c, str(c)) if c is not None else "running" for c in codes]
+        super().__init__(f"group {group}: ranks exited with {', '.join(names)}" + (f"\n{detail}" if detail else ""))
         self.codes = codes
 
 
-def launch(schedule: list[dict[str, Any]], workdir: str, debug: str | None, timeout: float) -> list[dict[str, Any]]:
-    """Run ``schedule`` on a fresh pair of gloo ranks; kill them on timeout or failure."""
-    ctx = mp.get_context("spawn")
-    result_path = tempfile.mktemp(suffix=".json", dir=workdir)
-    port = _free_port()
-    saved = os.environ.get(DEBUG_ENV)
-    if debug is None or debug == NOWRAP:
-        os.environ.pop(DEBUG_ENV, None)
-    else:
-        os.environ[DEBUG_ENV] = debug  # read by torch.distributed at import in the child
-    procs = []
-    try:
-        for rank in range(WORLD_SIZE):
-            p = ctx.Process(target=rank_main, args=(rank, port, schedule, result_path, debug), daemon=True)
-            p.start()
-            procs.append(p)
-    finally:
-        if saved is None:
+class Groups:
+    """2-rank process groups started side by side; the parent sends each round to one of them."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.done = self.ctx.Queue()
+        self.procs: dict[str, list[Any]] = {}
+        self.commands: dict[str, list[Any]] = {}
+        self.errors: dict[str, str] = {}
+
+    def start(self, group: str, debug: str | None, timeout: float = 300.0) -> None:
+        port = _free_port()
+        saved = os.environ.get(DEBUG_ENV)
+        if debug is None or debug == NOWRAP:
             os.environ.pop(DEBUG_ENV, None)
         else:
-            os.environ[DEBUG_ENV] = saved
-    try:
+            os.environ[DEBUG_ENV] = debug  # read by torch.distributed when the child imports it
+        try:
+            self.commands[group] = [self.ctx.Queue() for _ in range(WORLD_SIZE)]
+            self.procs[group] = []
+            for rank in range(WORLD_SIZE):
+                p = self.ctx.Process(target=rank_worker, daemon=True,
+                                     args=(rank, group, port, debug, self.commands[group][rank], self.done))
+                p.start()
+                self.procs[group].append(p)
+        finally:
+            if saved is None:
+                os.environ.pop(DEBUG_ENV, None)
+            else:
+                os.environ[DEBUG_ENV] = saved
+        ready = 0
+        while ready < WORLD_SIZE:
+            kind, _ = self._wait(group, timeout)
+            ready += kind == "ready"
+
+    def run(self, group: str, entry: dict[str, Any], timeout: float) -> dict[str, Any]:
+        for q in self.commands[group]:
+            q.put(entry)
+        while True:
+            kind, payload = self._wait(group, timeout)
+            if kind == "result":
+                return payload
+
+    def _wait(self, group: str, timeout: float) -> tuple[str, Any]:
         deadline = time.monotonic() + timeout
-        while any(p.is_alive() for p in procs):
+        while True:
+            try:
+                kind, from_group, _rank, payload = self.done.get(timeout=0.2)
+            except queue.Empty:
+                kind = None
+            if kind == "error":
+                self.errors[from_group] = payload
+                if from_group == group:
+                    self._fail(group, payload)
+            elif kind is not None and from_group == group:
+                return kind, payload
+            if any(p.exitcode is not None for p in self.procs[group]):
+                self._fail(group, self.errors.get(group, ""))
             if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks did not finish within {timeout:.0f} s")
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break  # one rank failed: do not wait for the other to time out
-            time.sleep(0.2)
-        codes = [p.exitcode for p in procs]
-        if any(c != 0 for c in codes):
-            raise RankFailure(codes)
-        with open(result_path) as f:
-            return json.load(f)
-    finally:
-        for p in procs:
+                self.kill(group)
+                raise TimeoutError(f"group {group}: no answer within {timeout:.0f} s")
+
+    def _fail(self, group: str, detail: str) -> None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(p.exitcode is None for p in self.procs[group]):
+            time.sleep(0.1)  # let the other rank go down too, to report both exit codes
+        codes = [p.exitcode for p in self.procs[group]]
+        self.kill(group)
+        raise RankFailure(group, codes, detail)
+
+    def kill(self, group: str) -> None:
+        for p in self.procs.pop(group, []):
             if p.is_alive():
                 p.kill()
-        for p in procs:
             p.join(5)
+        self.commands.pop(group, None)
+
+    def close(self, timeout: float = 30.0) -> None:
+        for qs in self.commands.values():
+            for q in qs:
+                q.put(None)
+        deadline = time.monotonic() + timeout
+        for procs in self.procs.values():
+            for p in procs:
+                p.join(max(0.1, deadline - time.monotonic()))
+        for group in list(self.procs):
+            self.kill(group)
+
+
+@dataclass(frozen=True)
+class Tool:
+    key: str
+    label: str
+    group: str
+    mode: str
+    base_group: str
 
 
 def _pct(x: float) -> str:
     return f"{x * 100:+.1f}%"
 
 
-def summarize(results: list[dict[str, Any]], models: list[str], tools: list[tuple[str, str, str]]) -> dict[str, Any]:
+def summarize(results: list[dict[str, Any]], models: list[str], tools: list[Tool]) -> dict[str, Any]:
     """Per model and tool: median plain ms, median tool ms, overheads of the pairs."""
-    # a plain round is the baseline of the tool named in "baseline_for" (None: of every tool in its group)
-    by = {(r["group"], r["model"], r["mode"], r["pair"], r.get("baseline_for")): r for r in results}
+    by = {(r["tool"], r["model"], r["pair"], r["role"]): r for r in results}
     summary: dict[str, Any] = {}
     for model in models:
-        for group, mode, _label in tools:
-            base = mode if group == "main" else None
-            pairs = sorted({r["pair"] for r in results if r["group"] == group and r["model"] == model})
-            pairs = [p for p in pairs
-                     if (group, model, mode, p, None) in by and (group, model, "plain", p, base) in by]
+        for tool in tools:
+            pairs = sorted({r["pair"] for r in results if r["tool"] == tool.key and r["model"] == model})
+            pairs = [p for p in pairs if (tool.key, model, p, "base") in by and (tool.key, model, p, "tool") in by]
             if not pairs:
                 continue
-            plain = [by[(group, model, "plain", p, base)]["step_ms"] for p in pairs]
-            tool = [by[(group, model, mode, p, None)]["step_ms"] for p in pairs]
-            ratios = [t / b - 1 for t, b in zip(tool, plain)]
-            summary[f"{model}/{mode}"] = {
-                "plain_ms": statistics.median(plain), "tool_ms": statistics.median(tool),
-                "overhead": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "pairs": len(ratios),
+            base = [by[(tool.key, model, p, "base")] for p in pairs]
+            with_tool = [by[(tool.key, model, p, "tool")] for p in pairs]
+            ratios = [t["step_ms"] / b["step_ms"] - 1 for t, b in zip(with_tool, base)]
+            mean_ratios = [t["mean_ms"] / b["mean_ms"] - 1 for t, b in zip(with_tool, base)]
+            summary[f"{model}/{tool.key}"] = {
+                "plain_ms": statistics.median(b["step_ms"] for b in base),
+                "tool_ms": statistics.median(t["step_ms"] for t in with_tool),
+                "overhead": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                "q1": _quantile(ratios, 0.25), "q3": _quantile(ratios, 0.75),
+                "overhead_of_means": statistics.median(mean_ratios), "pairs": len(ratios),
             }
     return summary
 
 
-def table(summary: dict[str, Any], models: list[str], tools: list[tuple[str, str, str]], info: dict[str, Any],
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def table(summary: dict[str, Any], models: list[str], tools: list[Tool], info: dict[str, str],
           failed: dict[str, str]) -> str:
     lines = [
-        "| model | tool | plain ms/step | with tool ms/step | overhead (median of pairs) | pairs: min … max |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | tool | plain ms/step | with tool ms/step | overhead (median of pairs) "
+        "| pairs: quartiles [min … max] | overhead of per-round means |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for model in models:
-        for _group, mode, label in tools:
-            s = summary.get(f"{model}/{mode}")
-            if mode in failed or s is None:
-                why = failed.get(mode, "no result")
-                lines.append(f"| {model} ({info[model]}) | {label} | – | – | **{why}** | – |")
+        for tool in tools:
+            s = summary.get(f"{model}/{tool.key}")
+            if tool.key in failed or s is None:
+                why = failed.get(tool.key, "no result")
+                lines.append(f"| {model} ({info[model]}) | {tool.label} | – | – | **{why}** | – | – |")
                 continue
             lines.append(
-                f"| {model} ({info[model]}) | {label} | {s['plain_ms']:.2f} | {s['tool_ms']:.2f} | "
-                f"**{_pct(s['overhead'])}** | {_pct(s['min'])} … {_pct(s['max'])} (n={s['pairs']}) |"
+                f"| {model} ({info[model]}) | {tool.label} | {s['plain_ms']:.2f} | {s['tool_ms']:.2f} | "
+                f"**{_pct(s['overhead'])}** | {_pct(s['q1'])} … {_pct(s['q3'])} "
+                f"[{_pct(s['min'])} … {_pct(s['max'])}] (n={s['pairs']}) | {_pct(s['overhead_of_means'])} |"
             )
     return "\n".join(lines)
 
@@ -366,109 +433,127 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short-steps", type=int, default=None,
                         help="timed steps per round, short model (default 20 x --steps)")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="warm-up steps per round, long model (default 3; short model: 20)")
+                        help="warm-up steps per round, long model (default 4; short model: 20)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (< 60 s)")
     parser.add_argument("--attribution", action="store_true",
                         help="also time plain DDP with a Python allreduce comm hook (what ddpdoctor's hook wraps) "
                              "and ddpdoctor with a NullSink (all probes, no writer thread, no file)")
-    parser.add_argument("--no-debug-env", action="store_true", help="skip the TORCH_DISTRIBUTED_DEBUG rounds")
+    parser.add_argument("--no-debug-env", action="store_true", help="skip the TORCH_DISTRIBUTED_DEBUG groups")
     parser.add_argument("--json", default=None, help="write the raw per-round results here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.pairs, args.steps = 1, 4
-        short_steps = args.short_steps or 30
+        args.pairs, args.steps = 1, 3
+        short_steps = args.short_steps or 40
         warm_long, warm_short = args.warmup or 2, 10
     else:
         short_steps = args.short_steps or 20 * args.steps
-        warm_long = args.warmup if args.warmup is not None else 3
+        # >= 4 keeps ddpdoctor's start-up samples (steps 0, 1 and 3) out of the timed steps
+        warm_long = args.warmup if args.warmup is not None else 4
         warm_short = 20
     plan = {"long": (warm_long, args.steps), "short": (warm_short, short_steps)}
     models = list(SPECS)
 
-    tools: list[tuple[str, str, str]] = [("main", "ddpdoctor", "ddpdoctor.instrument (file sink)")]
+    tools = [
+        # calibration: what a tool that does nothing measures here (the noise floor)
+        Tool("null", "(calibration) plain vs plain", "main", "plain", "main"),
+        Tool("ddpdoctor", "ddpdoctor.instrument (file sink)", "main", "ddpdoctor", "main"),
+    ]
     if args.attribution:
-        tools.append(("main", "pyhook", "(attribution) plain DDP + Python allreduce_hook, no ddpdoctor"))
-        tools.append(("main", "nullsink", "(attribution) ddpdoctor.instrument with NullSink"))
-    tools.append(("main", "profiler", "torch.profiler (CPU activities)"))
-    main_tools = [mode for group, mode, _ in tools if group == "main"]
+        tools.append(Tool("pyhook", "(attribution) plain DDP + Python allreduce_hook, no ddpdoctor",
+                          "main", "pyhook", "main"))
+        tools.append(Tool("nullsink", "(attribution) ddpdoctor.instrument with NullSink", "main", "nullsink", "main"))
+    tools.append(Tool("profiler", "torch.profiler (CPU activities)", "main", "profiler", "main"))
+    detail = Tool("detail", "TORCH_DISTRIBUTED_DEBUG=DETAIL", "detail", "plain", "envplain")
+    nowrap = Tool("detail-nowrap", "DETAIL set after init_process_group (DDP side only, no ProcessGroupWrapper)",
+                  "nowrap", "plain", "envplain")
+    info_tool = Tool("info", "TORCH_DISTRIBUTED_DEBUG=INFO", "info", "plain", "envplain")
 
     workdir = tempfile.mkdtemp(prefix="ddpdoctor-bench-")
     started = time.monotonic()
     results: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
+    shown = list(tools)
+    per_round_timeout = 300.0
 
     def log(message: str) -> None:
         print(f"[bench {time.monotonic() - started:5.0f} s] {message}", file=sys.stderr, flush=True)
 
-    def fresh_schedule(mode: str, pair: int) -> list[dict[str, Any]]:
-        return [{"group": "env", "model": model, "mode": mode, "pair": pair, "warmup": plan[model][0],
-                 "steps": plan[model][1], "run_dir": ""} for model in models]
+    def warm(group: str) -> None:  # first round of a fresh process: lazy initialization, not timed
+        for model in models:
+            groups.run(group, {"model": model, "mode": "plain", "warmup": 2, "steps": 1, "run_dir": "",
+                               "tool": "-", "role": "-", "pair": -1}, per_round_timeout)
 
-    per_launch = 600 + 60 * (1 + args.steps / 10)
+    groups = Groups()
     try:
-        # plain / ddpdoctor / (pyhook) / profiler: interleaved rounds in one process group
+        groups.start("main", None)
+        warm("main")
+        if not args.no_debug_env:
+            groups.start("envplain", None)
+            warm("envplain")
+            try:  # the real thing, as users set it
+                groups.start("detail", "DETAIL")
+                warm("detail")
+                tools.append(detail)
+                shown.append(detail)
+            except RankFailure as exc:
+                failed["detail"] = f"crashed ({str(exc).splitlines()[0].split(': ', 1)[1]})"
+                log(f"TORCH_DISTRIBUTED_DEBUG=DETAIL: {exc}; measuring DETAIL without the group wrapper instead")
+                shown += [detail, nowrap]
+                tools.append(nowrap)
+                groups.start("nowrap", NOWRAP)
+                warm("nowrap")
+            groups.start("info", "INFO")
+            warm("info")
+            tools.append(info_tool)
+            shown.append(info_tool)
+        log(f"groups ready: {', '.join(groups.procs)}")
+
         schedule = []
         for pair in range(args.pairs):
-            for model in models:
+            order_models = models if pair % 2 == 0 else models[::-1]
+            rotated = tools[pair % len(tools):] + tools[: pair % len(tools)]
+            for model in order_models:
                 warmup, steps = plan[model]
-                for k, tool in enumerate(main_tools):
-                    # every tool round has its own plain round right before or after it
-                    for mode in (("plain", tool) if (pair + k) % 2 == 0 else (tool, "plain")):
+                for k, tool in enumerate(rotated):
+                    roles = ("base", "tool") if (pair + k) % 2 == 0 else ("tool", "base")
+                    for role in roles:
+                        group = tool.base_group if role == "base" else tool.group
+                        mode = "plain" if role == "base" else tool.mode
                         schedule.append({
-                            "group": "main", "model": model, "mode": mode, "pair": pair, "warmup": warmup,
-                            "steps": steps, "baseline_for": tool if mode == "plain" else None,
-                            "run_dir": os.path.join(workdir, f"run-{model}-{mode}-{pair}"),
+                            "tool": tool.key, "role": role, "group": group, "model": model, "mode": mode,
+                            "pair": pair, "warmup": warmup, "steps": steps,
+                            "verify": pair == 0 and mode == "profiler",
+                            "run_dir": os.path.join(workdir, f"run-{model}-{tool.key}-{pair}"),
                         })
-        log(f"main group: {len(schedule)} rounds in one process group")
-        results += launch(schedule, workdir, None, 600 + 30 * len(schedule) * (1 + args.steps / 10))
-        log("main group done")
-
-        # TORCH_DISTRIBUTED_DEBUG: each round in fresh processes, alternating with plain ones
-        if not args.no_debug_env:
-            env_modes = ["detail", "info"]
-            try:  # the real thing, as users set it
-                results += launch(fresh_schedule("detail", 0), workdir, ENV_DEBUG_MODES["detail"], per_launch)
-            except RankFailure as exc:
-                failed["detail"] = f"crashed ({exc})"
-                env_modes = ["detail-nowrap", "info"]
-                log(f"TORCH_DISTRIBUTED_DEBUG=DETAIL: {exc}; measuring DETAIL without the group wrapper instead")
-            for pair in range(args.pairs):
-                kinds = ["plain"] + env_modes
-                shift = pair % len(kinds)
-                for mode in kinds[shift:] + kinds[:shift]:
-                    if mode == "detail" and pair == 0:
-                        continue  # already run above
-                    results += launch(fresh_schedule(mode, pair), workdir, ENV_DEBUG_MODES[mode], per_launch)
-                log(f"fresh-process pair {pair + 1}/{args.pairs} done")
-            if "detail" in failed:
-                tools.append(("env", "detail", "TORCH_DISTRIBUTED_DEBUG=DETAIL"))
-                tools.append(("env", "detail-nowrap",
-                              "DETAIL set after init_process_group (DDP side only, no ProcessGroupWrapper)"))
-            else:
-                tools.append(("env", "detail", "TORCH_DISTRIBUTED_DEBUG=DETAIL"))
-            tools.append(("env", "info", "TORCH_DISTRIBUTED_DEBUG=INFO"))
+        log(f"{len(schedule)} rounds")
+        for i, entry in enumerate(schedule):
+            results.append(groups.run(entry["group"], entry, per_round_timeout))
+            if (i + 1) % max(1, len(schedule) // 10) == 0:
+                log(f"{i + 1}/{len(schedule)} rounds done")
     except Exception:
         traceback.print_exc()
         return 1
     finally:
+        groups.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
     # Same losses in every mode (the bench times what it claims to time).
     for model in models:
         losses = {json.dumps(r["losses"]) for r in results if r["model"] == model}
         if len(losses) != 1:
-            log(f"note: {model}: first/last losses differ between modes: {sorted(losses)}")
+            log(f"note: {model}: first/last losses differ between rounds: {sorted(losses)}")
 
-    summary = summarize(results, models, tools)
+    summary = summarize(results, models, shown)
     info = {}
     for model in models:
         r = next(r for r in results if r["model"] == model)
         n_params = sum(p.numel() for p in SPECS[model].build().parameters())
         info[model] = f"{n_params / 1e3:.0f}k params, {r['buckets']} buckets, {plan[model][1]} steps/round"
-    print(table(summary, models, tools, info, failed))
+    print(table(summary, models, shown, info, failed))
     print(
         f"\n{WORLD_SIZE} gloo ranks on CPU, torch {torch.__version__}, 1 thread/rank, {os.cpu_count()} cores; "
-        f"{args.pairs} pairs; warm-up {warm_long}/{warm_short} steps (long/short); total {time.monotonic() - started:.0f} s"
+        f"{args.pairs} pairs; warm-up {warm_long}/{warm_short} steps (long/short); "
+        f"total {time.monotonic() - started:.0f} s"
     )
     if args.json:
         with open(args.json, "w") as f:
