@@ -32,7 +32,7 @@ def test_demo_headless_trains_and_prints_a_per_rank_summary(demo_run: tuple[Path
     assert table[0].split()[:4] == ["rank", "host", "steps", "status"]
     assert table[1].split()[0] == "0" and table[2].split()[0] == "1"
     assert table[1].split()[2] == "8" and table[1].split()[3] == "finished"
-    assert "No findings." in proc.stdout
+    assert "[warning]" not in proc.stdout and "[error]" not in proc.stdout  # healthy: info at most
 
 
 def test_report_json_has_the_design_shape(demo_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path) -> None:
@@ -49,7 +49,7 @@ def test_report_json_has_the_design_shape(demo_run: tuple[Path, subprocess.Compl
         assert medians["step"] > 0 and medians["forward"] > 0 and medians["backward"] > 0
         assert medians["buffer_sync"] > 0 and medians["bucket_wait"] >= 0 and medians["exposed_comm"] >= 0
         assert rank["steps"] == 8 and rank["buckets"] >= 2
-    assert report["findings"] == []
+    assert {f["severity"] for f in report["findings"]} <= {"info"}
 
 
 def test_report_text_and_fail_on(demo_run: tuple[Path, subprocess.CompletedProcess[str]], capsys: pytest.CaptureFixture[str]) -> None:
