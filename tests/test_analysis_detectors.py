@@ -1,0 +1,80 @@
+"""The detectors on hand-made records: the edges the zoo scripts do not reach."""
+
+from __future__ import annotations
+
+from ddpdoctor.analysis.accumulation import sync_during_accumulation
+from ddpdoctor.analysis.buffers import buffer_broadcast_cost, constant_buffers, cross_rank_floor_ms
+from ddpdoctor.analysis.diagnose import merge
+from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.replicas import compare_fingerprints
+from ddpdoctor.analysis.requires_grad import stale_requires_grad
+from ddpdoctor.events import BufferInfo, Fingerprint, GradFlags, Header, ParamInfo, Step
+
+HEADER = Header(
+    rank=0,
+    ddp_options={"find_unused_parameters": False},
+    params=[ParamInfo(name="a", shape=[10], dtype="float32", numel=10, requires_grad=True),
+            ParamInfo(name="b", shape=[5], dtype="float16", numel=5, requires_grad=True)],
+    buffers=[BufferInfo(name="table", shape=[4], dtype="float32", bytes=16, broadcast=True, version=0),
+             BufferInfo(name="stat", shape=[4], dtype="float32", bytes=16, broadcast=True, version=0)],
+)
+
+
+def _step(i: int, opt: bool = True, bcast: float | None = None, end: float = 10_000.0) -> Step:
+    return Step(rank=0, step=i, t0_mono_ns=0, t0_wall_ns=0, b_ready_us=[100.0], b_done_us=[200.0], b_bytes=[64],
+                sync_end_us=200.0, opt_start_us=300.0 if opt else None, opt_end_us=400.0 if opt else None,
+                bcast_us=bcast, bcast_bytes=32 if bcast else 0, end_us=end)
+
+
+def test_frozen_is_an_error_without_find_unused_and_counts_bytes() -> None:
+    flags = [GradFlags(rank=0, step=4, frozen=["b"]), GradFlags(rank=0, step=6, frozen=["b", "a"])]
+    (f,) = stale_requires_grad(HEADER, flags, rank=0)
+    assert (f.code, f.severity, f.step) == ("frozen-after-wrap", "error", 4)
+    assert f.evidence["names"] == ["b", "a"] and f.evidence["bytes_per_step"] == 5 * 2 + 10 * 4
+
+
+def test_thawed_back_leaves_no_finding() -> None:
+    assert stale_requires_grad(HEADER, [GradFlags(rank=0, step=2)], rank=0) == []
+
+
+def test_accumulation_needs_optimizer_records_and_a_majority() -> None:
+    assert sync_during_accumulation([_step(i, opt=False) for i in range(8)], 0) == []  # no torch.optim: unknown
+    assert sync_during_accumulation([_step(i) for i in range(8)], 0) == []  # one backward per step: fine
+    steps = [_step(i, opt=i % 4 == 3) for i in range(16)]
+    (f,) = sync_during_accumulation(steps, 0)
+    assert f.evidence["backwards_per_optimizer_step"] == 4 and f.evidence["optimizer_steps"] == 4
+
+
+def test_broadcast_cost_uses_the_floor_not_the_waits() -> None:
+    # a rank that always waits 5 ms inside the broadcast for the other: the transfer is 0.1 ms
+    waiting = [_step(i, bcast=5000.0) for i in range(20)]
+    arriving_last = [_step(i, bcast=100.0) for i in range(20)]
+    cost = cross_rank_floor_ms({0: waiting, 1: arriving_last})
+    assert cost == 0.1
+    assert buffer_broadcast_cost(HEADER, waiting, 0, cost_ms=cost) == []  # 1% of the step: nothing to say
+    (f,) = buffer_broadcast_cost(HEADER, waiting, 0)  # alone, this rank can only see its own floor
+    assert f.severity == "warning"
+
+
+def test_constant_buffers_need_both_version_and_values_unchanged() -> None:
+    prints = [Fingerprint(rank=0, step=s, buffer_norms=[1.0, float(s)], buffer_sums=[2.0, float(s)],
+                          buffer_versions=[0, 0]) for s in (0, 1, 3, 5)]
+    (f,) = constant_buffers(HEADER, prints, [_step(i, bcast=500.0) for i in range(6)], 0)
+    assert f.evidence["names"] == ["table"]  # "stat" kept its version but its values moved
+
+
+def test_replica_comparison_names_the_odd_rank_out() -> None:
+    def fp(rank: int, a: float) -> Fingerprint:
+        return Fingerprint(rank=rank, step=5, param_norms=[a, 1.0], param_sums=[a, 1.0])
+
+    (f,) = compare_fingerprints(HEADER, {0: [fp(0, 1.0)], 1: [fp(1, 1.0)], 2: [fp(2, 1.5)]})
+    assert (f.code, f.ranks, f.evidence["names"], f.step) == ("replica-divergence", [2], ["a"], 5)
+    (tie,) = compare_fingerprints(HEADER, {0: [fp(0, 1.0)], 1: [fp(1, 1.5)]})
+    assert tie.ranks == [0, 1]  # two ranks: which one is wrong cannot be told
+
+
+def test_merge_unites_ranks_and_keeps_the_worst() -> None:
+    a = Finding(code="x", severity="info", title="t", detail="d", fix="f", ranks=[1], step=9, evidence={"names": ["p"]})
+    b = Finding(code="x", severity="error", title="T", detail="D", fix="F", ranks=[0], step=3, evidence={"names": ["q"]})
+    (m,) = merge([a, b])
+    assert (m.severity, m.ranks, m.step, m.title, m.evidence["names"]) == ("error", [0, 1], 3, "T", ["p", "q"])
