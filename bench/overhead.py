@@ -121,12 +121,23 @@ def _batches(spec: Spec, rank: int, n: int = 8) -> list[tuple[torch.Tensor, torc
     ]
 
 
+def _first_value(fut: Any) -> Any:
+    return fut.value()[0]
+
+
+def _python_allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+    """The least a Python comm hook can do (what DDP does in C++ without one): the floor of any
+    design that times buckets from Python. Same work as ddpdoctor's default inner hook."""
+    tensor = bucket.buffer()
+    tensor.div_(process_group.size())
+    return process_group.allreduce([tensor]).get_future().then(_first_value)
+
+
 def _run_round(
     rank: int, spec: Spec, mode: str, warmup: int, steps: int, run_dir: str, verify: bool = False
 ) -> dict[str, Any]:
     """One round on this rank: fresh model and DDP, warm-up, timed steps. Returns this rank's view."""
     import ddpdoctor
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     gc.collect()
     torch.manual_seed(0)
@@ -145,8 +156,8 @@ def _run_round(
             monitor = ddpdoctor.instrument(ddp, sink=NullSink())
         if not isinstance(monitor, ddpdoctor.Monitor):
             raise RuntimeError("ddpdoctor.instrument did not attach (returned a disabled monitor)")
-    elif mode == "pyhook":  # attribution only: DDP's allreduce done by a Python comm hook
-        ddp.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+    elif mode == "pyhook":  # attribution only: DDP's allreduce done by a minimal Python comm hook
+        ddp.register_comm_hook(ddp.process_group, _python_allreduce_hook)
     profiler = None
     ctx: Any = contextlib.nullcontext()
     if mode == "profiler":
@@ -242,12 +253,17 @@ def rank_worker(rank: int, group: str, port: int, debug: str | None, commands: A
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
-        done.put(("error", group, rank, traceback.format_exc()))
-        sys.stderr.flush()
+        text = traceback.format_exc()
+        print(f"[group {group} rank {rank}] {text}", file=sys.stderr, flush=True)
+        done.put(("error", group, rank, text))
+        done.close()
+        done.join_thread()  # os._exit would drop what the queue's feeder thread has not sent yet
         os._exit(1)
     # torch 2.13's gloo process group sometimes aborts in its destructors at interpreter teardown
     # ("terminate called without an active exception", with or without ddpdoctor). Everything is
     # reported and every monitor closed by now, so leave without running them.
+    done.close()
+    done.join_thread()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -337,6 +353,11 @@ class Groups:
         while time.monotonic() < deadline and any(p.exitcode is None for p in self.procs[group]):
             time.sleep(0.1)  # let the other rank go down too, to report both exit codes
         codes = [p.exitcode for p in self.procs[group]]
+        with contextlib.suppress(queue.Empty):
+            while not detail:  # a rank's traceback may still be on its way
+                kind, from_group, _rank, payload = self.done.get(timeout=1.0)
+                if kind == "error" and from_group == group:
+                    detail = payload
         self.kill(group)
         raise RankFailure(group, codes, detail)
 
@@ -436,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="warm-up steps per round, long model (default 4; short model: 20)")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (< 60 s)")
     parser.add_argument("--attribution", action="store_true",
-                        help="also time plain DDP with a Python allreduce comm hook (what ddpdoctor's hook wraps) "
-                             "and ddpdoctor with a NullSink (all probes, no writer thread, no file)")
+                        help="also time plain DDP with a minimal Python allreduce comm hook (the floor of any "
+                             "Python comm hook) and ddpdoctor with a NullSink (all probes, no writer, no file)")
     parser.add_argument("--no-debug-env", action="store_true", help="skip the TORCH_DISTRIBUTED_DEBUG groups")
     parser.add_argument("--json", default=None, help="write the raw per-round results here")
     args = parser.parse_args(argv)
@@ -459,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         Tool("ddpdoctor", "ddpdoctor.instrument (file sink)", "main", "ddpdoctor", "main"),
     ]
     if args.attribution:
-        tools.append(Tool("pyhook", "(attribution) plain DDP + Python allreduce_hook, no ddpdoctor",
+        tools.append(Tool("pyhook", "(attribution) plain DDP + minimal Python comm hook, no ddpdoctor",
                           "main", "pyhook", "main"))
         tools.append(Tool("nullsink", "(attribution) ddpdoctor.instrument with NullSink", "main", "nullsink", "main"))
     tools.append(Tool("profiler", "torch.profiler (CPU activities)", "main", "profiler", "main"))

@@ -25,7 +25,13 @@ from ddpdoctor.categories import (
 from ddpdoctor.runlog import Run, RunDirError, load_run
 
 if TYPE_CHECKING:
-    from ddpdoctor.runtime import DistributedDataParallel, Monitor, check_replicas, instrument, rewrap
+    from ddpdoctor.runtime import (
+        DistributedDataParallel,
+        Monitor,
+        check_replicas,
+        instrument,
+        rewrap,
+    )
 
 __version__ = "0.1.0"
 

@@ -7,8 +7,9 @@ import pickle
 import socket
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 

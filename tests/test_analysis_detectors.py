@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
-from ddpdoctor.analysis.buffers import buffer_broadcast_cost, constant_buffers, cross_rank_floor_ms
+from ddpdoctor.analysis.buffers import (
+    buffer_broadcast_cost,
+    constant_buffers,
+    cross_rank_floor_ms,
+)
 from ddpdoctor.analysis.diagnose import merge
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.replicas import compare_fingerprints

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import ddpdoctor
-from tests.ddp_harness import run_ranks
 from tests.cuda_workers import nccl_train
+from tests.ddp_harness import run_ranks
 
 pytestmark = [
     pytest.mark.gpu,

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from textual.widgets import Static
-
 from ddpdoctor_tui import WatchApp
+from textual.widgets import Static
 
 
 async def test_watch_shell_shows_the_run_dir_and_quits(tmp_path: Path) -> None:

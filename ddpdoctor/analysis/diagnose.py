@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
-from ddpdoctor.analysis.buffers import buffer_broadcast_cost, constant_buffers, cross_rank_floor_ms
+from ddpdoctor.analysis.buffers import (
+    buffer_broadcast_cost,
+    constant_buffers,
+    cross_rank_floor_ms,
+)
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.analysis.requires_grad import stale_requires_grad

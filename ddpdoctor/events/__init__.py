@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from ddpdoctor.events.codec import CorruptLine, UnknownRecord, decode, encode, encode_into
+from ddpdoctor.events.codec import (
+    CorruptLine,
+    UnknownRecord,
+    decode,
+    encode,
+    encode_into,
+)
 from ddpdoctor.events.schema import (
     SCHEMA_VERSION,
     BucketInfo,

@@ -9,7 +9,8 @@ not the work, and synchronizing would change training; events are resolved later
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 Mark = Any
 

@@ -11,7 +11,8 @@ rebuilt the way DDP itself rebuilds it when unpickled, with the same parameters.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist

@@ -6,7 +6,8 @@ event and read once the event has passed (``poll``), so taking one never blocks 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
 from ddpdoctor.analysis.buffers import buffer_broadcast_cost, constant_buffers
@@ -17,7 +17,15 @@ from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
 from ddpdoctor.analysis.unused import unused_parameters
 from ddpdoctor.categories import CATEGORY_OF_CODE, DDPDoctorWarning
-from ddpdoctor.events import FindingRecord, Fingerprint, GradFlags, Header, Record, Step, Unused
+from ddpdoctor.events import (
+    FindingRecord,
+    Fingerprint,
+    GradFlags,
+    Header,
+    Record,
+    Step,
+    Unused,
+)
 
 #: Step-based checks run every this many steps, over at most the last WINDOW steps.
 EVERY = 25

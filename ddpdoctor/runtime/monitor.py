@@ -16,7 +16,13 @@ import torch.distributed as dist
 
 from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning
 from ddpdoctor.events import End, Fingerprint, GradFlags, ProbeOff, Record, Unused
-from ddpdoctor.runtime import comm_hook, exit_flush, optimizer_hooks, proc_stats, run_dir
+from ddpdoctor.runtime import (
+    comm_hook,
+    exit_flush,
+    optimizer_hooks,
+    proc_stats,
+    run_dir,
+)
 from ddpdoctor.runtime.clocks import CudaClock, HostClock, mono_ns, wall_ns
 from ddpdoctor.runtime.fingerprints import Fingerprinter
 from ddpdoctor.runtime.header import build_header

@@ -22,7 +22,10 @@ def watch(monitor: Monitor) -> None:
         if _registered:
             return
         _registered = True
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
     register_optimizer_step_pre_hook(_pre)
     register_optimizer_step_post_hook(_post)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import traceback
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 from ddpdoctor.categories import ProbeDisabledWarning
 

@@ -8,7 +8,8 @@ thread, except ``bucket_done`` (called from the communication library's thread).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ddpdoctor.events import BucketInfo, Layout, Record, Step
 from ddpdoctor.runtime.clocks import HostClock, Mark, mono_ns, wall_ns

@@ -12,7 +12,7 @@ import gc
 import os
 import socket
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,22 @@ class Net(nn.Module):
 
 def batch(gen: torch.Generator, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(size, 32, generator=gen), torch.randn(size, 4, generator=gen)
+
+
+def fit(model: nn.Module, rank: int, run_dir: str, steps: int, batch_size: int = 16) -> None:
+    """The plain training loop of the scripts whose problem is in the model or the DDP options,
+    instrumented with one line."""
+    import ddpdoctor
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(rank)
+    with ddpdoctor.instrument(model, run_dir=run_dir, check_every=5):
+        for _ in range(steps):
+            x, y = batch(gen, batch_size)
+            loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
 
 
 def _entry(rank: int, train: Train, world: int, port: int, run_dir: str) -> None:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import torch
-from _zoo import launch
+from _zoo import fit, launch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import ddpdoctor
 
 
 class TableNet(nn.Module):
@@ -23,16 +21,7 @@ class TableNet(nn.Module):
 
 
 def train(rank: int, world: int, run_dir: str) -> None:
-    model = DDP(TableNet())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(rank)
-    with ddpdoctor.instrument(model, run_dir=run_dir, check_every=5):
-        for _ in range(11):
-            x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 4, generator=gen)
-            loss = ((model(x) - y) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    fit(DDP(TableNet()), rank, run_dir, steps=11)
 
 
 if __name__ == "__main__":

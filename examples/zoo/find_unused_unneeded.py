@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-from _zoo import Net, batch, launch
+from _zoo import Net, fit, launch
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import ddpdoctor
 
 
 def train(rank: int, world: int, run_dir: str) -> None:
-    model = DDP(Net(), find_unused_parameters=True)  # "just in case"
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(rank)
-    with ddpdoctor.instrument(model, run_dir=run_dir, check_every=5):
-        for _ in range(11):
-            x, y = batch(gen)
-            loss = ((model(x) - y) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    fit(DDP(Net(), find_unused_parameters=True), rank, run_dir, steps=11)  # "just in case"
 
 
 if __name__ == "__main__":

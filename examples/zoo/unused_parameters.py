@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import torch
-from _zoo import launch
+from _zoo import fit, launch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import ddpdoctor
 
 
 class TwoHeads(nn.Module):
@@ -22,16 +20,7 @@ class TwoHeads(nn.Module):
 
 
 def train(rank: int, world: int, run_dir: str) -> None:
-    model = DDP(TwoHeads(), find_unused_parameters=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(rank)
-    with ddpdoctor.instrument(model, run_dir=run_dir, check_every=5):
-        for _ in range(8):
-            x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 4, generator=gen)
-            loss = ((model(x) - y) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+    fit(DDP(TwoHeads(), find_unused_parameters=True), rank, run_dir, steps=8)
 
 
 if __name__ == "__main__":
