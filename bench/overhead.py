@@ -428,8 +428,10 @@ def _quantile(values: list[float], q: float) -> float:
 def table(summary: dict[str, Any], models: list[str], tools: list[Tool], info: dict[str, str],
           failed: dict[str, str]) -> str:
     lines = [
-        "| model | tool | plain ms/step | with tool ms/step | overhead (median of pairs) "
-        "| pairs: quartiles [min … max] | overhead of per-round means |",
+        (
+            "| model | tool | plain ms/step | with tool ms/step | overhead (median of pairs) "
+            "| pairs: quartiles [min … max] | overhead of per-round means |"
+        ),
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for model in models:

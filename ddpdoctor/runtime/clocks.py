@@ -19,12 +19,16 @@ class HostClock:
     """Marks are ``time.perf_counter_ns()`` values (CLOCK_MONOTONIC on Linux)."""
 
     name = "host"
+    always_ready = True  # nothing to wait for: the emitter skips the readiness check
 
     def now(self) -> Mark:
         return time.perf_counter_ns()
 
     def ready(self, marks: Iterable[Mark]) -> bool:
         return True
+
+    def recycle(self, marks: Iterable[Mark]) -> None:
+        return None
 
     def us(self, t0: Mark, mark: Mark | None) -> float | None:
         if mark is None:
@@ -36,6 +40,7 @@ class CudaClock:
     """Marks are CUDA events recorded on the current stream; resolved without synchronizing."""
 
     name = "cuda"
+    always_ready = False
 
     def __init__(self) -> None:
         import torch

@@ -28,8 +28,8 @@ from ddpdoctor.events import (
 )
 
 #: Step-based checks run every this many steps, over at most the last WINDOW steps.
-EVERY = 25
-WINDOW = 200
+EVERY = 50
+WINDOW = 100
 #: Steps before the step-based checks first run (medians need a few).
 WARMUP = 20
 

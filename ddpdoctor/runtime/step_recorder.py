@@ -77,6 +77,7 @@ class StepRecorder:
         self._next_index = 0
         self._pending: list[OpenStep] = []
         self._last_layout: list[tuple[int, str]] | None = None  # (bytes, dtype) per bucket
+        self._last_bytes: list[int | None] = []
         self._layout_wanted = True
 
     @property
@@ -87,6 +88,7 @@ class StepRecorder:
     def reset_layout(self) -> None:
         """A new DDP instance: its buckets are new, look at them again."""
         self._last_layout = None
+        self._last_bytes = []
         self._layout_wanted = True
 
     # -- forward ---------------------------------------------------------------------------
@@ -200,25 +202,23 @@ class StepRecorder:
             self._emit_step(step)
 
     def _emit_step(self, step: OpenStep) -> None:
-        us = self.clock.us
-        t0 = step.t0
-        resolved = self.clock.ready(step.marks())
-        bcast_us = None
-        if step.bcast and resolved:
-            bcast_us = round(sum(us(a, b) for a, b, _ in step.bcast), 1)
-        fwd_us = None
-        if resolved and step.fwd_start is not None and step.fwd_end is not None:
-            in_fwd = sum(us(a, b) for a, b, sync in step.bcast if sync)
-            fwd_us = round(us(step.fwd_start, step.fwd_end) - in_fwd, 1)
-        done = step.done
-        sync_end = None
-        if resolved and done and all(m is not None for m in done):
-            sync_end = max(us(t0, m) for m in done)
-        if not resolved:  # GPU never passed these events in time: keep what the host knows
+        clock = self.clock
+        resolved = clock.always_ready or clock.ready(step.marks())
+        if not resolved:  # the GPU never passed these events in time: keep what the host knows
             record = Step(rank=self.rank, ddp=self.ddp_index, step=step.index, t0_mono_ns=step.t0_mono_ns,
-                          t0_wall_ns=step.t0_wall_ns, micro=step.micro, b_bytes=list(step.nbytes),
-                          bcast_bytes=step.bcast_bytes, clock=self.clock.name)
+                          t0_wall_ns=step.t0_wall_ns, micro=step.micro, b_bytes=step.nbytes,
+                          bcast_bytes=step.bcast_bytes, clock=clock.name)
         else:
+            us = clock.us
+            t0 = step.t0
+            bcast_us = fwd_us = sync_end = None
+            if step.bcast:
+                bcast_us = sum(us(a, b) for a, b, _ in step.bcast)
+            if step.fwd_start is not None and step.fwd_end is not None:
+                fwd_us = us(step.fwd_start, step.fwd_end) - sum(us(a, b) for a, b, sync in step.bcast if sync)
+            done = [us(t0, m) for m in step.done]
+            if done and None not in done:
+                sync_end = max(done)
             record = Step(
                 rank=self.rank,
                 ddp=self.ddp_index,
@@ -234,23 +234,22 @@ class StepRecorder:
                 bwd_end_us=us(t0, step.bwd_end),
                 b_ready_us=[us(t0, m) for m in step.ready],
                 b_launch_us=[us(t0, m) for m in step.launch],
-                b_done_us=[us(t0, m) for m in done],
-                b_bytes=list(step.nbytes),
+                b_done_us=done,
+                b_bytes=step.nbytes,  # the step is closed: its lists are handed over, not copied
                 sync_end_us=sync_end,
                 opt_start_us=us(t0, step.opt_start),
                 opt_end_us=us(t0, step.opt_end),
                 end_us=us(t0, step.end),
-                clock=self.clock.name,
+                clock=clock.name,
             )
-        self._emit_layout(step)
+        if step.layout is not None or self._last_layout is not None:
+            self._emit_layout(step)
         self.emit(record)
         self.steps_emitted += 1
-        recycle = getattr(self.clock, "recycle", None)
-        if recycle is not None and resolved:
-            recycle(step.marks())
+        if resolved and not clock.always_ready:
+            clock.recycle(step.marks())
 
     def _emit_layout(self, step: OpenStep) -> None:
-        shape = [(n or 0, "") for n in step.nbytes]
         if step.layout:
             buckets = [step.layout[i] for i in sorted(step.layout)]
             signature = [(b.bytes, b.dtype) for b in buckets]
@@ -263,7 +262,8 @@ class StepRecorder:
                     reason = "changed"
                 self.emit(Layout(rank=self.rank, ddp=self.ddp_index, step=step.index, reason=reason, buckets=buckets))
                 self._last_layout = signature
+                self._last_bytes = [b.bytes for b in buckets]
             # DDP rebuilds its buckets once, before the second step's forward: look again then.
             self._layout_wanted = step.index < 1
-        elif self._last_layout is not None and [s[0] for s in shape] != [b for b, _ in self._last_layout]:
+        elif self._last_layout is not None and step.nbytes != self._last_bytes:
             self._layout_wanted = True  # bucket sizes moved: capture names on the next step
