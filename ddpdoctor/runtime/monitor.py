@@ -374,6 +374,7 @@ class Monitor:
 
     def _close(self, reason: str, timeout: float) -> None:
         self._detach()
+        optimizer_hooks.unwatch(self)
         try:
             self.recorder.close()
             self.fingerprinter.poll()

@@ -1,4 +1,9 @@
-"""Optimizer step timing through torch's global optimizer hooks (one registration a process)."""
+"""Optimizer step timing through torch's global optimizer hooks (one registration a process).
+
+The hooks are process-wide: with several optimizers in one process, a monitor's optimizer time
+is that of whichever optimizer steps after its backward. They are removed when the last monitor
+closes, so a process that stops monitoring pays nothing for them.
+"""
 
 from __future__ import annotations
 
@@ -11,24 +16,28 @@ if TYPE_CHECKING:
 
 _monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
 _lock = threading.Lock()
-_registered = False
+_handles: list[Any] = []
 
 
 def watch(monitor: Monitor) -> None:
     """Time every ``optimizer.step()`` in this process for ``monitor``."""
-    global _registered
     with _lock:
         _monitors.add(monitor)
-        if _registered:
+        if _handles:
             return
-        _registered = True
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    register_optimizer_step_pre_hook(_pre)
-    register_optimizer_step_post_hook(_post)
+        _handles.extend((register_optimizer_step_pre_hook(_pre), register_optimizer_step_post_hook(_post)))
+
+
+def unwatch(monitor: Monitor) -> None:
+    """Stop timing for ``monitor``; the hooks go when no monitor is left."""
+    with _lock:
+        _monitors.discard(monitor)
+        if not _monitors:
+            for handle in _handles:
+                handle.remove()
+            _handles.clear()
 
 
 def _pre(optimizer: Any, args: Any, kwargs: Any) -> None:
