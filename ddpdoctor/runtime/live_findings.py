@@ -60,12 +60,15 @@ class LiveFindings:
         self.raised: list[Finding] = []
         self._seen: set[tuple[str, str, tuple[str, ...]]] = set()
         self._since_check = 0
+        self._checked = False
 
     def observe(self, record: Record) -> None:
         if isinstance(record, Step):
             self.steps.append(record)
             self._since_check += 1
-            if len(self.steps) >= WARMUP and self._since_check >= EVERY:
+            # first at WARMUP steps (a short job still hears it), then every EVERY steps
+            if self._since_check >= (EVERY if self._checked else WARMUP):
+                self._checked = True
                 self._since_check = 0
                 steps = list(self.steps)
                 self.raise_findings(buffer_broadcast_cost(self.header, steps, self.rank) if self.header else [])

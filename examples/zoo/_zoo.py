@@ -39,9 +39,11 @@ def batch(gen: torch.Generator, size: int = 16) -> tuple[torch.Tensor, torch.Ten
     return torch.randn(size, 32, generator=gen), torch.randn(size, 4, generator=gen)
 
 
-def fit(model: nn.Module, rank: int, run_dir: str, steps: int, batch_size: int = 16) -> None:
+def fit(model: nn.Module, rank: int, run_dir: str, steps: int, batch_size: int = 16,
+        finally_check: bool = False) -> None:
     """The plain training loop of the scripts whose problem is in the model or the DDP options,
-    instrumented with one line."""
+    instrumented with one line; ``finally_check`` ends with ``ddpdoctor.check_replicas`` while the
+    monitor is still attached (so what it finds is logged too)."""
     import ddpdoctor
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -53,6 +55,8 @@ def fit(model: nn.Module, rank: int, run_dir: str, steps: int, batch_size: int =
             opt.zero_grad()
             loss.backward()
             opt.step()
+        if finally_check:
+            ddpdoctor.check_replicas(model)
 
 
 def _entry(rank: int, train: Train, world: int, port: int, run_dir: str) -> None:

@@ -5,13 +5,9 @@ from __future__ import annotations
 from _zoo import Net, fit, launch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import ddpdoctor
-
 
 def train(rank: int, world: int, run_dir: str) -> None:
-    model = DDP(Net(width=1024))
-    fit(model, rank, run_dir, steps=30, batch_size=128)
-    ddpdoctor.check_replicas(model)
+    fit(DDP(Net(width=1024)), rank, run_dir, steps=30, batch_size=128, finally_check=True)
 
 
 if __name__ == "__main__":
