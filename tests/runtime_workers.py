@@ -256,3 +256,24 @@ def delay_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     with ddpdoctor.instrument(ddp, run_dir=Path(tmp) / "delay"):
         train(ddp, rank, steps=5)
     return {"rank": rank}
+
+
+def straggler_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Three runs in one process group: rank 1 slow in backward, slow in data loading, and none."""
+    import time as _time
+
+    for name, backward_s, data_s in (("slow-backward", 0.15, 0.0), ("slow-data", 0.0, 0.1), ("healthy", 0.0, 0.0)):
+        slow = rank == 1
+        torch.manual_seed(0)
+        ddp = DDP(DelayNet(backward_s=backward_s if slow else 0.0), bucket_cap_mb=BUCKET_CAP_MB)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        data = batches(rank, 10)
+        with ddpdoctor.instrument(ddp, run_dir=Path(tmp) / name):
+            for x, y in data:
+                if slow and data_s:
+                    _time.sleep(data_s)  # a slow input pipeline on this rank
+                loss = ((ddp(x) - y) ** 2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    return {"rank": rank}

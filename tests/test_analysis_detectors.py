@@ -82,3 +82,16 @@ def test_merge_unites_ranks_and_keeps_the_worst() -> None:
     b = Finding(code="x", severity="error", title="T", detail="D", fix="F", ranks=[0], step=3, evidence={"names": ["q"]})
     (m,) = merge([a, b])
     assert (m.severity, m.ranks, m.step, m.title, m.evidence["names"]) == ("error", [0, 1], 3, "T", ["p", "q"])
+
+
+def test_exposed_communication_by_share_of_step() -> None:
+    from ddpdoctor.analysis.straggler import exposed_communication
+
+    def step(i: int, exposed_us: float) -> Step:
+        return Step(rank=0, step=i, t0_mono_ns=0, t0_wall_ns=0, fwd_end_us=1000.0, bwd_end_us=5000.0,
+                    b_ready_us=[2000.0, 4900.0], b_done_us=[3000.0, 5000.0 + exposed_us],
+                    sync_end_us=5000.0 + exposed_us, end_us=10_000.0)
+
+    assert exposed_communication([step(i, 500.0) for i in range(6)], 0) == []  # 5%: hidden enough
+    (f,) = exposed_communication([step(i, 4000.0) for i in range(6)], 0)
+    assert f.severity == "warning" and f.evidence["exposed_ms"] == 4.0 and 0 < f.evidence["overlap_ratio"] < 1

@@ -1,4 +1,5 @@
-"""Cross-rank bucket arrival: how late each rank reaches each bucket, how long others wait.
+"""Cross-rank arrival at the step's collectives (the buffer broadcast, when DDP does one, then each
+bucket): how late each rank arrives, how long the others wait for it.
 
 A fast rank blocks in a bucket's all-reduce until the slowest rank reaches the same bucket, so
 per-rank durations even out; arrival times on aligned clocks do not.
@@ -17,7 +18,7 @@ class StepArrivals:
     """One step across ranks: per rank, per bucket arrival lateness and the wait it caused."""
 
     step: int
-    lateness_us: dict[int, list[float]] = field(default_factory=dict)  # behind the earliest rank
+    lateness_us: dict[int, list[float]] = field(default_factory=dict)  # behind the earliest rank, per collective
     wait_us: dict[int, float] = field(default_factory=dict)  # this rank blocked for others (max over buckets)
 
 
@@ -33,7 +34,10 @@ def arrivals(steps_by_rank: dict[int, list[Step]], clocks: ClockOffsets) -> list
             if not ready or any(t is None for t in ready):
                 continue
             base = s.t0_wall_ns / 1000.0 - offset
-            by_step.setdefault(s.step, {})[rank] = [base + t for t in ready]
+            # the buffer broadcast at forward start is the step's first collective: a rank that
+            # starts late is caught there, and the others wait inside it, before any bucket
+            first = [s.bcast_start_us] if s.bcast_start_us is not None else []
+            by_step.setdefault(s.step, {})[rank] = [base + t for t in first + ready]
     out = []
     ranks = set(steps_by_rank)
     for step in sorted(by_step):

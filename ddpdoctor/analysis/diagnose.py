@@ -6,14 +6,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
+from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
 from ddpdoctor.analysis.buffers import (
     buffer_broadcast_cost,
     constant_buffers,
     cross_rank_floor_ms,
 )
+from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
+from ddpdoctor.analysis.straggler import exposed_communication, stragglers
 from ddpdoctor.analysis.unused import unused_parameters
 from ddpdoctor.events import FindingRecord
 from ddpdoctor.runlog import RankLog, Run
@@ -36,6 +39,7 @@ def rank_findings(log: RankLog, bcast_cost_ms: float | None = None) -> list[Find
         out += constant_buffers(header, prints, steps, log.rank)
         out += buffer_broadcast_cost(header, steps, log.rank, bcast_cost_ms)
     out += sync_during_accumulation(log.steps, log.rank)
+    out += exposed_communication(log.steps, log.rank)
     return out
 
 
@@ -77,13 +81,17 @@ Detector = Callable[[Run], list[Finding]]
 LOGGED_EVIDENCE_CODES = {"replica-divergence", "buffer-divergence"}
 
 
-def diagnose(run: Run) -> list[Finding]:
-    """Every finding the logs support."""
+def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Finding]:
+    """Every finding the logs support (``arrived``: the run's bucket arrivals, if at hand)."""
     cost = cross_rank_floor_ms({r: log.steps for r, log in run.ranks.items()})
     derived = [f for log in run.ranks.values() for f in rank_findings(log, cost)]
     header = next((log.header for log in run.ranks.values() if log.header is not None), None)
     if header is not None:
         derived += compare_fingerprints(header, {r: log.fingerprints for r, log in run.ranks.items()})
+    steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
+    if arrived is None:
+        arrived = arrivals(steps_by_rank, estimate_offsets(steps_by_rank))
+    derived += stragglers(steps_by_rank, arrived)
     codes = {f.code for f in derived}
     logged = [_from_record(r) for log in run.ranks.values() for r in log.findings
               if r.code in LOGGED_EVIDENCE_CODES and r.code not in codes]

@@ -89,7 +89,8 @@ def analyze(run: Run) -> Report:
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
     clocks = estimate_offsets(steps_by_rank)
     wait_ms: dict[int, list[float]] = {r: [] for r in run.ranks}
-    for sa in arrivals(steps_by_rank, clocks):
+    arrived = arrivals(steps_by_rank, clocks)
+    for sa in arrived:
         for r, w in sa.wait_us.items():
             wait_ms[r].append(w / 1000.0)
     ranks = [
@@ -132,4 +133,4 @@ def analyze(run: Run) -> Report:
         ] if layout else [],
         "layout_rebuilt": any(lay.reason == "rebuilt" for log in run.ranks.values() for lay in log.layouts),
     }
-    return Report(run=run_info, ranks=ranks, stats=stats, findings=diagnose(run))
+    return Report(run=run_info, ranks=ranks, stats=stats, findings=diagnose(run, arrived))

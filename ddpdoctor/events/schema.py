@@ -102,6 +102,7 @@ class Step(_Record, tag="step", kw_only=True):
     micro: int = 0  # forwards run under no_sync before this step's synchronizing forward
     fwd_start_us: float = 0.0  # start of the synchronizing forward
     fwd_us: float | None = None  # forward compute, buffer broadcast excluded
+    bcast_start_us: float | None = None  # entry into the step's first buffer broadcast (a collective)
     bcast_us: float | None = None  # buffer broadcast inside that forward
     bcast_bytes: int = 0
     fwd_end_us: float | None = None

@@ -25,7 +25,10 @@ def watch(monitor: Monitor) -> None:
         _monitors.add(monitor)
         if _handles:
             return
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
 
         _handles.extend((register_optimizer_step_pre_hook(_pre), register_optimizer_step_post_hook(_post)))
 

@@ -212,8 +212,10 @@ class StepRecorder:
             us = clock.us
             t0 = step.t0
             bcast_us = fwd_us = sync_end = None
+            bcast_start = None
             if step.bcast:
                 bcast_us = sum(us(a, b) for a, b, _ in step.bcast)
+                bcast_start = us(t0, step.bcast[0][0])
             if step.fwd_start is not None and step.fwd_end is not None:
                 fwd_us = us(step.fwd_start, step.fwd_end) - sum(us(a, b) for a, b, sync in step.bcast if sync)
             done = [us(t0, m) for m in step.done]
@@ -228,6 +230,7 @@ class StepRecorder:
                 micro=step.micro,
                 fwd_start_us=us(t0, step.fwd_start) or 0.0,
                 fwd_us=fwd_us,
+                bcast_start_us=bcast_start,
                 bcast_us=bcast_us,
                 bcast_bytes=step.bcast_bytes,
                 fwd_end_us=us(t0, step.fwd_end),

@@ -1,0 +1,140 @@
+"""straggler and exposed-communication: cross-rank timing findings.
+
+A straggler is found from bucket *arrival* skew on aligned clocks, not from step totals: a fast
+rank blocks in the all-reduce until the slowest arrives, so totals even out. Where the straggler
+loses its time is found from its own compute durations per phase, which exclude waiting:
+before forward (data loading: the gap after the previous all-reduce, optimizer excluded),
+forward (buffer broadcast excluded), backward (end of forward to end of backward compute), and
+optimizer.
+"""
+
+from __future__ import annotations
+
+from statistics import median
+
+from ddpdoctor.analysis.bucket_wait import StepArrivals
+from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.events import Step
+
+#: A rank is a straggler when its median lateness (at the collective it is latest for) is this many ms ...
+MIN_LATENESS_MS = 10.0
+#: ... and this share of the median step, and it is the latest rank in this share of the steps.
+MIN_LATENESS_SHARE = 0.10
+MIN_LATEST_SHARE = 0.6
+#: Exposed communication worth an info, and a warning, as a share of the step.
+EXPOSED_INFO_SHARE = 0.10
+EXPOSED_WARNING_SHARE = 0.30
+
+PHASE_FIX = {
+    "data loading (before forward)": (
+        "This rank starts its forward late: its input pipeline is slower. Give its DataLoader more "
+        "workers or prefetching (num_workers=..., pin_memory=True, persistent_workers=True), check that "
+        "its data shard is not larger or on slower storage than the others'."),
+    "forward": ("This rank's forward is slower: check for rank-dependent work in forward (logging, "
+                "metrics, extra branches) or a slower device/host."),
+    "backward": ("This rank's backward is slower: check for rank-dependent hooks or a slower device/host "
+                 "(thermal throttling, another process sharing it)."),
+    "optimizer": ("This rank's optimizer step is slower: check for rank-dependent work after backward "
+                  "(checkpointing, logging, EMA updates on one rank only)."),
+}
+
+
+def _phase_durations(s: Step, previous: Step | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if s.fwd_us is not None:
+        out["forward"] = s.fwd_us
+    if s.bwd_end_us is not None and s.fwd_end_us is not None:
+        out["backward"] = s.bwd_end_us - s.fwd_end_us
+    if s.opt_start_us is not None and s.opt_end_us is not None:
+        out["optimizer"] = s.opt_end_us - s.opt_start_us
+    if previous is not None and previous.sync_end_us is not None and previous.end_us is not None:
+        gap = previous.end_us - previous.sync_end_us
+        if previous.opt_start_us is not None and previous.opt_end_us is not None:
+            gap -= previous.opt_end_us - previous.opt_start_us
+        out["data loading (before forward)"] = gap + s.fwd_start_us
+    return out
+
+
+def _median_phases(steps: list[Step]) -> dict[str, float]:
+    columns: dict[str, list[float]] = {}
+    previous = None
+    for s in steps:
+        for name, value in _phase_durations(s, previous if previous and previous.step == s.step - 1 else None).items():
+            columns.setdefault(name, []).append(value)
+        previous = s
+    return {name: median(values) for name, values in columns.items() if values}
+
+
+def stragglers(steps_by_rank: dict[int, list[Step]], arrivals: list[StepArrivals]) -> list[Finding]:
+    """Ranks that arrive late at the buckets, where they lose the time, and what it costs the others."""
+    if len(steps_by_rank) < 2 or len(arrivals) < 3:
+        return []
+    lateness: dict[int, list[float]] = {r: [] for r in steps_by_rank}
+    latest: dict[int, int] = {r: 0 for r in steps_by_rank}
+    for sa in arrivals:
+        last = {r: max(lat) for r, lat in sa.lateness_us.items()}  # at the collective it is latest for
+        for r, v in last.items():
+            lateness[r].append(v / 1000.0)
+        latest[max(last, key=last.get)] += 1  # type: ignore[arg-type]
+    step_ms = median(s.end_us / 1000.0 for steps in steps_by_rank.values() for s in steps if s.end_us is not None)
+    phases = {r: _median_phases(steps) for r, steps in steps_by_rank.items()}
+    out = []
+    for rank, values in lateness.items():
+        late_ms = median(values)
+        if late_ms < max(MIN_LATENESS_MS, MIN_LATENESS_SHARE * step_ms) or latest[rank] < MIN_LATEST_SHARE * len(arrivals):
+            continue
+        others = [r for r in steps_by_rank if r != rank]
+        excess = {
+            name: value - median(phases[o][name] for o in others if name in phases[o])
+            for name, value in phases[rank].items() if any(name in phases[o] for o in others)
+        }
+        phase = max(excess, key=excess.get) if excess else "unknown"  # type: ignore[arg-type]
+        waited_ms = sum(sa.wait_us.get(o, 0.0) for sa in arrivals for o in others) / 1000.0
+        first = next(sa.step for sa in arrivals if max(sa.lateness_us[rank]) / 1000.0 >= late_ms / 2)
+        out.append(Finding(
+            code="straggler", severity="warning", ranks=[rank], step=first,
+            title=f"rank {rank} arrives late at the step's collectives by {late_ms:.1f} ms: {phase}",
+            detail=(f"Rank {rank} reaches the step's collectives (buffer broadcast, gradient buckets) a median "
+                    f"{late_ms:.1f} ms after the earliest rank "
+                    f"({late_ms / step_ms:.0%} of a {step_ms:.1f} ms step), latest in {latest[rank]} of "
+                    f"{len(arrivals)} steps. Its {phase} takes {excess.get(phase, 0.0) / 1000.0:.1f} ms longer than on "
+                    f"the other ranks. The other ranks spent {waited_ms / 1000.0:.1f} s in total waiting for it "
+                    f"over {len(arrivals)} steps."),
+            evidence={"median_lateness_ms": late_ms, "latest_in_steps": latest[rank], "steps": len(arrivals),
+                      "phase": phase, "phase_excess_ms": {k: round(v / 1000.0, 3) for k, v in excess.items()},
+                      "others_waited_ms": waited_ms, "step_ms": step_ms},
+            fix=PHASE_FIX.get(phase, "Look at what this rank does differently."),
+        ))
+    return out
+
+
+def exposed_communication(steps: list[Step], rank: int) -> list[Finding]:
+    """All-reduce time not hidden behind backward compute, on one rank."""
+    exposed, comm, total = [], [], []
+    for s in steps:
+        if s.sync_end_us is None or s.bwd_end_us is None or s.end_us is None or not s.b_ready_us:
+            continue
+        ready = [t for t in s.b_ready_us if t is not None]
+        exposed.append(max(0.0, s.sync_end_us - s.bwd_end_us))
+        comm.append(s.sync_end_us - min(ready))
+        total.append(s.end_us)
+    if len(exposed) < 5:
+        return []
+    exposed_ms, comm_ms, step_ms = median(exposed) / 1000.0, median(comm) / 1000.0, median(total) / 1000.0
+    share = exposed_ms / step_ms
+    if share < EXPOSED_INFO_SHARE:
+        return []
+    overlap = 1.0 - exposed_ms / comm_ms if comm_ms > 0 else 0.0
+    return [Finding(
+        code="exposed-communication", severity="warning" if share >= EXPOSED_WARNING_SHARE else "info",
+        ranks=[rank], step=steps[0].step,
+        title=f"{exposed_ms:.1f} ms of all-reduce per step not hidden behind backward ({share:.0%} of the step)",
+        detail=(f"Backward compute ends {exposed_ms:.1f} ms (median) before the last bucket's all-reduce completes; "
+                f"{overlap:.0%} of the {comm_ms:.1f} ms of communication overlaps with backward. This time includes "
+                "waiting for slower ranks (see straggler)."),
+        evidence={"exposed_ms": exposed_ms, "allreduce_ms": comm_ms, "overlap_ratio": overlap, "share_of_step": share,
+                  "steps": len(exposed)},
+        fix=("Start communication earlier and make the last bucket small: a smaller bucket_cap_mb "
+             "(DistributedDataParallel(net, bucket_cap_mb=...)) lets all-reduces start while backward runs; "
+             "if ranks wait for a straggler, fix that first."),
+    )]
