@@ -66,3 +66,13 @@ def test_report_on_a_bad_dir_is_a_clear_error_exit_2(tmp_path: Path) -> None:
     assert "no such directory" in proc.stderr and "Traceback" not in proc.stderr
     proc = _ddpdoctor("report", str(tmp_path), timeout=60)
     assert proc.returncode == 2 and "no rank files" in proc.stderr
+
+
+def test_report_markdown(demo_run: tuple[Path, subprocess.CompletedProcess[str]], capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir, _ = demo_run
+    assert main(["report", str(run_dir), "--format", "markdown"]) == 0
+    md = capsys.readouterr().out
+    assert md.startswith(f"# ddpdoctor report: `{run_dir}`")
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| rank | host | steps | status | step |") and len(table) == 3
+    assert "## Findings" in md

@@ -85,3 +85,34 @@ def render(report: Report) -> str:
             fix = f.fix.replace("\n", "\n           ")
             lines += [f"  [{f.severity}] {f.code}: {f.title}{where}{at}", f"      {f.detail}", f"      fix: {fix}"]
     return "\n".join(lines) + "\n"
+
+
+def render_markdown(report: Report) -> str:
+    """The report as Markdown (for CI summaries, issues, notebooks)."""
+    run, stats = report.run, report.stats
+    lines = [
+        f"# ddpdoctor report: `{run['dir']}`",
+        "",
+        f"World size {run['world_size']}, backend {run['backend']}, torch {run['torch']}, device {run['device']}, "
+        f"{stats['steps']} steps, {'finished' if run['finished'] else 'not finished'}.",
+    ]
+    if run["missing_ranks"]:
+        lines.append(f"Missing rank files: {run['missing_ranks']}.")
+    if run["corrupt_lines"] or run["unknown_lines"]:
+        lines.append(f"Skipped {run['corrupt_lines']} corrupt and {run['unknown_lines']} unknown log lines.")
+    lines += ["", "## Per-rank medians (ms)", "",
+              "| rank | host | steps | status | " + " | ".join(short for _, short in _COLUMNS) + " |",
+              "|---|---|---:|---|" + "---:|" * len(_COLUMNS)]
+    for r in report.ranks:
+        m = r["medians_ms"]
+        lines.append(f"| {r['rank']} | {r['host'] or '?'} | {r['steps']} | {r['status']} | "
+                     + " | ".join(_ms(m.get(name)) for name, _ in _COLUMNS) + " |")
+    lines += ["", "## Findings", ""]
+    if not report.findings:
+        lines.append("No findings.")
+    for f in sorted(report.findings, key=lambda f: -SEVERITY_ORDER[f.severity]):
+        where = f", ranks {f.ranks}" if f.ranks else ""
+        at = f", from step {f.step}" if f.step is not None else ""
+        lines += [f"### {f.severity}: `{f.code}`: {f.title}", "", f"{f.detail} ({f.code}{where}{at})", "",
+                  "Fix:", "", "```", f.fix, "```", ""]
+    return "\n".join(lines).rstrip() + "\n"

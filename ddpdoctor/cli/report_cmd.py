@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 from ddpdoctor.analysis import analyze, at_least
-from ddpdoctor.cli.render_text import render
+from ddpdoctor.cli.render_text import render, render_markdown
 from ddpdoctor.runlog import load_run
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("report", help="post-mortem analysis of a run dir")
     p.add_argument("run_dir", type=Path, help="the run dir (holds rank-NNNNN.jsonl files)")
-    p.add_argument("--format", choices=["text", "json"], default="text")
+    p.add_argument("--format", choices=["text", "json", "markdown"], default="text")
     p.add_argument("-o", "--output", type=Path, help="write the report to this file instead of stdout")
     p.add_argument("--fail-on", choices=["warning", "error"], help="exit 1 if a finding this severe or worse exists")
     p.set_defaults(func=run)
@@ -23,7 +23,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def run(args: argparse.Namespace) -> int:
     report = analyze(load_run(args.run_dir))
-    text = json.dumps(report.to_dict(), indent=2) + "\n" if args.format == "json" else render(report)
+    if args.format == "json":
+        text = json.dumps(report.to_dict(), indent=2) + "\n"
+    elif args.format == "markdown":
+        text = render_markdown(report)
+    else:
+        text = render(report)
     if args.output is not None:
         args.output.write_text(text)
     else:
