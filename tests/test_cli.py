@@ -76,3 +76,40 @@ def test_report_markdown(demo_run: tuple[Path, subprocess.CompletedProcess[str]]
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| rank | host | steps | status | step |") and len(table) == 3
     assert "## Findings" in md
+
+
+def test_trace_is_a_valid_chrome_trace_with_aligned_ranks(demo_run: tuple[Path, subprocess.CompletedProcess[str]],
+                                                           tmp_path: Path) -> None:
+    run_dir, _ = demo_run
+    out = tmp_path / "trace.json"
+    assert main(["trace", str(run_dir), "-o", str(out)]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert {e["ph"] for e in events} == {"X", "M"}
+    assert {e["pid"] for e in slices} == {0, 1}
+    for e in slices:
+        assert isinstance(e["name"], str) and isinstance(e["tid"], int)
+        assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0 and e["dur"] >= 0
+    names = {(e["pid"], e["args"]["name"]) for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {n for _, n in names} == {"rank 0 (vm)", "rank 1 (vm)"} or len(names) == 2
+    run = __import__("ddpdoctor").load_run(run_dir)
+    for rank, log in run.ranks.items():
+        mine = [e for e in slices if e["pid"] == rank]
+        assert sum(e["name"] == "forward" for e in mine) == len(log.steps) == 8
+        assert sum(e["name"].startswith("all-reduce bucket") for e in mine) == sum(len(s.b_done_us) for s in log.steps)
+        # slices on one track nest or follow each other, never cross (what trace viewers require)
+        for tid in {e["tid"] for e in mine}:
+            track = sorted((e["ts"], e["ts"] + e["dur"]) for e in mine if e["tid"] == tid)
+            stack: list[float] = []
+            for start, end in track:
+                while stack and start >= stack[-1] - 1e-3:
+                    stack.pop()
+                assert not stack or end <= stack[-1] + 1e-3
+                stack.append(end)
+    # all ranks leave a bucket's all-reduce together: on the aligned clock their ends coincide
+    ends = {}
+    for e in slices:
+        if e["name"].startswith("all-reduce bucket"):
+            ends.setdefault((e["args"]["step"], e["name"]), []).append(e["ts"] + e["dur"])
+    gaps = sorted(max(v) - min(v) for v in ends.values() if len(v) == 2)
+    assert gaps and gaps[len(gaps) // 2] < 2000  # µs

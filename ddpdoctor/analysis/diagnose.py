@@ -16,7 +16,11 @@ from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
-from ddpdoctor.analysis.straggler import exposed_communication, stragglers
+from ddpdoctor.analysis.straggler import (
+    exposed_communication,
+    exposed_floor_us,
+    stragglers,
+)
 from ddpdoctor.analysis.unused import unused_parameters
 from ddpdoctor.events import FindingRecord
 from ddpdoctor.runlog import RankLog, Run
@@ -26,7 +30,8 @@ def _in(step: int, first: int, nxt: int | None) -> bool:
     return step >= first and (nxt is None or step < nxt)
 
 
-def rank_findings(log: RankLog, bcast_cost_ms: float | None = None) -> list[Finding]:
+def rank_findings(log: RankLog, bcast_cost_ms: float | None = None,
+                  exposed_floor: dict[int, float] | None = None) -> list[Finding]:
     """What one rank's own log shows, one DDP instance (header segment) at a time."""
     out: list[Finding] = []
     for header, first, nxt in log.segments():
@@ -39,7 +44,7 @@ def rank_findings(log: RankLog, bcast_cost_ms: float | None = None) -> list[Find
         out += constant_buffers(header, prints, steps, log.rank)
         out += buffer_broadcast_cost(header, steps, log.rank, bcast_cost_ms)
     out += sync_during_accumulation(log.steps, log.rank)
-    out += exposed_communication(log.steps, log.rank)
+    out += exposed_communication(log.steps, log.rank, exposed_floor)
     return out
 
 
@@ -84,7 +89,8 @@ LOGGED_EVIDENCE_CODES = {"replica-divergence", "buffer-divergence"}
 def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Finding]:
     """Every finding the logs support (``arrived``: the run's bucket arrivals, if at hand)."""
     cost = cross_rank_floor_ms({r: log.steps for r, log in run.ranks.items()})
-    derived = [f for log in run.ranks.values() for f in rank_findings(log, cost)]
+    floor = exposed_floor_us({r: log.steps for r, log in run.ranks.items()}) if len(run.ranks) > 1 else None
+    derived = [f for log in run.ranks.values() for f in rank_findings(log, cost, floor)]
     header = next((log.header for log in run.ranks.values() if log.header is not None), None)
     if header is not None:
         derived += compare_fingerprints(header, {r: log.fingerprints for r, log in run.ranks.items()})

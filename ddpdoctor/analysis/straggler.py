@@ -108,14 +108,20 @@ def stragglers(steps_by_rank: dict[int, list[Step]], arrivals: list[StepArrivals
     return out
 
 
-def exposed_communication(steps: list[Step], rank: int) -> list[Finding]:
-    """All-reduce time not hidden behind backward compute, on one rank."""
+def exposed_communication(steps: list[Step], rank: int, floor_us: dict[int, float] | None = None) -> list[Finding]:
+    """All-reduce time not hidden behind backward compute, on one rank.
+
+    ``floor_us`` (step -> µs): the smallest exposed time any rank had at that step. The rank that
+    finishes backward last waits for nobody, so its exposed time is communication alone; on the
+    others it also holds the wait for that rank, which is a straggler's cost, not this one's.
+    """
     exposed, comm, total = [], [], []
     for s in steps:
         if s.sync_end_us is None or s.bwd_end_us is None or s.end_us is None or not s.b_ready_us:
             continue
         ready = [t for t in s.b_ready_us if t is not None]
-        exposed.append(max(0.0, s.sync_end_us - s.bwd_end_us))
+        mine = max(0.0, s.sync_end_us - s.bwd_end_us)
+        exposed.append(min(mine, floor_us.get(s.step, mine)) if floor_us else mine)
         comm.append(s.sync_end_us - min(ready))
         total.append(s.end_us)
     if len(exposed) < 5:
@@ -130,11 +136,22 @@ def exposed_communication(steps: list[Step], rank: int) -> list[Finding]:
         ranks=[rank], step=steps[0].step,
         title=f"{exposed_ms:.1f} ms of all-reduce per step not hidden behind backward ({share:.0%} of the step)",
         detail=(f"Backward compute ends {exposed_ms:.1f} ms (median) before the last bucket's all-reduce completes; "
-                f"{overlap:.0%} of the {comm_ms:.1f} ms of communication overlaps with backward. This time includes "
-                "waiting for slower ranks (see straggler)."),
+                f"{overlap:.0%} of the {comm_ms:.1f} ms of communication overlaps with backward (waiting for slower "
+                "ranks is not counted here: see straggler)."),
         evidence={"exposed_ms": exposed_ms, "allreduce_ms": comm_ms, "overlap_ratio": overlap, "share_of_step": share,
                   "steps": len(exposed)},
         fix=("Start communication earlier and make the last bucket small: a smaller bucket_cap_mb "
              "(DistributedDataParallel(net, bucket_cap_mb=...)) lets all-reduces start while backward runs; "
              "if ranks wait for a straggler, fix that first."),
     )]
+
+
+def exposed_floor_us(steps_by_rank: dict[int, list[Step]]) -> dict[int, float]:
+    """Per step, the smallest exposed communication time over the ranks that logged it."""
+    out: dict[int, float] = {}
+    for steps in steps_by_rank.values():
+        for s in steps:
+            if s.sync_end_us is not None and s.bwd_end_us is not None:
+                value = max(0.0, s.sync_end_us - s.bwd_end_us)
+                out[s.step] = min(out.get(s.step, value), value)
+    return out
