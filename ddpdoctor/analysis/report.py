@@ -42,17 +42,17 @@ def _median(values: list[float]) -> float | None:
     return round(median(values), 3) if values else None
 
 
-def _rank_status(log: RankLog) -> str:
+def _rank_status(log: RankLog, lost: set[int]) -> str:
     """finished, failed (an exception ended training), terminated (a signal), or running (no
     end record: still writing, or killed without a chance to say so)."""
     if log.end is None:
-        return "running"
+        return "lost" if log.rank in lost else "running"
     if log.end.reason.startswith("error"):
         return "failed"
     return "terminated" if log.end.reason == "signal" else "finished"
 
 
-def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: str) -> dict[str, Any]:
+def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: str, lost: set[int]) -> dict[str, Any]:
     columns: dict[str, list[float]] = {name: [] for name in PHASES}
     for s in log.steps:
         for name, value in step_phases(s).items():
@@ -68,7 +68,7 @@ def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: st
         "pid": h.pid if h else None,
         "device": h.device if h else None,
         "local_rank": h.local_rank if h else None,
-        "status": _rank_status(log),
+        "status": _rank_status(log, lost),
         "steps": len(log.steps),
         "last_step": last.step if last else None,
         "buckets": len(last.b_ready_us) if last else 0,
@@ -93,8 +93,10 @@ def analyze(run: Run) -> Report:
     for sa in arrived:
         for r, w in sa.wait_us.items():
             wait_ms[r].append(w / 1000.0)
+    findings = diagnose(run, arrived)
+    lost = {r for f in findings if f.code == "rank-lost" for r in f.ranks}
     ranks = [
-        _rank_entry(log, wait_ms[r], clocks.offset_us.get(r, 0.0), clocks.method.get(r, "wall"))
+        _rank_entry(log, wait_ms[r], clocks.offset_us.get(r, 0.0), clocks.method.get(r, "wall"), lost)
         for r, log in sorted(run.ranks.items())
     ]
     header = next((log.header for log in run.ranks.values() if log.header is not None), None)
@@ -133,4 +135,4 @@ def analyze(run: Run) -> Report:
         ] if layout else [],
         "layout_rebuilt": any(lay.reason == "rebuilt" for log in run.ranks.values() for lay in log.layouts),
     }
-    return Report(run=run_info, ranks=ranks, stats=stats, findings=diagnose(run, arrived))
+    return Report(run=run_info, ranks=ranks, stats=stats, findings=findings)
