@@ -88,10 +88,14 @@ def test_exposed_communication_by_share_of_step() -> None:
     from ddpdoctor.analysis.straggler import exposed_communication
 
     def step(i: int, exposed_us: float) -> Step:
-        return Step(rank=0, step=i, t0_mono_ns=0, t0_wall_ns=0, fwd_end_us=1000.0, bwd_end_us=5000.0,
-                    b_ready_us=[2000.0, 4900.0], b_done_us=[3000.0, 5000.0 + exposed_us],
-                    sync_end_us=5000.0 + exposed_us, end_us=10_000.0)
+        return Step(rank=0, step=i, t0_mono_ns=0, t0_wall_ns=0, fwd_end_us=10_000.0, bwd_end_us=50_000.0,
+                    b_ready_us=[20_000.0, 49_000.0], b_done_us=[30_000.0, 50_000.0 + exposed_us],
+                    sync_end_us=50_000.0 + exposed_us, end_us=100_000.0)
 
-    assert exposed_communication([step(i, 500.0) for i in range(6)], 0) == []  # 5%: hidden enough
-    (f,) = exposed_communication([step(i, 4000.0) for i in range(6)], 0)
-    assert f.severity == "warning" and f.evidence["exposed_ms"] == 4.0 and 0 < f.evidence["overlap_ratio"] < 1
+    assert exposed_communication([step(i, 5_000.0) for i in range(6)], 0) == []  # 5%: hidden enough
+    (f,) = exposed_communication([step(i, 40_000.0) for i in range(6)], 0)
+    assert f.severity == "warning" and f.evidence["exposed_ms"] == 40.0 and 0 < f.evidence["overlap_ratio"] < 1
+    tiny = [Step(rank=0, step=i, t0_mono_ns=0, t0_wall_ns=0, fwd_end_us=300.0, bwd_end_us=1000.0,
+                 b_ready_us=[900.0], b_done_us=[2500.0], sync_end_us=2500.0, end_us=3000.0) for i in range(6)]
+    (small,) = exposed_communication(tiny, 0)  # half of a 3 ms step, but 1.5 ms: the latency floor, info
+    assert small.severity == "info" and small.evidence["share_of_step"] == 0.5

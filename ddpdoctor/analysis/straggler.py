@@ -21,9 +21,13 @@ MIN_LATENESS_MS = 10.0
 #: ... and this share of the median step, and it is the latest rank in this share of the steps.
 MIN_LATENESS_SHARE = 0.10
 MIN_LATEST_SHARE = 0.6
-#: Exposed communication worth an info, and a warning, as a share of the step.
+#: Exposed communication worth an info, and a warning: a share of the step and an absolute floor
+#: (the last bucket's all-reduce can only start when backward ends: about a millisecond of exposed
+#: communication is the latency floor of any DDP step, not something to fix).
 EXPOSED_INFO_SHARE = 0.10
+EXPOSED_INFO_MS = 1.0
 EXPOSED_WARNING_SHARE = 0.30
+EXPOSED_WARNING_MS = 5.0
 
 PHASE_FIX = {
     "data loading (before forward)": (
@@ -128,11 +132,12 @@ def exposed_communication(steps: list[Step], rank: int, floor_us: dict[int, floa
         return []
     exposed_ms, comm_ms, step_ms = median(exposed) / 1000.0, median(comm) / 1000.0, median(total) / 1000.0
     share = exposed_ms / step_ms
-    if share < EXPOSED_INFO_SHARE:
+    if share < EXPOSED_INFO_SHARE or exposed_ms < EXPOSED_INFO_MS:
         return []
+    warn = share >= EXPOSED_WARNING_SHARE and exposed_ms >= EXPOSED_WARNING_MS
     overlap = 1.0 - exposed_ms / comm_ms if comm_ms > 0 else 0.0
     return [Finding(
-        code="exposed-communication", severity="warning" if share >= EXPOSED_WARNING_SHARE else "info",
+        code="exposed-communication", severity="warning" if warn else "info",
         ranks=[rank], step=steps[0].step,
         title=f"{exposed_ms:.1f} ms of all-reduce per step not hidden behind backward ({share:.0%} of the step)",
         detail=(f"Backward compute ends {exposed_ms:.1f} ms (median) before the last bucket's all-reduce completes; "
