@@ -76,3 +76,23 @@ def test_sigterm_while_blocked_in_a_collective_still_flushes_and_kills(tmp_path:
         for p in procs:
             p.kill()
             p.wait(10)
+
+
+def test_report_works_on_a_run_still_being_written(tmp_path: Path, capsys: object) -> None:
+    import json
+
+    from ddpdoctor.cli.main import main
+
+    proc = _start(0, 1, free_port(), tmp_path)
+    try:
+        tail = RankFileTail(tmp_path / "rank-00000.jsonl", 0, 0)
+        _wait_for_steps(tail, 5, timeout=60)
+        out = tmp_path / "live.json"
+        assert main(["report", str(tmp_path), "--format", "json", "-o", str(out)]) == 0
+        report = json.loads(out.read_text())
+        assert proc.poll() is None  # the job is still training while the report is made
+        assert report["ranks"][0]["status"] == "running" and report["ranks"][0]["steps"] >= 5
+        assert report["run"]["finished"] is False and report["run"]["corrupt_lines"] == 0
+    finally:
+        proc.kill()
+        proc.wait(10)
