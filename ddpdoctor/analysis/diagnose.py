@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
@@ -76,9 +75,6 @@ def merge(findings: list[Finding]) -> list[Finding]:
 def _from_record(r: FindingRecord) -> Finding:
     return Finding(code=r.code, severity=r.severity, title=r.title, detail=r.detail, fix=r.fix,  # type: ignore[arg-type]
                    ranks=list(r.ranks) or [r.rank], step=r.step, evidence=dict(r.evidence))
-
-
-Detector = Callable[[Run], list[Finding]]
 
 
 #: Codes a rank may log from evidence that is not in the log itself (``check_replicas`` compares

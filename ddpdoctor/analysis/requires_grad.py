@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ddpdoctor.analysis.findings import Finding
-from ddpdoctor.analysis.sizes import human_bytes, name_list, param_bytes
+from ddpdoctor.analysis.sizes import first_seen, human_bytes, name_list, param_bytes
 from ddpdoctor.events import GradFlags, Header
 
 REWRAP_FIX = (
@@ -13,21 +13,10 @@ REWRAP_FIX = (
 )
 
 
-def _first_seen(flags: list[GradFlags], attr: str) -> tuple[list[str], int | None]:
-    names: list[str] = []
-    first: int | None = None
-    for record in flags:
-        for name in getattr(record, attr):
-            if name not in names:
-                names.append(name)
-                first = record.step if first is None else min(first, record.step)
-    return names, first
-
-
 def stale_requires_grad(header: Header, flags: list[GradFlags], rank: int) -> list[Finding]:
     """Findings from the requires_grad changes one rank logged (``flags``) under ``header``."""
     out = []
-    frozen, frozen_step = _first_seen(flags, "frozen")
+    frozen, frozen_step = first_seen(flags, "frozen")
     if frozen:
         nbytes = param_bytes(header, frozen)
         find_unused = bool(header.ddp_options.get("find_unused_parameters"))
@@ -47,7 +36,7 @@ def stale_requires_grad(header: Header, flags: list[GradFlags], rank: int) -> li
             evidence={"names": frozen, "bytes_per_step": nbytes, "find_unused_parameters": find_unused},
             fix=REWRAP_FIX,
         ))
-    unfrozen, unfrozen_step = _first_seen(flags, "unfrozen")
+    unfrozen, unfrozen_step = first_seen(flags, "unfrozen")
     if unfrozen:
         nbytes = param_bytes(header, unfrozen)
         out.append(Finding(

@@ -1,6 +1,9 @@
-"""Byte sizes of logged tensors, from their dtype names (no torch needed)."""
+"""Sizes and names of logged tensors, for findings: bytes from dtype names, name lists (no torch)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 from ddpdoctor.events import Header
 
@@ -28,6 +31,19 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def first_seen(records: Sequence[Any], attr: str) -> tuple[list[str], int | None]:
+    """The names listed in ``attr`` of step-stamped records, in first-seen order, and the first
+    step any of them appeared at."""
+    names: list[str] = []
+    first: int | None = None
+    for record in records:
+        for name in getattr(record, attr):
+            if name not in names:
+                names.append(name)
+                first = record.step if first is None else min(first, record.step)
+    return names, first
 
 
 def name_list(names: list[str], most: int = 6) -> str:

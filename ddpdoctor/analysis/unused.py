@@ -5,7 +5,7 @@ from __future__ import annotations
 from statistics import median
 
 from ddpdoctor.analysis.findings import Finding
-from ddpdoctor.analysis.sizes import human_bytes, name_list, param_bytes
+from ddpdoctor.analysis.sizes import first_seen, human_bytes, name_list, param_bytes
 from ddpdoctor.events import Header, Step, Unused
 
 #: Sampled steps without any unused parameter before find_unused_parameters=True is called needless.
@@ -19,13 +19,7 @@ def unused_parameters(header: Header, samples: list[Unused], steps: list[Step], 
     if not samples:
         return []
     find_unused = bool(header.ddp_options.get("find_unused_parameters"))
-    names: list[str] = []
-    first = None
-    for s in samples:
-        for n in s.names:
-            if n not in names:
-                names.append(n)
-                first = s.step if first is None else min(first, s.step)
+    names, first = first_seen(samples, "names")
     if names:
         nbytes = param_bytes(header, names)
         if find_unused:

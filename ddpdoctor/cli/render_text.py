@@ -6,6 +6,7 @@ from typing import Any
 
 from ddpdoctor.analysis import Report
 from ddpdoctor.analysis.findings import SEVERITY_ORDER
+from ddpdoctor.analysis.sizes import human_bytes
 
 _COLUMNS = [
     ("step", "step"),
@@ -22,14 +23,6 @@ _COLUMNS = [
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def rank_table(ranks: list[dict[str, Any]]) -> list[str]:
@@ -71,9 +64,9 @@ def render(report: Report) -> str:
     buckets = stats.get("buckets") or []
     if buckets:
         total = sum(b["bytes"] for b in buckets)
-        sizes = ", ".join(_bytes(b["bytes"]) for b in buckets)
+        sizes = ", ".join(human_bytes(b["bytes"]) for b in buckets)
         rebuilt = " (rebuilt after the first step)" if stats.get("layout_rebuilt") else ""
-        lines += ["", f"Buckets: {len(buckets)}, {_bytes(total)} per step{rebuilt}: {sizes}"]
+        lines += ["", f"Buckets: {len(buckets)}, {human_bytes(total)} per step{rebuilt}: {sizes}"]
     lines.append("")
     if not report.findings:
         lines.append("No findings.")
