@@ -77,9 +77,11 @@ def timed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
     inner = state.inner_hook
     unwrap = inner is mean_allreduce
     step = None
+    index = -1
     if monitor is not None and monitor.probes.on["buckets"]:
         try:
-            step = monitor.on_bucket_ready(bucket)
+            index = bucket.index()
+            step = monitor.on_bucket_ready(bucket, index)
         except Exception as exc:
             monitor.probes.failed("buckets", exc)
             step = None
@@ -89,7 +91,6 @@ def timed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
     recorder = monitor.recorder
     probes = monitor.probes
     try:
-        index = bucket.index()
         recorder.bucket_launched(step, index)
     except Exception as exc:
         probes.failed("buckets", exc)

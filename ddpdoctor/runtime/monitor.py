@@ -318,9 +318,8 @@ class Monitor:
             self.probes.failed("buffers", exc)
         return None
 
-    def on_bucket_ready(self, bucket: dist.GradBucket) -> OpenStep | None:
+    def on_bucket_ready(self, bucket: dist.GradBucket, index: int) -> OpenStep | None:
         """First thing in the comm hook: ready time, bytes, layout sample, backward-end callback."""
-        index = bucket.index()
         step = self.recorder.bucket_ready(index, bucket)
         if step is None:
             return None
