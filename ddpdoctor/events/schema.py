@@ -191,6 +191,28 @@ class FindingRecord(_Record, tag="finding", kw_only=True):
     evidence: dict[str, Any] = {}
 
 
-Record = Union[Header, Layout, Step, ProcSample, ProbeOff, End, GradFlags, Fingerprint, Unused, FindingRecord]
+class Hang(_Record, tag="hang", kw_only=True):
+    """The hang watchdog's view of this rank: no progress for ``waited_s`` seconds.
+
+    ``state`` is "stalled" when the watchdog fires (flushed at once) and "resumed" when progress
+    came back after a stall (a slow checkpoint, not a hang). ``phase`` is where the rank is:
+    "forward", "buffer broadcast", "backward", "allreduce" (waiting for bucket
+    ``pending_bucket``), "optimizer", or "between steps" (data loading, evaluation, user code).
+    """
+
+    t_mono_ns: int
+    t_wall_ns: int
+    state: str = "stalled"
+    step: int  # the step in progress (not finished yet)
+    phase: str
+    waited_s: float  # since the last progress mark
+    pending_bucket: int | None = None  # first bucket whose all-reduce has not completed
+    buckets: int = 0  # buckets in the layout
+    buckets_ready: int = 0  # buckets whose gradients were ready (comm hook called) in this step
+    buckets_done: int = 0  # buckets whose all-reduce completed in this step
+    stack: list[str] = []  # the main thread's Python stack, innermost frame last
+
+
+Record = Union[Header, Layout, Step, ProcSample, ProbeOff, End, GradFlags, Fingerprint, Unused, FindingRecord, Hang]
 RECORD_TYPES: tuple[type, ...] = (Header, Layout, Step, ProcSample, ProbeOff, End, GradFlags, Fingerprint, Unused,
-                                  FindingRecord)
+                                  FindingRecord, Hang)

@@ -12,6 +12,7 @@ from ddpdoctor.events import (
     FindingRecord,
     Fingerprint,
     GradFlags,
+    Hang,
     Header,
     Layout,
     ProbeOff,
@@ -41,6 +42,7 @@ class RankLog:
     layouts: list[Layout] = field(default_factory=list)
     procs: list[ProcSample] = field(default_factory=list)
     probes_off: list[ProbeOff] = field(default_factory=list)
+    hangs: list[Hang] = field(default_factory=list)  # watchdog records, stalled and resumed
     end: End | None = None
     corrupt_lines: int = 0  # not JSON: garbage, or a line torn by a crash
     unknown_lines: int = 0  # JSON, but not a record this version knows
@@ -69,7 +71,8 @@ class RankLog:
             self.end = record
         elif isinstance(record, ProbeOff):
             self.probes_off.append(record)
-
+        elif isinstance(record, Hang):
+            self.hangs.append(record)
 
     def segments(self) -> list[tuple[Header, int, int | None]]:
         """(header, first step, first step of the next header or None) for each DDP instance seen."""
@@ -100,15 +103,20 @@ class RankFileTail:
     instead). A file that shrank (truncated or replaced) is read again from the start.
     """
 
-    def __init__(self, path: Path, rank: int, ddp: int) -> None:
+    def __init__(self, path: Path, rank: int, ddp: int, keep: bool = True) -> None:
         self.path = path
+        self.keep = keep  # add records to ``self.log`` (False: a live reader keeps its own state)
         self.log = RankLog(rank=rank, ddp=ddp, path=path)
         self._offset = 0
         self._partial = b""
         self._inode: int | None = None
 
-    def poll(self, final: bool = False, max_bytes: int = 64 << 20) -> list[Record]:
-        """New records since the last call (also added to ``self.log``)."""
+    def poll(self, final: bool = False, max_bytes: int | None = None) -> list[Record]:
+        """New records since the last call (also added to ``self.log`` when ``keep``).
+
+        ``max_bytes`` bounds what one call reads (a live view catching up on a long file stays
+        responsive); None reads to the end.
+        """
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -120,7 +128,7 @@ class RankFileTail:
         with open(self.path, "rb") as f:
             f.seek(self._offset)
             while True:
-                chunk = f.read(max_bytes)
+                chunk = f.read(max_bytes if max_bytes is not None else 64 << 20)
                 if not chunk:
                     break
                 self._offset += len(chunk)
@@ -129,6 +137,8 @@ class RankFileTail:
                 self._partial = lines.pop()
                 for line in lines:
                     self._decode(line, out)
+                if max_bytes is not None:
+                    break
         if final and self._partial:
             self.log.torn_tail = True
             self.log.corrupt_lines += 1
@@ -146,5 +156,6 @@ class RankFileTail:
         except UnknownRecord:
             self.log.unknown_lines += 1
             return
-        self.log.add(record)
+        if self.keep:
+            self.log.add(record)
         out.append(record)

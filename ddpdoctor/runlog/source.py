@@ -1,0 +1,85 @@
+"""Where live records come from, the same to every reader: a run dir being written, or a stream.
+
+A source is polled, never blocks, and hands back what arrived since the last poll, each record
+tagged with its rank and DDP index. ``ddpdoctor watch`` and the live analysis only know this
+interface, so tailing files and listening on a socket look alike to them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+from ddpdoctor.events import Record
+from ddpdoctor.runlog.rank_file import RankFileTail
+from ddpdoctor.runlog.run import check_run_dir, rank_files
+
+
+class RankRecord(NamedTuple):
+    """One record and who wrote it."""
+
+    rank: int
+    ddp: int
+    record: Record
+
+
+class SourceHealth(NamedTuple):
+    """What a source lost or skipped so far (shown by the UI, never fatal)."""
+
+    corrupt_lines: int  # garbage or torn lines skipped
+    unknown_lines: int  # JSON, but a record kind this version does not know
+    dropped: int  # records the writers dropped (stream only: slow or absent receiver)
+
+
+class RecordSource(Protocol):
+    """Anything that yields records of a run as they arrive."""
+
+    label: str  # what the UI shows: the run dir, or "listening on HOST:PORT"
+
+    def poll(self) -> list[RankRecord]:
+        """Records that arrived since the last call, in arrival order per rank; never blocks long."""
+        ...
+
+    def health(self) -> SourceHealth:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class DirSource:
+    """Tails every rank file of a run dir; files that appear later are picked up on a later poll.
+
+    A truncated or replaced file is read again from its start; a deleted one just stops.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], max_bytes_per_poll: int = 8 << 20) -> None:
+        self.dir: Path = check_run_dir(directory)
+        self.label = str(self.dir)
+        self._tails: dict[Path, RankFileTail] = {}
+        self._max = max_bytes_per_poll
+
+    def poll(self) -> list[RankRecord]:
+        try:
+            files = rank_files(self.dir)
+        except OSError:
+            files = []  # the dir went away: keep what we have
+        for path, rank, ddp in files:
+            if path not in self._tails:
+                self._tails[path] = RankFileTail(path, rank, ddp, keep=False)
+        out: list[RankRecord] = []
+        for tail in self._tails.values():
+            try:
+                records = tail.poll(max_bytes=self._max)
+            except OSError:
+                continue
+            out.extend(RankRecord(tail.log.rank, tail.log.ddp, r) for r in records)
+        return out
+
+    def health(self) -> SourceHealth:
+        logs = [t.log for t in self._tails.values()]
+        return SourceHealth(sum(g.corrupt_lines for g in logs), sum(g.unknown_lines for g in logs), 0)
+
+    def close(self) -> None:
+        self._tails.clear()
