@@ -1,0 +1,253 @@
+"""LiveRun: the live cross-rank state behind ``ddpdoctor watch``, on synthetic and real runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddpdoctor.analysis.live_run import LiveRun, LiveSnapshot
+from ddpdoctor.events import BucketInfo, End, Hang, Header, Layout, ProcSample, Step, encode
+from ddpdoctor.runlog import DirSource
+
+T0_NS = 1_700_000_000_000_000_000  # fixed wall clock: synthetic runs render the same every time
+
+
+def synthetic_records(rank: int, world: int, steps: range, *, buckets: int = 4, step_ms: float = 100.0,
+                      straggler: int | None = None, late_ms: float = 40.0, straggle_from: int = 0,
+                      header: bool = True, end: str | None = "close", hang_at: int | None = None) -> list[Any]:
+    """One rank's records: a header and layout, steps whose buckets every rank leaves together
+    (the collective completes when the last rank arrives), a proc sample, an end or a stall."""
+    out: list[Any] = []
+    if header:
+        out.append(Header(rank=rank, run_id="synthetic", world_size=world, host=f"node{rank // 8}", pid=1000 + rank,
+                          backend="gloo", t_mono_ns=0, t_wall_ns=T0_NS))
+        out.append(Layout(rank=rank, step=0, reason="initial",
+                          buckets=[BucketInfo(index=i, params=[f"p{i}"], bytes=1 << 16, dtype="float32")
+                                   for i in range(buckets)]))
+    for step in steps:
+        if hang_at is not None and step >= hang_at:
+            break
+        late = late_ms if straggler is not None and step >= straggle_from else 0.0
+        mine = late if rank == straggler else 0.0
+        ready = [30_000.0 + 10_000.0 * i + mine * 1000 for i in range(buckets)]
+        done = [30_000.0 + 10_000.0 * i + late * 1000 + 2_000.0 for i in range(buckets)]
+        t0 = T0_NS + int(step * (step_ms + late) * 1e6)
+        out.append(Step(rank=rank, step=step, t0_mono_ns=t0 - T0_NS, t0_wall_ns=t0, fwd_start_us=0.0, fwd_us=20_000.0,
+                        fwd_end_us=20_000.0, bwd_end_us=ready[-1], b_ready_us=ready, b_launch_us=[t + 100 for t in ready],
+                        b_done_us=done, b_bytes=[1 << 16] * buckets, sync_end_us=done[-1], opt_start_us=done[-1],
+                        opt_end_us=done[-1] + 1000.0, end_us=(step_ms + late) * 1000))
+        if step % 10 == 0:
+            out.append(ProcSample(rank=rank, t_mono_ns=t0 - T0_NS, t_wall_ns=t0, cpu_pct=95.0 + rank, rss_bytes=300 << 20))
+    last_ns = T0_NS + int(len(steps) * step_ms * 1e6)
+    if hang_at is not None:
+        out.append(Hang(rank=rank, t_mono_ns=last_ns - T0_NS, t_wall_ns=last_ns, step=hang_at,
+                        phase="between steps" if rank == world - 1 else "allreduce",
+                        pending_bucket=None if rank == world - 1 else 0, waited_s=30.0, buckets=buckets,
+                        stack=["train.py:40 in main", "train.py:12 in evaluate" if rank == world - 1 else
+                               "torch/autograd/__init__.py:200 in backward"]))
+    elif end is not None:
+        out.append(End(rank=rank, t_mono_ns=last_ns - T0_NS, t_wall_ns=last_ns, steps=len(steps), reason=end))
+    return out
+
+
+def write_run(directory: Path, world: int = 4, steps: int = 30, **kwargs: Any) -> Path:
+    """A finished synthetic run dir, deterministic to the byte."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for rank in range(world):
+        with open(directory / f"rank-{rank:05d}.jsonl", "wb") as f:
+            for rec in synthetic_records(rank, world, range(steps), **kwargs):
+                f.write(encode(rec))
+    return directory
+
+
+def feed_all(directory: Path, **kwargs: Any) -> tuple[LiveRun, LiveSnapshot]:
+    source = DirSource(directory)
+    live = LiveRun(label=str(directory), **kwargs)
+    live.feed(source.poll())
+    live.set_source_health(source.health())
+    return live, live.snapshot()
+
+
+def test_a_finished_healthy_run(tmp_path: Path) -> None:
+    _, snap = feed_all(write_run(tmp_path / "run", world=4, steps=30))
+    assert snap.finished and snap.health == "ok" and snap.world_size == 4 and snap.backend == "gloo"
+    assert [r.status for r in snap.ranks] == ["finished"] * 4
+    assert snap.view_step == 29 and snap.steps == tuple(range(30))
+    r0 = snap.ranks[0]
+    assert (r0.step, r0.step_ms, r0.fwd_ms, r0.late_ms) == (29, 100.0, 20.0, 0.0)
+    assert r0.cpu_pct == 95.0 and r0.rss_bytes == 300 << 20 and r0.host == "node0"
+    assert snap.heatmap is not None and snap.heatmap.collectives == ("b0", "b1", "b2", "b3")
+    assert snap.steps_per_s == pytest.approx(10.0)
+    assert not [f for f in snap.findings if f.severity != "info"]
+
+
+def test_a_straggler_is_named_with_its_bucket_lateness(tmp_path: Path) -> None:
+    live, snap = feed_all(write_run(tmp_path / "run", world=4, steps=30, straggler=2, end=None))
+    assert {r.rank: r.status for r in snap.ranks} == {0: "running", 1: "running", 2: "straggler", 3: "running"}
+    f = next(f for f in snap.findings if f.code == "straggler")
+    assert f.ranks == [2] and f.severity == "warning" and f.fix
+    assert snap.heatmap is not None and snap.heatmap.worst()[0] == 2  # type: ignore[index]
+    assert snap.heatmap.late_ms[2] == pytest.approx((40.0,) * 4)
+    assert snap.ranks[2].late_ms == pytest.approx(40.0) and snap.ranks[0].wait_ms == pytest.approx(40.0)
+    assert snap.health == "warning"
+    # stepping back in time shows that step's numbers
+    old = live.snapshot(at_step=5)
+    assert old.view_step == 5 and {r.step for r in old.ranks} == {5}
+
+
+def test_a_straggler_that_starts_mid_run_is_named_within_10_steps(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    d.mkdir()
+    source, live = DirSource(d), LiveRun()
+    files = {r: open(d / f"rank-{r:05d}.jsonl", "ab") for r in range(4)}
+    try:
+        records = {r: synthetic_records(r, 4, range(60), straggler=3, straggle_from=30, end=None) for r in range(4)}
+        seen_at = None
+        for i in range(max(len(v) for v in records.values())):
+            for r, recs in records.items():
+                if i < len(recs):
+                    files[r].write(encode(recs[i]))
+                    files[r].flush()
+            live.feed(source.poll())
+            snap = live.snapshot()
+            if seen_at is None and any(f.code == "straggler" for f in snap.findings):
+                seen_at = snap.view_step
+        assert seen_at is not None and 30 <= seen_at < 40
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def test_history_is_bounded(tmp_path: Path) -> None:
+    live, snap = feed_all(write_run(tmp_path / "run", world=2, steps=500), history=50)
+    assert len(snap.steps) == 50 and snap.steps[-1] == 499
+    assert len(snap.step_times) == 50
+    assert all(len(st.steps) == 50 for st in live._ranks.values())
+    assert len(live._arrivals) <= 50 and not live._pending
+
+
+def test_hang_status_and_stack(tmp_path: Path) -> None:
+    _, snap = feed_all(write_run(tmp_path / "run", world=3, steps=20, hang_at=12))
+    statuses = {r.rank: r.status for r in snap.ranks}
+    assert set(statuses.values()) == {"hung"}
+    assert snap.ranks[2].hang is not None and "evaluate" in snap.ranks[2].hang.stack[-1]
+    assert snap.health == "error"
+    assert any(f.code == "hang" and f.severity == "error" for f in snap.findings)
+
+
+def test_failed_terminated_and_lost_ranks(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    d.mkdir()
+    for rank, kwargs in ((0, {"end": "error: RuntimeError"}), (1, {"end": "signal"}), (2, {"end": None, "steps": 10})):
+        with open(d / f"rank-{rank:05d}.jsonl", "wb") as f:
+            for rec in synthetic_records(rank, 3, range(kwargs.pop("steps", 30)), **kwargs):
+                f.write(encode(rec))
+    _, snap = feed_all(d)
+    assert [r.status for r in snap.ranks] == ["failed", "terminated", "lost"]
+    assert any(f.code == "rank-lost" and f.ranks == [2] for f in snap.findings)
+    assert snap.health == "error" and not snap.finished
+
+
+def test_garbage_truncation_deletion_and_late_ranks(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    d.mkdir()
+    source, live = DirSource(d), LiveRun()
+    recs = {r: synthetic_records(r, 3, range(20), end=None) for r in range(3)}
+    # ranks 0 and 1 first, with garbage between records and a torn last line
+    for r in (0, 1):
+        with open(d / f"rank-{r:05d}.jsonl", "wb") as f:
+            for rec in recs[r][:12]:
+                f.write(encode(rec) + b"\x00garbage{not json\n")
+            f.write(encode(recs[r][12])[:20])
+    live.feed(source.poll())
+    live.set_source_health(source.health())
+    snap = live.snapshot()
+    assert {r.rank for r in snap.ranks} == {0, 1} and snap.world_size == 3
+    assert snap.view_step is None  # no step is complete before rank 2 shows up
+    assert snap.source.corrupt_lines >= 20
+    # rank 2 appears late: earlier steps complete as its records arrive
+    with open(d / "rank-00002.jsonl", "wb") as f:
+        for rec in recs[2]:
+            f.write(encode(rec))
+    live.feed(source.poll())
+    assert live.snapshot().view_step is not None
+    # rank 1's file is truncated and rewritten: read from the start, nothing counted twice
+    with open(d / "rank-00001.jsonl", "wb") as f:
+        for rec in recs[1][:5]:
+            f.write(encode(rec))
+    live.feed(source.poll())
+    snap = live.snapshot()
+    assert snap.ranks[1].step is not None and snap.ranks[1].step <= 5
+    # rank 0's file is deleted: the view keeps what it had
+    (d / "rank-00000.jsonl").unlink()
+    live.feed(source.poll())
+    assert live.snapshot().ranks[0].step is not None
+
+
+# -- a real 2-rank gloo run, watched while it trains ------------------------------------------------------
+
+
+def delayed_rank_training(rank: int, world_size: int, run_dir: str, healthy_steps: int, slow_steps: int) -> int:
+    """Rank 1 becomes slow in backward after ``healthy_steps`` steps."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpdoctor
+    from tests.models import DelayNet, batches
+
+    torch.manual_seed(0)
+    net = DelayNet()
+    ddp = DDP(net, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    with ddpdoctor.instrument(ddp, run_dir=run_dir):
+        for i, (x, y) in enumerate(batches(rank, healthy_steps + slow_steps)):
+            if rank == 1 and i == healthy_steps:
+                net.backward_s = 0.12
+            loss = ((ddp(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return rank
+
+
+@pytest.mark.slow
+def test_live_view_names_a_real_straggler_within_10_steps(tmp_path: Path) -> None:
+    from tests.ddp_harness import run_ranks
+
+    healthy, slow = 12, 16
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            run_ranks(delayed_rank_training, 2, args=(str(run_dir), healthy, slow), timeout=180)
+        except BaseException as exc:
+            errors.append(exc)
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    source, live = DirSource(run_dir), LiveRun()
+    seen_at = None
+    tick = threading.Event()
+    deadline = time.monotonic() + 200
+    try:
+        while time.monotonic() < deadline:
+            live.feed(source.poll())
+            snap = live.snapshot()
+            if seen_at is None and any(f.code == "straggler" for f in snap.findings):
+                seen_at = snap.view_step
+            if not trainer.is_alive() and snap.finished:
+                break
+            tick.wait(0.1)  # the poll rate of the UI's watcher
+    finally:
+        trainer.join(timeout=200)
+    assert not errors, errors
+    assert snap.finished
+    f = next(f for f in snap.findings if f.code == "straggler")
+    assert f.ranks == [1] and f.evidence["phase"] == "backward"
+    assert seen_at is not None and healthy <= seen_at < healthy + 10, seen_at

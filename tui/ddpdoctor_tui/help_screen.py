@@ -1,0 +1,47 @@
+"""The key bindings, on a modal screen."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+KEYS: tuple[tuple[str, str], ...] = (
+    ("p / space", "pause: hold the view on the current step (again: follow the latest step)"),
+    ("left / ,", "one step back in time (pauses)"),
+    ("right / .", "one step forward in time"),
+    ("end", "follow the latest step again"),
+    ("up / down", "select a rank in the ranks table (rank detail and heatmap follow it)"),
+    ("f", "filter findings: all, warning and worse, errors only"),
+    ("?", "this help"),
+    ("q", "quit"),
+)
+
+STATUSES: tuple[tuple[str, str], ...] = (
+    ("running", "logging steps"),
+    ("straggler", "arrives late at the collectives (live straggler finding)"),
+    ("stalled", "the rank's hang watchdog saw no progress for hang_timeout"),
+    ("hung", "stalled, and the hang detector says the run cannot go on"),
+    ("finished / terminated / failed", "its log closed: normally, by a signal, by an exception"),
+    ("lost", "its log stopped without an end while the others went on (killed)"),
+)
+
+
+class HelpScreen(ModalScreen[None]):
+    """Key bindings and what the statuses mean; any of escape, ? or q closes it."""
+
+    BINDINGS = [("escape", "dismiss", "Close"), ("question_mark", "dismiss", "Close"), ("q", "dismiss", "Close")]
+
+    def compose(self) -> ComposeResult:
+        keys = Table(title="keys", box=None, show_header=False)
+        for key, what in KEYS:
+            keys.add_row(f"[bold]{key}[/]", what)
+        statuses = Table(title="rank status", box=None, show_header=False)
+        for name, what in STATUSES:
+            statuses.add_row(f"[bold]{name}[/]", what)
+        with Vertical(id="help-box"):
+            yield Static(keys)
+            yield Static(statuses)
+            yield Static("[dim]escape closes this help[/]")

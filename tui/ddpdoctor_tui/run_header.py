@@ -1,0 +1,38 @@
+"""The run header: what is watched, its size and speed, and one word for its health."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from ddpdoctor.analysis.live_run import LiveSnapshot
+from ddpdoctor_tui.formatting import HEALTH_STYLE
+
+
+class RunHeader(Static):
+    """Run, world size, backend, steps/s, overall health, and where the view is in time."""
+
+    def show(self, snap: LiveSnapshot, paused: bool) -> None:
+        """Render ``snap``; ``paused`` says the view is held on one step instead of following."""
+        line = Text()
+        line.append(" ddpdoctor ", style="bold reverse")
+        line.append(f" {snap.run_id or '(no header yet)'} ", style="bold")
+        line.append(f" ranks {len(snap.ranks)}/{snap.world_size}")
+        if snap.backend:
+            line.append(f"  {snap.backend}/{snap.device}")
+        rate = "-" if snap.steps_per_s is None else f"{snap.steps_per_s:.1f}"
+        line.append(f"  {rate} steps/s  ")
+        health = "finished" if snap.finished and snap.health == "ok" else snap.health
+        line.append(f" {health.upper()} ", style=HEALTH_STYLE.get(snap.health, ""))
+        second = Text(f" {snap.label}  ", style="dim")
+        if snap.view_step is None:
+            second.append("waiting for steps from every rank", style="italic")
+        else:
+            mode = "PAUSED" if paused else ("finished" if snap.finished else "live")
+            second.append(f"step {snap.view_step}", style="bold")
+            second.append(f" (latest {snap.latest_step}) [{mode}]")
+        src = snap.source
+        if src.corrupt_lines or src.unknown_lines or src.dropped:
+            second.append(f"  skipped: {src.corrupt_lines} corrupt, {src.unknown_lines} unknown, "
+                          f"{src.dropped} dropped", style="yellow")
+        self.update(Text("\n").join([line, second]))
