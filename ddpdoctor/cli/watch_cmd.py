@@ -1,23 +1,55 @@
-"""``ddpdoctor watch``: the live terminal view (a shell until its panels land)."""
+"""``ddpdoctor watch``: the live terminal view over a run dir (tailed, or replayed when finished) or a stream."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ddpdoctor.runlog.run import check_run_dir
+from ddpdoctor.runlog.source import DirSource, RecordSource
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("watch", help="live terminal view of a run dir")
-    p.add_argument("run_dir", type=Path, nargs="?", help="the run dir to watch")
+    p = sub.add_parser("watch", help="live terminal view of a run dir or a streamed run")
+    p.add_argument("run_dir", type=Path, nargs="?", help="the run dir to watch (being written, or finished)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="receive a streamed run (ddpdoctor run --endpoint HOST:PORT)")
+    p.add_argument("--token", help="shared secret the senders must present (stream only)")
     p.set_defaults(func=run)
 
 
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port); ValueError with a readable message."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--listen wants HOST:PORT, got {text!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def open_source(run_dir: Path | None, listen: str | None, token: str | None = None) -> RecordSource:
+    """The record source the command line names (a RunDirError or ValueError says what is wrong)."""
+    if listen is not None:
+        host, port = parse_endpoint(listen)
+        try:
+            from ddpdoctor.runlog.stream_source import StreamSource  # type: ignore[import-not-found]
+        except ImportError as exc:
+            raise ValueError(f"streaming is not available in this build ({exc})") from None
+        return StreamSource(host, port, token=token)  # type: ignore[no-any-return]
+    if run_dir is None:
+        raise ValueError("give a run dir to watch, or --listen HOST:PORT")
+    return DirSource(check_run_dir(run_dir))
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.run_dir is not None:
-        check_run_dir(args.run_dir)
+    if args.run_dir is not None and args.listen is not None:
+        print("ddpdoctor watch: give a run dir or --listen, not both", file=sys.stderr)
+        return 2
+    try:
+        source = open_source(args.run_dir, args.listen, args.token)
+    except (ValueError, OSError) as exc:
+        print(f"ddpdoctor watch: {exc}", file=sys.stderr)
+        return 2
     from ddpdoctor_tui import WatchApp  # textual only when the UI is actually wanted
 
-    WatchApp(args.run_dir).run()
+    WatchApp(source).run()
     return 0

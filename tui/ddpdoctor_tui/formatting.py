@@ -31,8 +31,9 @@ def mib(value: int | None) -> str:
     return "-" if value is None else f"{value / (1 << 20):.0f}M"
 
 
-def status_text(status: str) -> Text:
-    return Text(status, style=STATUS_STYLE.get(status, ""))
+def status_text(status: str, width: int = 10) -> Text:
+    """The status in its colour, padded so that a table column fits the longest one."""
+    return Text(status.ljust(width), style=STATUS_STYLE.get(status, ""))
 
 
 def lateness_colour(late_ms: float, threshold_ms: float) -> str:
