@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddpdoctor.cli import demo_cmd, report_cmd, trace_cmd, watch_cmd
+from ddpdoctor.cli import demo_cmd, report_cmd, run_cmd, trace_cmd, watch_cmd
 from ddpdoctor.runlog import RunDirError
 
 
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo_cmd.add_parser(sub)
     report_cmd.add_parser(sub)
+    run_cmd.add_parser(sub)
     trace_cmd.add_parser(sub)
     watch_cmd.add_parser(sub)
     return parser

@@ -20,6 +20,8 @@ class Run:
     dir: Path
     ranks: dict[int, RankLog] = field(default_factory=dict)
     other_models: list[RankLog] = field(default_factory=list)  # second and later DDP models
+    attempt: int | None = None  # the elastic attempt read (``dir`` is then its ``attempt-N`` folder)
+    attempts: list[int] = field(default_factory=list)  # every attempt the run dir holds
 
     @property
     def corrupt_lines(self) -> int:
@@ -49,6 +51,45 @@ def rank_files(directory: Path) -> list[tuple[Path, int, int]]:
     return sorted(found, key=lambda t: (t[1], t[2]))
 
 
+#: Folder of one torchelastic attempt inside a run dir (written by ``runtime.run_dir``).
+ATTEMPT_PREFIX = "attempt-"
+
+
+def attempts(directory: Path) -> list[int]:
+    """The elastic attempts (``attempt-N`` folders) of a run dir, oldest first."""
+    found = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.name.startswith(ATTEMPT_PREFIX) and entry.is_dir():
+            try:
+                found.append(int(entry.name[len(ATTEMPT_PREFIX):]))
+            except ValueError:
+                continue
+    return sorted(found)
+
+
+def attempt_dir(directory: str | os.PathLike[str], attempt: int | None = None) -> tuple[Path, int | None]:
+    """The folder holding the rank files to read, and its attempt number.
+
+    A run that torchrun may restart keeps each attempt in ``attempt-N``: by default the latest
+    one is read (the run as it ended); ``attempt`` picks another. Giving the ``attempt-N`` folder
+    itself as the run dir works too. A flat run dir (no attempts) is returned as it is.
+    """
+    path = check_run_dir(directory)
+    found = attempts(path)
+    if attempt is not None:
+        if attempt not in found:
+            have = ", ".join(map(str, found)) or "none"
+            raise RunDirError(f"{path}: no attempt {attempt} (attempts here: {have})")
+        return path / f"{ATTEMPT_PREFIX}{attempt}", attempt
+    if found and not rank_files(path):
+        return path / f"{ATTEMPT_PREFIX}{found[-1]}", found[-1]
+    return path, None
+
+
 def check_run_dir(directory: str | os.PathLike[str]) -> Path:
     path = Path(directory)
     if not path.exists():
@@ -58,17 +99,20 @@ def check_run_dir(directory: str | os.PathLike[str]) -> Path:
     return path
 
 
-def load_run(directory: str | os.PathLike[str]) -> Run:
+def load_run(directory: str | os.PathLike[str], attempt: int | None = None) -> Run:
     """Read every rank file of a run dir (finished or still being written).
 
     Corrupt lines and a torn last line are skipped and counted per rank (``corrupt_lines``),
-    never fatal. Raises ``RunDirError`` when the directory is missing or holds no rank file.
+    never fatal. A run dir with elastic attempts (``attempt-N`` folders) is read at its latest
+    attempt unless ``attempt`` says which. Raises ``RunDirError`` when the directory is missing
+    or holds no rank file.
     """
-    path = check_run_dir(directory)
+    root = check_run_dir(directory)
+    path, chosen = attempt_dir(root, attempt)
     files = rank_files(path)
     if not files:
         raise RunDirError(f"{path}: no rank files (rank-NNNNN.jsonl) here; is this a ddpdoctor run dir?")
-    run = Run(dir=path)
+    run = Run(dir=path, attempt=chosen, attempts=attempts(root) if chosen is not None else [])
     for file, rank, ddp in files:
         tail = RankFileTail(file, rank, ddp)
         tail.poll(final=True)

@@ -439,8 +439,13 @@ def instrument(
     Returns:
         A ``Monitor``: a context manager; ``close()`` detaches and flushes. If ddpdoctor cannot
         attach, it warns and returns a monitor that does nothing: training is never broken.
+        A model that is already instrumented (e.g. by ``ddpdoctor run``) keeps its monitor,
+        which is returned: a model is never instrumented twice.
     """
     try:
+        existing = monitor_of(ddp_model)
+        if existing is not None:
+            return existing
         return Monitor(ddp_model, run_dir_path=run_dir, sink=sink, proc_interval=proc_interval,
                        cuda_timing=cuda_timing, check_every=check_every)
     except Exception as exc:

@@ -14,6 +14,9 @@ from ddpdoctor.categories import LogWriteWarning
 
 #: Set by ``ddpdoctor run`` and ``ddpdoctor demo``; wins over everything but an explicit argument.
 RUN_DIR_ENV = "DDPDOCTOR_RUN_DIR"
+#: Folder of one elastic attempt inside a run dir (``attempt-0``, ``attempt-1``, ...); the reader
+#: (``ddpdoctor.runlog.run``) knows the same name.
+ATTEMPT_PREFIX = "attempt-"
 DEFAULT_ROOT = "ddpdoctor-runs"
 _AGREE_TIMEOUT = timedelta(seconds=30)
 
@@ -52,10 +55,30 @@ def resolve(explicit: str | os.PathLike[str] | None, rank: int, store: Any, key_
     return Path(DEFAULT_ROOT) / (name or new_run_name())
 
 
+def elastic_attempt() -> int | None:
+    """This process's torchelastic attempt when the run can restart, else None.
+
+    torchrun restarts every worker after a failure (``--max-restarts``) with the same RANK and
+    the same run dir, and ``TORCHELASTIC_RESTART_COUNT`` counted up: each attempt gets a folder of
+    its own so a restarted rank never appends to, or is mixed with, the log of the attempt before.
+    Runs that cannot restart keep the flat layout (one file per rank directly in the run dir).
+    """
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return None
+    try:
+        if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) <= 0:
+            return None
+        return max(0, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    except ValueError:
+        return None
+
+
 def rank_file(run_dir: Path, rank: int) -> tuple[Path, int]:
-    """This rank's file, and the model's index in this process (several DDP models per rank)."""
-    key = f"{run_dir.resolve()}#{rank}"
+    """This rank's file (in its attempt's folder, if any), and the model's index in this process."""
+    attempt = elastic_attempt()
+    folder = run_dir if attempt is None else run_dir / f"{ATTEMPT_PREFIX}{attempt}"
+    key = f"{folder.resolve()}#{rank}"
     index = _opened.get(key, 0)
     _opened[key] = index + 1
     suffix = "" if index == 0 else f".ddp{index}"
-    return run_dir / f"rank-{rank:05d}{suffix}.jsonl", index
+    return folder / f"rank-{rank:05d}{suffix}.jsonl", index

@@ -1,0 +1,87 @@
+"""Zero-code instrumentation: what ``ddpdoctor run`` injects into every Python process.
+
+``site/sitecustomize.py`` waits for ``torch.nn.parallel.distributed`` to be imported and calls
+``patch`` on it. ``patch`` wraps ``DistributedDataParallel.__init__`` so that, after DDP's own
+constructor, the instance is instrumented with the settings ``ddpdoctor run`` put in the
+environment (``DDPDOCTOR_RUN_DIR``, ``DDPDOCTOR_ENDPOINT``, ``DDPDOCTOR_HANG_TIMEOUT``,
+``DDPDOCTOR_TOKEN``). Patching the class, not a module attribute, reaches every way a script can
+name it (``from torch.nn.parallel import DistributedDataParallel as DDP``, ``torch.nn.parallel.
+DistributedDataParallel``, a subclass, PyTorch Lightning's strategy).
+
+Never twice: an instance ddpdoctor builds itself (the drop-in class, ``rewrap``) is left to the
+code that built it, and an instance already instrumented is skipped (a later explicit
+``ddpdoctor.instrument`` returns the same monitor). Any failure warns once and leaves training
+untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+#: The folder ``ddpdoctor run`` puts first on ``PYTHONPATH`` (it holds only ``sitecustomize.py``).
+SITE_DIR = Path(__file__).resolve().parent / "site"
+#: Set on the patched ``__init__`` so a module executed twice is patched once.
+_MARK = "__ddpdoctor_autoload__"
+
+_warned = False
+_lock = threading.Lock()
+
+
+def patch(module: ModuleType) -> None:
+    """Wrap ``module.DistributedDataParallel.__init__`` (``torch.nn.parallel.distributed``)."""
+    cls = module.DistributedDataParallel
+    original = cls.__init__
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        # the frame that wrote ``DistributedDataParallel(...)`` (or a subclass's super().__init__)
+        caller = sys._getframe(1)
+        try:
+            _after_init(self, caller)
+        except Exception as exc:
+            warn_once(exc)
+        finally:
+            del caller
+
+    setattr(__init__, _MARK, True)
+    cls.__init__ = __init__
+
+
+def _built_by_ddpdoctor(ddp: Any, caller: Any) -> bool:
+    """The drop-in class and ``rewrap`` attach (or move) a monitor themselves."""
+    if any(c.__module__.startswith("ddpdoctor.") for c in type(ddp).__mro__):
+        return True
+    name = caller.f_globals.get("__name__", "") if caller is not None else ""
+    return name == "ddpdoctor" or name.startswith("ddpdoctor.")
+
+
+def _after_init(ddp: Any, caller: Any) -> None:
+    if _built_by_ddpdoctor(ddp, caller):
+        return
+    from ddpdoctor.runtime.monitor import instrument, monitor_of
+
+    if monitor_of(ddp) is not None:
+        return
+    instrument(ddp)  # settings from the environment; never raises (a failure warns and detaches)
+
+
+def warn_once(exc: BaseException) -> None:
+    """Warn about a failure of the hook itself, once per process."""
+    global _warned
+    with _lock:
+        if _warned:
+            return
+        _warned = True
+    from ddpdoctor.categories import ProbeDisabledWarning
+
+    warnings.warn(f"ddpdoctor run: could not instrument a DistributedDataParallel model "
+                  f"({type(exc).__name__}: {exc}); training goes on unmonitored", ProbeDisabledWarning, stacklevel=3)

@@ -1,0 +1,122 @@
+"""``ddpdoctor run [--run-dir DIR] [--endpoint HOST:PORT] [--hang-timeout S] -- CMD...``.
+
+Runs CMD with every DDP model of every Python process it starts instrumented, no code change:
+the settings go into the environment, and ``ddpdoctor/autoload/site`` goes first on
+``PYTHONPATH``, whose ``sitecustomize`` patches ``DistributedDataParallel`` when torch loads it.
+The exit code is CMD's (128 + N when CMD died of signal N); SIGINT and SIGTERM sent to this
+process are passed on to CMD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from ddpdoctor.autoload import SITE_DIR
+
+#: Names shared with the runtime (``runtime.run_dir``, ``runtime.monitor``, ``sinks.tcp``); the
+#: cli must not import the runtime (it imports torch), so they are spelled here again.
+RUN_DIR_ENV = "DDPDOCTOR_RUN_DIR"
+ENDPOINT_ENV = "DDPDOCTOR_ENDPOINT"
+HANG_TIMEOUT_ENV = "DDPDOCTOR_HANG_TIMEOUT"
+DEFAULT_ROOT = "ddpdoctor-runs"
+_FORWARDED = (signal.SIGINT, signal.SIGTERM)
+#: si_code of a signal the kernel generated (e.g. Ctrl-C on the terminal): it reached CMD too.
+_SI_KERNEL = 0x80
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("run", help="run a training command with every DDP model instrumented, no code change",
+                       description="Run CMD (e.g. torchrun ... train.py) with every DistributedDataParallel model "
+                                   "in every Python process it starts instrumented.")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="where the ranks write (default: ddpdoctor-runs/<time>-<id>); on several nodes give "
+                        "every node the same dir on a shared filesystem")
+    p.add_argument("--endpoint", default=None, metavar="HOST:PORT",
+                   help="also stream every rank's records to `ddpdoctor watch --listen` or `ddpdoctor collect`")
+    p.add_argument("--hang-timeout", type=float, default=None, metavar="S",
+                   help="seconds without progress before the hang watchdog records where each rank is")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the command to run")
+    p.set_defaults(func=run)
+
+
+def child_env(run_dir: Path, endpoint: str | None, hang_timeout: float | None,
+              base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment CMD runs in: the hook first on PYTHONPATH, the settings in variables."""
+    env = dict(os.environ if base is None else base)
+    paths = [str(SITE_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env[RUN_DIR_ENV] = str(run_dir)
+    if endpoint:
+        env[ENDPOINT_ENV] = endpoint
+    if hang_timeout is not None:
+        env[HANG_TIMEOUT_ENV] = repr(float(hang_timeout))
+    return env
+
+
+def _new_run_dir() -> Path:
+    import secrets
+    import time
+
+    return Path(DEFAULT_ROOT) / (time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3))
+
+
+def _check_endpoint(endpoint: str) -> None:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SystemExit(f"ddpdoctor run: --endpoint must be HOST:PORT, got {endpoint!r}")
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("ddpdoctor run: no command given (usage: ddpdoctor run [options] -- CMD...)", file=sys.stderr)
+        return 2
+    if args.endpoint:
+        _check_endpoint(args.endpoint)
+    run_dir = (args.run_dir or _new_run_dir()).absolute()  # absolute: CMD may change directory
+    env = child_env(run_dir, args.endpoint, args.hang_timeout)
+    print(f"ddpdoctor run: run dir {run_dir}", flush=True)
+    if args.endpoint:
+        print(f"ddpdoctor run: streaming to {args.endpoint}", flush=True)
+    try:
+        proc = subprocess.Popen(cmd, env=env)
+    except OSError as exc:
+        print(f"ddpdoctor run: cannot start {cmd[0]!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 127 if isinstance(exc, FileNotFoundError) else 126
+    _forward_signals(proc)
+    code = proc.wait()
+    print(f"ddpdoctor run: CMD exited with {code}; report: ddpdoctor report {run_dir}", file=sys.stderr, flush=True)
+    return 128 - code if code < 0 else code
+
+
+def _forward_signals(proc: subprocess.Popen[bytes]) -> None:
+    """Pass SIGINT/SIGTERM on to CMD, except what the terminal already sent it.
+
+    Signals are blocked here and taken by a thread with ``sigwaitinfo``, which tells who sent
+    them: Ctrl-C on the terminal reaches the whole foreground process group (CMD included), so
+    passing it on would make torchrun see two interrupts; a ``kill`` aimed at this process only
+    is passed on. CMD was started before the mask changed, so it keeps the default mask.
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "sigwaitinfo"):
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
+
+    def forward() -> None:
+        while proc.poll() is None:
+            info = signal.sigwaitinfo(_FORWARDED)
+            if info.si_code == _SI_KERNEL:
+                continue
+            try:
+                proc.send_signal(info.si_signo)
+            except OSError:
+                return
+
+    threading.Thread(target=forward, name="ddpdoctor-run-signals", daemon=True).start()

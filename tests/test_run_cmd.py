@@ -1,0 +1,191 @@
+"""``ddpdoctor run``: unmodified scripts instrumented from outside (torchrun, mp.spawn, a comm hook,
+Lightning), exit codes, signals, elastic attempts, and what the hook must not do."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import ddpdoctor
+from ddpdoctor.events import Header
+from ddpdoctor.runlog import RankFileTail
+from tests.ddp_harness import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "zero_code"
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("DDPDOCTOR_", "TORCHELASTIC_"))}
+
+
+def _torchrun(*args: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+
+
+def ddpdoctor_run(tmp_path: Path, cmd: list[str], *options: str, timeout: float = 180,
+                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ddpdoctor", "run", *options, "--", *cmd], cwd=tmp_path,
+                          env=env or _env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _printed_run_dir(proc: subprocess.CompletedProcess[str]) -> Path:
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("ddpdoctor run: run dir "))
+    return Path(line.removeprefix("ddpdoctor run: run dir "))
+
+
+def _headers(path: Path) -> list[Header]:
+    tail = RankFileTail(path, 0, 0)
+    tail.poll(final=True)
+    return tail.log.headers
+
+
+def test_torchrun_script_without_ddpdoctor_is_instrumented(tmp_path: Path) -> None:
+    proc = ddpdoctor_run(tmp_path, _torchrun(str(EXAMPLES / "torchrun_train.py"), "--steps", "5"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = _printed_run_dir(proc)
+    assert run_dir.is_absolute() and run_dir.parent == tmp_path / "ddpdoctor-runs"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["rank-00000.jsonl", "rank-00001.jsonl"]
+    run = ddpdoctor.load_run(run_dir)
+    assert [run.ranks[r].header.local_rank for r in (0, 1)] == [0, 1]
+    assert all(len(log.steps) == 5 and log.end is not None for log in run.ranks.values())
+    assert all(log.steps[-1].b_ready_us for log in run.ranks.values())  # per-bucket timing is on
+    assert "final loss" in proc.stdout
+
+
+def test_mp_spawn_children_are_instrumented(tmp_path: Path) -> None:
+    proc = ddpdoctor_run(tmp_path, [sys.executable, str(EXAMPLES / "spawn_train.py"), "--steps", "4"],
+                         "--run-dir", "spawned")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _printed_run_dir(proc) == tmp_path / "spawned"
+    run = ddpdoctor.load_run(tmp_path / "spawned")
+    assert sorted(run.ranks) == [0, 1]
+    assert all(len(log.steps) == 4 for log in run.ranks.values())
+
+
+def test_a_script_with_its_own_comm_hook_keeps_it_and_is_timed(tmp_path: Path) -> None:
+    proc = ddpdoctor_run(tmp_path, _torchrun(str(EXAMPLES / "comm_hook_train.py"), "--steps", "6"),
+                         "--run-dir", "hooked")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the user's hook reduced every bucket of every step (one bucket here) ...
+    assert "rank 0 hook calls 6" in proc.stdout and "rank 1 hook calls 6" in proc.stdout
+    # ... and ddpdoctor timed it
+    run = ddpdoctor.load_run(tmp_path / "hooked")
+    for log in run.ranks.values():
+        assert len(log.steps) == 6
+        assert all(s.b_done_us and s.b_done_us[0] >= s.b_ready_us[0] for s in log.steps)
+
+
+def test_lightning_ddp_strategy_is_instrumented(tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="PyTorch Lightning is not installed")
+    proc = ddpdoctor_run(tmp_path, [sys.executable, str(EXAMPLES / "lightning_train.py"), "--steps", "5"],
+                         "--run-dir", "lightning", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = ddpdoctor.load_run(tmp_path / "lightning")
+    assert sorted(run.ranks) == [0, 1]
+    assert all(len(log.steps) == 5 for log in run.ranks.values())
+
+
+def test_never_instrumented_twice(tmp_path: Path) -> None:
+    """A script that calls ddpdoctor.instrument itself, and one using the drop-in class."""
+    script = tmp_path / "both.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from torch import nn
+        import ddpdoctor
+
+        dist.init_process_group("gloo")
+        def train():
+            a = torch.nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+            with ddpdoctor.instrument(a) as m:             # explicit, after the hook attached
+                b = ddpdoctor.DistributedDataParallel(nn.Linear(4, 4))   # the drop-in
+                for _ in range(3):
+                    a(torch.randn(2, 4)).sum().backward()
+                    b(torch.randn(2, 4)).sum().backward()
+                b.ddpdoctor.close()
+        train()
+        dist.destroy_process_group()
+    """))
+    proc = ddpdoctor_run(tmp_path, _torchrun(str(script)), "--run-dir", "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = sorted(p.name for p in (tmp_path / "run").iterdir())
+    # one file per model per rank (a second attach would have opened rank-NNNNN.ddp2.jsonl)
+    assert names == ["rank-00000.ddp1.jsonl", "rank-00000.jsonl", "rank-00001.ddp1.jsonl", "rank-00001.jsonl"]
+    for name in names:
+        assert len(_headers(tmp_path / "run" / name)) == 1
+
+
+def test_exit_code_is_cmds_and_a_missing_command_is_127(tmp_path: Path) -> None:
+    assert ddpdoctor_run(tmp_path, [sys.executable, "-c", "raise SystemExit(7)"]).returncode == 7
+    assert ddpdoctor_run(tmp_path, ["/nonexistent/ddpdoctor-test-cmd"]).returncode == 127
+
+
+def test_processes_that_never_import_torch_do_not_import_it_and_a_sitecustomize_still_runs(tmp_path: Path) -> None:
+    own = tmp_path / "own_site"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITECUSTOMIZE'] = 'ran'\n")
+    env = dict(_env(), PYTHONPATH=str(own))
+    code = "import os, sys; print(sorted(m for m in ('torch', 'ddpdoctor') if m in sys.modules), os.environ.get('OWN_SITECUSTOMIZE'))"
+    proc = ddpdoctor_run(tmp_path, [sys.executable, "-c", code], env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "[] ran" in proc.stdout
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_are_forwarded_to_cmd(tmp_path: Path, sig: signal.Signals) -> None:
+    code = textwrap.dedent(f"""
+        import signal, sys
+        signal.signal({int(sig)}, lambda *a: sys.exit(42))
+        print("ready", flush=True)
+        signal.pause()
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "ddpdoctor", "run", "--", sys.executable, "-c", code],
+                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = iter(proc.stdout.readline, "")
+        assert any(line.strip() == "ready" for line in lines)  # CMD is up and has its handler
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 42
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_an_elastic_restart_gets_its_own_attempt(tmp_path: Path) -> None:
+    script = tmp_path / "flaky.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, torch, torch.distributed as dist
+        from torch import nn
+        dist.init_process_group("gloo")
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        def train():
+            model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+            for step in range(3 + attempt):
+                model(torch.randn(2, 4)).sum().backward()
+        train()
+        if attempt == 0 and dist.get_rank() == 1:
+            os._exit(3)   # rank 1 fails: torchrun restarts every worker
+        dist.destroy_process_group()
+    """))
+    proc = ddpdoctor_run(tmp_path, _torchrun("--max-restarts", "1", str(script)), "--run-dir", "run", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["attempt-0", "attempt-1"]
+    latest = ddpdoctor.load_run(run_dir)  # the latest attempt by default
+    assert latest.attempt == 1 and latest.attempts == [0, 1] and latest.dir == run_dir / "attempt-1"
+    assert all(len(log.steps) == 4 for log in latest.ranks.values())
+    first = ddpdoctor.load_run(run_dir, attempt=0)
+    assert sorted(first.ranks) == [0, 1] and len(first.ranks[0].steps) == 3
+    with pytest.raises(ddpdoctor.runlog.RunDirError, match="attempts here: 0, 1"):
+        ddpdoctor.load_run(run_dir, attempt=5)
+    # `ddpdoctor report` reads the latest attempt, or the one named by its folder
+    assert subprocess.run([sys.executable, "-m", "ddpdoctor", "report", str(run_dir / "attempt-0")],
+                          capture_output=True, timeout=120).returncode == 0
