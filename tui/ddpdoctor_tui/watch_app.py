@@ -32,9 +32,10 @@ class WatchApp(App[None]):
     BINDINGS = [
         Binding("q", "quit", "Quit"),
         Binding("p,space", "pause", "Pause"),
-        Binding("left,comma", "step(-1)", "Step back"),
-        Binding("right,full_stop", "step(1)", "Step fwd"),
-        Binding("end", "follow", "Latest"),
+        # priority: the ranks table (focused) would take these keys for its own cursor and scrolling
+        Binding("left,comma", "step(-1)", "Step back", priority=True),
+        Binding("right,full_stop", "step(1)", "Step fwd", priority=True),
+        Binding("end", "follow", "Latest", priority=True),
         Binding("f", "filter_findings", "Filter findings"),
         Binding("question_mark", "help", "Help"),
     ]
@@ -49,6 +50,7 @@ class WatchApp(App[None]):
         self.history = history
         self.snapshot: LiveSnapshot | None = None  # what the screen shows now
         self.paused = False
+        self.view_step: int | None = None  # the step asked for (None: follow); snapshots catch up
         self.error: str | None = None
         self._watcher: Watcher | None = None
 
@@ -84,6 +86,8 @@ class WatchApp(App[None]):
     @on(SnapshotReady)
     def _show(self, message: SnapshotReady) -> None:
         self.snapshot = snap = message.snapshot
+        if self.paused and self.view_step is None and snap.view_step is not None:
+            self._set_view(snap.view_step)  # paused before any step was complete: hold the first one
         self.query_one(RunHeader).show(snap, self.paused)
         table = self.query_one(RanksTable)
         table.show(snap)
@@ -109,6 +113,7 @@ class WatchApp(App[None]):
 
     def _set_view(self, step: int | None) -> None:
         self.paused = step is not None
+        self.view_step = step
         if self._watcher is not None:
             self._watcher.view_step = step
             self._watcher.wake()
@@ -122,7 +127,7 @@ class WatchApp(App[None]):
         elif self.snapshot is not None and self.snapshot.view_step is not None:
             self._set_view(self.snapshot.view_step)
         else:
-            self.paused = True
+            self.paused = True  # nothing to hold yet: the first complete step will be held
 
     def action_step(self, delta: int) -> None:
         """Move the view ``delta`` complete steps in time (pauses following)."""
@@ -130,8 +135,9 @@ class WatchApp(App[None]):
         if snap is None or not snap.steps or snap.view_step is None:
             return
         steps = snap.steps
+        current = self.view_step if self.view_step is not None else snap.view_step  # keys outrun snapshots
         try:
-            i = steps.index(snap.view_step)
+            i = steps.index(current)
         except ValueError:
             i = len(steps) - 1
         self._set_view(steps[max(0, min(len(steps) - 1, i + delta))])

@@ -1,0 +1,188 @@
+"""``ddpdoctor watch`` under Textual's Pilot at a fixed size: every panel and every key binding."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from textual.app import App
+from textual.pilot import Pilot
+from textual.widgets import Sparkline
+
+from ddpdoctor.events import encode
+from ddpdoctor_tui import WatchApp
+from ddpdoctor_tui.bucket_heatmap import BucketHeatmap
+from ddpdoctor_tui.findings_panel import FindingsPanel
+from ddpdoctor_tui.help_screen import HelpScreen
+from ddpdoctor_tui.rank_detail import RankDetail
+from ddpdoctor_tui.ranks_table import RanksTable
+from ddpdoctor_tui.run_header import RunHeader
+from tests.test_live_run import synthetic_records, write_run
+
+SIZE = (120, 40)
+
+
+def screen_text(app: App[object]) -> str:
+    """What the terminal shows, as plain text."""
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), record=True, force_terminal=True,
+                      color_system="truecolor", legacy_windows=False)
+    console.print(app.screen._compositor.render_update(full=True))
+    return console.export_text()
+
+
+def widget_text(widget: object) -> str:
+    """The plain text of what a Static holds."""
+    content = widget.content  # type: ignore[attr-defined]
+    if isinstance(content, str):
+        return content
+    console = Console(width=200, file=io.StringIO(), record=True)
+    console.print(content)
+    return console.export_text()
+
+
+async def wait_for(pilot: Pilot[object], condition: Callable[[], bool], timeout: float = 15.0) -> None:
+    """Let the app run until ``condition`` holds (the watcher thread delivers asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await pilot.pause(0.02)
+    await pilot.pause()
+
+
+def at_step(app: WatchApp, step: int) -> Callable[[], bool]:
+    return lambda: app.snapshot is not None and app.snapshot.view_step == step
+
+
+async def test_panels_show_a_straggler_run(tmp_path: Path) -> None:
+    app = WatchApp(write_run(tmp_path / "run", world=4, steps=30, straggler=2, end=None), interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, at_step(app, 29))
+        header = widget_text(app.query_one(RunHeader))
+        assert "synthetic" in header and "ranks 4/4" in header and "gloo/cpu" in header and "WARNING" in header
+        assert "step 29" in header and "[live]" in header
+        table = app.query_one(RanksTable)
+        assert table.row_count == 4
+        status = table.get_cell("2", "status")
+        assert status.plain.strip() == "straggler" and "dark_orange" in str(status.style)
+        assert table.get_cell("0", "status").plain.strip() == "running"
+        assert table.get_cell("2", "late") .plain == "40.0" and table.get_cell("0", "wait") == "40.0"
+        heat = widget_text(app.query_one(BucketHeatmap))
+        assert "latest: rank 2 at b0, +40.0 ms" in heat and "b3" in heat
+        assert len(app.query_one("#chart-max", Sparkline).data or []) == 30
+        findings = widget_text(app.query_one("#findings-text"))
+        assert "straggler" in findings and "fix:" in findings
+        detail = widget_text(app.query_one("#detail-text"))
+        assert "rank 0" in detail and "ready ms" in detail
+
+
+async def test_select_rank_moves_the_detail_and_the_heatmap_marker(tmp_path: Path) -> None:
+    app = WatchApp(write_run(tmp_path / "run", world=4, steps=20, straggler=2), interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, at_step(app, 19))
+        await pilot.press("down", "down")
+        assert app.query_one(RanksTable).selected_rank() == 2
+        detail = widget_text(app.query_one("#detail-text"))
+        assert detail.startswith("rank 2") and "40.0" in detail
+        assert app.query_one(RankDetail).border_title == "rank 2"
+        await pilot.press("up")
+        assert widget_text(app.query_one("#detail-text")).startswith("rank 1")
+
+
+async def test_pause_step_back_forward_and_follow(tmp_path: Path) -> None:
+    app = WatchApp(write_run(tmp_path / "run", world=2, steps=25), interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, at_step(app, 24))
+        await pilot.press("p")
+        assert app.paused and "PAUSED" in widget_text(app.query_one(RunHeader))
+        await pilot.press("left", "left", "comma")
+        await wait_for(pilot, at_step(app, 21))
+        assert {r.step for r in app.snapshot.ranks} == {21}  # type: ignore[union-attr]
+        assert "step 21" in widget_text(app.query_one(RunHeader))
+        await pilot.press("right")
+        await wait_for(pilot, at_step(app, 22))
+        await pilot.press("full_stop", "right", "right", "right")  # past the end: stays on the last step
+        await wait_for(pilot, at_step(app, 24))
+        assert app.paused
+        await pilot.press("end")
+        assert not app.paused
+        await pilot.press("left")
+        await wait_for(pilot, at_step(app, 23))
+        await pilot.press("space")  # pause again resumes following
+        await wait_for(pilot, lambda: not app.paused and app.snapshot is not None and app.snapshot.view_step == 24)
+
+
+async def test_filter_findings_by_severity(tmp_path: Path) -> None:
+    app = WatchApp(write_run(tmp_path / "run", world=4, steps=20, straggler=1, end=None), interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, at_step(app, 19))
+        panel = app.query_one(FindingsPanel)
+        assert "straggler" in widget_text(app.query_one("#findings-text"))
+        await pilot.press("f")
+        assert panel.min_severity == "warning" and "straggler" in widget_text(app.query_one("#findings-text"))
+        await pilot.press("f")
+        assert panel.min_severity == "error"
+        assert "no findings at this severity" in widget_text(app.query_one("#findings-text"))
+        assert "1 hidden" in str(panel.border_title)
+        await pilot.press("f")
+        assert panel.min_severity == "info"
+
+
+async def test_hung_ranks_show_their_stack(tmp_path: Path) -> None:
+    app = WatchApp(write_run(tmp_path / "run", world=3, steps=20, hang_at=12), interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.health == "error")
+        table = app.query_one(RanksTable)
+        assert [table.get_cell(str(r), "status").plain.strip() for r in range(3)] == ["hung"] * 3
+        assert "ERROR" in widget_text(app.query_one(RunHeader))
+        await pilot.press("down", "down")
+        detail = widget_text(app.query_one("#detail-text"))
+        assert "no progress for 30 s in between steps of step 12" in detail
+        assert "train.py:12 in evaluate" in detail
+        assert "hang" in widget_text(app.query_one("#findings-text"))
+
+
+async def test_help_opens_and_closes_and_q_quits(tmp_path: Path) -> None:
+    app = WatchApp(write_run(tmp_path / "run", world=2, steps=5), interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        assert "step back" in screen_text(app) and "straggler" in screen_text(app)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("q")
+    assert app.return_code == 0
+
+
+async def test_tails_a_growing_run_through_garbage_truncation_and_late_ranks(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    d.mkdir()
+    recs = {r: synthetic_records(r, 3, range(40), end=None) for r in range(3)}
+
+    def append(rank: int, records: list[object], junk: bytes = b"") -> None:
+        with open(d / f"rank-{rank:05d}.jsonl", "ab") as f:
+            for rec in records:
+                f.write(encode(rec) + junk)  # type: ignore[arg-type]
+
+    app = WatchApp(d, interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        assert "waiting" in widget_text(app.query_one(RunHeader))
+        append(0, recs[0][:10], b"{garbage\n")
+        append(1, recs[1][:10])
+        await wait_for(pilot, lambda: app.snapshot is not None and len(app.snapshot.ranks) == 2)
+        assert "waiting for steps from every rank" in widget_text(app.query_one(RunHeader))
+        assert "corrupt" in widget_text(app.query_one(RunHeader))
+        append(2, recs[2][:10])  # the late rank
+        await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.view_step is not None)
+        for r in range(3):
+            append(r, recs[r][10:30])
+        await wait_for(pilot, lambda: app.snapshot is not None and (app.snapshot.view_step or 0) >= 20)
+        (d / "rank-00001.jsonl").write_bytes(encode(recs[1][0]))  # truncated and rewritten
+        (d / "rank-00002.jsonl").unlink()
+        await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.ranks[1].step is None)
+        assert app.query_one(RanksTable).row_count == 3
+        await pilot.press("q")
+    assert app.return_code == 0
