@@ -13,6 +13,7 @@ from ddpdoctor.analysis.buffers import (
 )
 from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
+from ddpdoctor.analysis.hang import hangs_in_run
 from ddpdoctor.analysis.lost import lost_ranks
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
@@ -96,6 +97,7 @@ def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Findin
         arrived = arrivals(steps_by_rank, estimate_offsets(steps_by_rank))
     derived += stragglers(steps_by_rank, arrived)
     derived += lost_ranks(run)
+    derived += hangs_in_run(run)
     codes = {f.code for f in derived}
     logged = [_from_record(r) for log in run.ranks.values() for r in log.findings
               if r.code in LOGGED_EVIDENCE_CODES and r.code not in codes]

@@ -43,10 +43,12 @@ def _median(values: list[float]) -> float | None:
 
 
 def _rank_status(log: RankLog, lost: set[int]) -> str:
-    """finished, failed (an exception ended training), terminated (a signal), or running (no
-    end record: still writing, or killed without a chance to say so)."""
+    """finished, failed (an exception ended training), terminated (a signal), lost, hung (its
+    watchdog saw no progress and it has not resumed), or running (no end record: still writing)."""
     if log.end is None:
-        return "lost" if log.rank in lost else "running"
+        if log.rank in lost:
+            return "lost"
+        return "hung" if log.hangs and log.hangs[-1].state == "stalled" else "running"
     if log.end.reason.startswith("error"):
         return "failed"
     return "terminated" if log.end.reason == "signal" else "finished"

@@ -76,7 +76,8 @@ def render(report: Report) -> str:
             where = f" ranks {f.ranks}" if f.ranks else ""
             at = f" from step {f.step}" if f.step is not None else ""
             fix = f.fix.replace("\n", "\n           ")
-            lines += [f"  [{f.severity}] {f.code}: {f.title}{where}{at}", f"      {f.detail}", f"      fix: {fix}"]
+            lines += [f"  [{f.severity}] {f.code}: {f.title}{where}{at}", *("      " + line for line in f.detail.splitlines()),
+                  f"      fix: {fix}"]
     return "\n".join(lines) + "\n"
 
 

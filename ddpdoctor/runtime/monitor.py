@@ -22,6 +22,7 @@ from ddpdoctor.runtime import (
     optimizer_hooks,
     proc_stats,
     run_dir,
+    watchdog,
 )
 from ddpdoctor.runtime.clocks import CudaClock, HostClock, mono_ns, wall_ns
 from ddpdoctor.runtime.fingerprints import Fingerprinter
@@ -74,6 +75,7 @@ class Monitor:
         proc_interval: float = 2.0,
         cuda_timing: bool | None = None,
         check_every: int = CHECK_EVERY,
+        hang_timeout: float | None = None,
     ) -> None:
         self.ddp = ddp
         self.closed = False
@@ -99,6 +101,8 @@ class Monitor:
         optimizer_hooks.watch(self)
         proc_stats.sampler(proc_interval).add(self)
         exit_flush.register(self)
+        self.hang_timeout = watchdog.hang_timeout_from_env(hang_timeout)
+        watchdog.watch(self, self.hang_timeout)
 
     def _attach(self, ddp: Any, reason: str) -> None:
         """Hook into ``ddp``: header, comm hook, forward hooks, buffer broadcast timing."""
@@ -305,7 +309,11 @@ class Monitor:
         except Exception as exc:
             self.probes.failed("buffers", exc)
             return self._orig_sync_buffers()
-        self._orig_sync_buffers()
+        self.recorder.in_broadcast = True
+        try:
+            self._orig_sync_buffers()
+        finally:
+            self.recorder.in_broadcast = False
         self._bcast_in_forward = True
         try:
             end = clock.now()
@@ -372,6 +380,7 @@ class Monitor:
             self._close(reason, timeout)
 
     def _close(self, reason: str, timeout: float) -> None:
+        watchdog.unwatch(self)
         self._detach()
         optimizer_hooks.unwatch(self)
         try:
@@ -423,6 +432,7 @@ def instrument(
     proc_interval: float = 2.0,
     cuda_timing: bool | None = None,
     check_every: int = CHECK_EVERY,
+    hang_timeout: float | None = None,
 ) -> Monitor:
     """Start monitoring ``ddp_model`` on this rank; call it on every rank.
 
@@ -435,6 +445,9 @@ def instrument(
         cuda_timing: time with CUDA events; default: when the model is on a CUDA device.
         check_every: interval, in steps, of the sampled checks (parameter and buffer fingerprints
             compared across ranks, unused parameters); they also run at steps 0, 1 and 3.
+        hang_timeout: seconds without progress before the hang watchdog records where this rank
+            is (phase, step, pending bucket, stack) and flushes it. Default:
+            ``$DDPDOCTOR_HANG_TIMEOUT``, else 120; 0 turns the watchdog off.
 
     Returns:
         A ``Monitor``: a context manager; ``close()`` detaches and flushes. If ddpdoctor cannot
@@ -447,7 +460,7 @@ def instrument(
         if existing is not None:
             return existing
         return Monitor(ddp_model, run_dir_path=run_dir, sink=sink, proc_interval=proc_interval,
-                       cuda_timing=cuda_timing, check_every=check_every)
+                       cuda_timing=cuda_timing, check_every=check_every, hang_timeout=hang_timeout)
     except Exception as exc:
         warnings.warn(f"ddpdoctor could not attach to the model ({type(exc).__name__}: {exc}); "
                       "training goes on unmonitored", ProbeDisabledWarning, stacklevel=2)

@@ -73,6 +73,7 @@ class StepRecorder:
         self.current: OpenStep | None = None
         self.in_forward = False  # inside a training forward (buffer broadcasts count)
         self.in_sync_forward = False
+        self.in_broadcast = False  # inside DDP's buffer broadcast (read by the hang watchdog)
         self.steps_emitted = 0
         self._next_index = 0
         self._pending: list[OpenStep] = []
@@ -84,6 +85,10 @@ class StepRecorder:
     def next_index(self) -> int:
         """Index the next step will get."""
         return self._next_index
+
+    def layout_bytes(self) -> list[int | None]:
+        """Bytes per bucket of the last layout seen (empty before the first)."""
+        return list(self._last_bytes)
 
     def reset_layout(self) -> None:
         """A new DDP instance: its buckets are new, look at them again."""

@@ -1,0 +1,156 @@
+"""hang: ranks blocked in a collective, and the rank(s) that are not there.
+
+Each rank's watchdog records where it stalls (``hang`` records). A rank stalled inside a
+collective (a bucket's all-reduce, the buffer broadcast) waits for someone; every rank that is
+not waiting in that same collective is missing from it, and its own record (phase, step, stack)
+says where it is instead. A rank that ran one collective fewer than the others (a backward
+skipped on one rank) lets every later collective pair with the wrong partner without any error,
+until the last one waits forever: its log then shows a step without any bucket all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.events import Hang
+from ddpdoctor.runlog import Run
+
+#: Phases in which a stalled rank is waiting for the other ranks.
+COLLECTIVE_PHASES = ("allreduce", "buffer broadcast")
+
+
+def _where(h: Hang) -> str:
+    if h.phase == "allreduce":
+        return f"the all-reduce of bucket {h.pending_bucket} of step {h.step}"
+    if h.phase == "buffer broadcast":
+        return f"the buffer broadcast of step {h.step}"
+    return f"{h.phase} at step {h.step}"
+
+
+def _is_library(frame: str) -> bool:
+    path = frame.split(":", 1)[0].replace("\\", "/")
+    return "/site-packages/" in path or "/ddpdoctor/runtime/" in path or "/lib/python3" in path
+
+
+def _stack_tail(h: Hang, frames: int = 3) -> str:
+    """The innermost frames of the training script (where it is in user code), then the innermost one."""
+    user = [line for line in h.stack if not _is_library(line)]
+    shown = user[-frames:]
+    if h.stack and h.stack[-1] not in shown:
+        shown += ["...", h.stack[-1]]
+    return "\n".join("    " + line for line in shown)
+
+
+def hang_findings(latest: dict[int, Hang], last_step: dict[int, int | None], world_size: int, *,
+                  ended: dict[int, str] | None = None,
+                  no_allreduce_steps: dict[int, list[int]] | None = None) -> list[Finding]:
+    """The ``hang`` finding from each rank's latest watchdog record.
+
+    Args:
+        latest: per rank, its latest ``hang`` record (``stalled`` or ``resumed``).
+        last_step: per rank, the last step it logged (None before any).
+        world_size: ranks in the job (a rank with no record at all is missing too).
+        ended: ranks whose log closed, with the end reason.
+        no_allreduce_steps: per rank, steps it logged without any bucket all-reduce while other
+            ranks did all-reduce in them (the usual cause: a backward skipped on that rank).
+    """
+    ended = ended or {}
+    stalled = {r: h for r, h in latest.items() if h.state == "stalled"}
+    waiting = {r: h for r, h in stalled.items() if h.phase in COLLECTIVE_PHASES}
+    out: list[Finding] = []
+    for rank, h in sorted(latest.items()):
+        if h.state == "resumed":
+            out.append(Finding(
+                code="hang", severity="info", ranks=[rank], step=h.step,
+                title=f"rank {rank} made no progress for {h.waited_s:.0f} s ({h.phase}, step {h.step}), then resumed",
+                detail="A stall longer than the hang timeout that ended by itself (a slow checkpoint, evaluation, "
+                       "or a rank that was late).",
+                evidence={"phase": h.phase, "waited_s": h.waited_s},
+                fix="If this is expected work between steps, raise hang_timeout (DDPDOCTOR_HANG_TIMEOUT).",
+            ))
+    if not waiting:
+        return out
+    # the collective the job is stuck in: the earliest one a rank waits in (a rank that skipped a
+    # collective runs ahead and waits in a later one, or leaves training)
+    order = {"buffer broadcast": 0, "allreduce": 1}
+    stuck = min(waiting.values(), key=lambda h: (h.step, order[h.phase], h.pending_bucket or 0))
+    at = _where(stuck)
+    waiters = sorted(r for r, h in waiting.items() if _where(h) == at)
+    missing = [r for r in range(max(world_size, max(latest) + 1)) if r not in waiters]
+    waits = f"rank{'s' if len(waiters) > 1 else ''} {', '.join(map(str, waiters))} wait{'' if len(waiters) > 1 else 's'} in {at}"
+    lines, missing_info, skipped = [], {}, no_allreduce_steps or {}
+    for r in missing:
+        h = stalled.get(r)
+        info: dict[str, Any] = {"last_step": last_step.get(r)}
+        if r in ended:
+            text = f"rank {r} has left training: its log ended ({ended[r]}) after step {last_step.get(r)}"
+            info["ended"] = ended[r]
+        elif h is not None:
+            ahead = " (it is ahead: it skipped the collective the others wait in)" if h.step > stuck.step else ""
+            text = (f"rank {r} is stalled in {_where(h)}{ahead} for {h.waited_s:.0f} s; its stack:\n"
+                    f"{_stack_tail(h)}")
+            info.update(phase=h.phase, step=h.step, stack=h.stack)
+        elif r not in latest and last_step.get(r) is None:
+            text = f"rank {r} has logged nothing"
+        else:
+            text = (f"rank {r} last logged step {last_step.get(r)} and recorded no stall: it is still busy outside "
+                    "DDP's steps, or it died without a word (see rank-lost)")
+        if skipped.get(r):
+            text += (f"\n    rank {r} logged step{'s' if len(skipped[r]) > 1 else ''} "
+                     f"{', '.join(map(str, skipped[r][:5]))} without any gradient all-reduce while the others "
+                     "all-reduced: from there on its collectives paired with the wrong ones, one step apart")
+            info["steps_without_allreduce"] = skipped[r][:20]
+        lines.append(text)
+        missing_info[r] = info
+    first = stuck.step
+    if any(skipped.get(r) for r in missing):
+        fix = ("Every rank must run the same collectives in the same order: the missing rank skipped a backward "
+               "(or ran one more). Look for data-dependent control flow around loss.backward() (skipping a "
+               "batch on a NaN loss or an empty batch on one rank only); skip on all ranks together (agree "
+               "with an all_reduce of a flag) or run the backward with a zero loss instead.")
+    else:
+        fix = ("Look at the missing rank's stack: it is where that rank is instead of the collective. Usual "
+               "causes: an uneven last batch (use DistributedSampler(drop_last=True) or the Join context "
+               "manager), evaluation or checkpointing on one rank only, an exception swallowed on one rank, "
+               "a collective inside data-dependent control flow.")
+    out.append(Finding(
+        code="hang", severity="error", ranks=missing, step=first,
+        title=f"{waits}; missing: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}",
+        detail=f"{waits[0].upper()}{waits[1:]} (no progress for {max(h.waited_s for h in waiting.values()):.0f} s).\n"
+               + "\n".join(lines),
+        evidence={"waiting": {r: {"phase": waiting[r].phase, "step": waiting[r].step,
+                                  "pending_bucket": waiting[r].pending_bucket, "waited_s": waiting[r].waited_s}
+                              for r in waiters},
+                  "missing": missing_info},
+        fix=fix,
+    ))
+    return out
+
+
+def _steps_without_allreduce(run: Run, latest: dict[int, Hang]) -> dict[int, list[int]]:
+    with_buckets: dict[int, set[int]] = {}
+    for r, log in run.ranks.items():
+        with_buckets[r] = {s.step for s in log.steps if s.b_ready_us}
+        h = latest.get(r)
+        if h is not None and h.buckets_ready:  # the step it is stuck in is not logged yet
+            with_buckets[r].add(h.step)
+    out: dict[int, list[int]] = {}
+    for r, log in run.ranks.items():
+        others = set().union(*(v for o, v in with_buckets.items() if o != r)) if len(with_buckets) > 1 else set()
+        bare = [s.step for s in log.steps if not s.b_ready_us and s.step in others]
+        if bare:
+            out[r] = bare
+    return out
+
+
+def hangs_in_run(run: Run) -> list[Finding]:
+    """``hang_findings`` over a loaded run."""
+    latest = {r: log.hangs[-1] for r, log in run.ranks.items() if log.hangs}
+    if not latest:
+        return []
+    last_step = {r: (log.steps[-1].step if log.steps else None) for r, log in run.ranks.items()}
+    ended = {r: log.end.reason for r, log in run.ranks.items() if log.end is not None}
+    waiting = any(h.state == "stalled" and h.phase in COLLECTIVE_PHASES for h in latest.values())
+    return hang_findings(latest, last_step, run.world_size, ended=ended,
+                         no_allreduce_steps=_steps_without_allreduce(run, latest) if waiting else None)

@@ -1,0 +1,216 @@
+"""The hang watchdog: one daemon thread per process notices when a monitored step stops moving.
+
+Progress is not counted on the hot path: once a second the thread reads a small signature of
+the step in progress (step index, buckets ready and done, forward/backward/optimizer marks). If
+it has not changed for ``hang_timeout`` seconds, the rank is stalled: the watchdog records where
+it is (phase, step, pending bucket, the training thread's Python stack) as a ``hang`` record,
+flushed at once, and warns when the rank is blocked inside a collective, which means it waits
+for another rank. When progress comes back, a ``resumed`` record closes the stall (a slow
+checkpoint, not a hang).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from ddpdoctor.categories import HangWarning
+from ddpdoctor.events import FindingRecord, Hang
+from ddpdoctor.runtime.clocks import mono_ns, wall_ns
+
+if TYPE_CHECKING:
+    from ddpdoctor.runtime.monitor import Monitor
+    from ddpdoctor.runtime.step_recorder import StepRecorder
+
+#: Environment variable read by ``instrument`` (and set by ``ddpdoctor run --hang-timeout``).
+HANG_TIMEOUT_ENV = "DDPDOCTOR_HANG_TIMEOUT"
+#: Default seconds without progress before a rank counts as stalled: far below the process
+#: group's own timeout (10 to 30 minutes), above any ordinary step.
+DEFAULT_HANG_TIMEOUT = 120.0
+#: Phases in which a stalled rank waits for the other ranks (a collective).
+COLLECTIVE_PHASES = ("allreduce", "buffer broadcast")
+#: Stack frames kept in a hang record (innermost last).
+MAX_FRAMES = 40
+
+
+def hang_timeout_from_env(explicit: float | None) -> float:
+    """``explicit`` if given, else ``$DDPDOCTOR_HANG_TIMEOUT``, else the default; 0 turns it off."""
+    if explicit is not None:
+        return max(0.0, float(explicit))
+    raw = os.environ.get(HANG_TIMEOUT_ENV, "").strip()
+    if raw:
+        try:
+            return max(0.0, float(raw))
+        except ValueError:
+            warnings.warn(f"ddpdoctor: ignoring {HANG_TIMEOUT_ENV}={raw!r} (not a number of seconds)",
+                          HangWarning, stacklevel=3)
+    return DEFAULT_HANG_TIMEOUT
+
+
+def signature(recorder: StepRecorder) -> tuple[Any, ...]:
+    """What changes whenever the rank makes progress (read from another thread: races are benign)."""
+    step = recorder.current
+    if step is None:
+        return (recorder.next_index, None)
+    done = sum(1 for m in list(step.done) if m is not None)
+    return (step.index, step.micro, len(step.ready), done, step.fwd_end is not None, step.bwd_end is not None,
+            step.opt_start is not None, step.opt_end is not None, recorder.in_forward, recorder.in_broadcast,
+            len(step.bcast))
+
+
+def locate(recorder: StepRecorder) -> dict[str, Any]:
+    """Where the rank is: phase, step, buckets ready/done and the first pending bucket."""
+    step = recorder.current
+    if step is None:
+        return {"step": recorder.next_index, "phase": "between steps"}
+    ready = [m is not None for m in list(step.ready)]
+    done = list(step.done) + [None] * max(0, len(ready) - len(step.done))
+    pending = next((i for i, m in enumerate(done) if m is None), None)
+    if recorder.in_broadcast:
+        phase = "buffer broadcast"
+    elif recorder.in_forward:
+        phase = "forward"
+    elif not step.ready:
+        phase = "backward" if step.synced_forward else "between steps"
+    elif step.bwd_end is None:
+        phase = "backward"
+    elif pending is not None:
+        phase = "allreduce"
+    elif step.opt_start is not None and step.opt_end is None:
+        phase = "optimizer"
+    else:
+        phase = "between steps"
+    return {"step": step.index, "phase": phase, "pending_bucket": pending if phase == "allreduce" else None,
+            "buckets_ready": sum(ready), "buckets_done": sum(1 for m in done if m is not None),
+            "buckets": max(len(ready), len(recorder.layout_bytes()))}
+
+
+def thread_stack(thread_id: int | None) -> list[str]:
+    """The Python stack of a thread, one line per frame (``file:line in function: source``)."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    if frame is None:
+        return []
+    out = []
+    for fs in traceback.extract_stack(frame)[-MAX_FRAMES:]:
+        line = f"{fs.filename}:{fs.lineno} in {fs.name}"
+        out.append(f"{line}: {fs.line.strip()}" if fs.line else line)
+    return out
+
+
+class _Watch:
+    """Per-monitor state: last signature, when it last changed, whether a stall is open."""
+
+    __slots__ = ("monitor", "timeout", "last", "since", "stalled_at", "thread_id")
+
+    def __init__(self, monitor: Monitor, timeout: float, thread_id: int) -> None:
+        self.monitor = monitor
+        self.timeout = timeout
+        self.last: tuple[Any, ...] | None = None
+        self.since = mono_ns()
+        self.stalled_at: int | None = None
+        self.thread_id = thread_id
+
+
+class Watchdog:
+    """The process-wide watchdog thread (one, however many models are monitored)."""
+
+    def __init__(self) -> None:
+        self._watches: dict[int, _Watch] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ddpdoctor-watchdog", daemon=True)
+        self._thread.start()
+
+    def add(self, monitor: Monitor, timeout: float) -> None:
+        with self._lock:
+            self._watches[id(monitor)] = _Watch(monitor, timeout, threading.get_ident())
+        self._wake.set()
+
+    def remove(self, monitor: Monitor) -> None:
+        with self._lock:
+            self._watches.pop(id(monitor), None)
+
+    def _interval(self) -> float:
+        with self._lock:
+            timeouts = [w.timeout for w in self._watches.values()]
+        return max(0.05, min([1.0] + [t / 8.0 for t in timeouts]))
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._interval())
+            self._wake.clear()
+            with self._lock:
+                watches = list(self._watches.values())
+            for watch in watches:
+                monitor = watch.monitor
+                if monitor.closed or not monitor.probes.on["watchdog"]:
+                    continue
+                try:
+                    self._check(watch)
+                except Exception as exc:
+                    monitor.probes.failed("watchdog", exc)
+
+    def _check(self, watch: _Watch) -> None:
+        monitor = watch.monitor
+        now = mono_ns()
+        current = signature(monitor.recorder)
+        if current != watch.last:
+            if watch.stalled_at is not None:
+                self._emit(watch, "resumed", (now - watch.since) / 1e9)
+                watch.stalled_at = None
+            watch.last, watch.since = current, now
+            return
+        waited = (now - watch.since) / 1e9
+        if watch.stalled_at is None and waited >= watch.timeout and monitor.recorder.steps_emitted + (
+                monitor.recorder.current is not None) > 0:
+            watch.stalled_at = now
+            self._emit(watch, "stalled", waited)
+
+    def _emit(self, watch: _Watch, state: str, waited: float) -> None:
+        monitor = watch.monitor
+        where = locate(monitor.recorder)
+        stack = thread_stack(watch.thread_id) if state == "stalled" else []
+        record = Hang(rank=monitor.rank, ddp=monitor.ddp_index, t_mono_ns=mono_ns(), t_wall_ns=wall_ns(), state=state,
+                      waited_s=round(waited, 3), stack=stack, **where)
+        monitor.emit(record)
+        if state == "stalled" and record.phase in COLLECTIVE_PHASES:
+            what = (f"the all-reduce of bucket {record.pending_bucket}" if record.phase == "allreduce"
+                    else "the buffer broadcast")
+            title = (f"rank {monitor.rank} has waited {waited:.0f} s in {what} of step {record.step}: "
+                     "another rank is not there")
+            fix = ("Run `ddpdoctor report` on the run dir: it names the missing rank and shows its stack. "
+                   "Look for a collective that one rank skips or adds (a backward skipped on one rank, "
+                   "data-dependent control flow, an uneven last batch, an exception swallowed on one rank).")
+            monitor.emit(FindingRecord(rank=monitor.rank, ddp=monitor.ddp_index, step=record.step, code="hang",
+                                       severity="error", title=title,
+                                       detail="Stack of the training thread:\n" + "\n".join(stack[-8:]),
+                                       fix=fix, ranks=[monitor.rank],
+                                       evidence={"phase": record.phase, "waited_s": record.waited_s,
+                                                 "pending_bucket": record.pending_bucket}))
+            warnings.warn(f"ddpdoctor: {title}. {fix}", HangWarning, stacklevel=1)
+        monitor.sink.flush(timeout=2.0)
+
+
+_watchdog: Watchdog | None = None
+_lock = threading.Lock()
+
+
+def watch(monitor: Monitor, timeout: float) -> None:
+    """Watch ``monitor`` for stalls of ``timeout`` seconds (0: not at all)."""
+    global _watchdog
+    if timeout <= 0:
+        return
+    with _lock:
+        if _watchdog is None:
+            _watchdog = Watchdog()
+        dog = _watchdog
+    dog.add(monitor, timeout)
+
+
+def unwatch(monitor: Monitor) -> None:
+    if _watchdog is not None:
+        _watchdog.remove(monitor)

@@ -1,0 +1,113 @@
+"""A rank that skips one step's backward hangs the job: the watchdog and the report name it, while
+the job is still hung."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ddpdoctor
+from ddpdoctor.events import FindingRecord, Hang, decode
+from tests.ddp_harness import free_port
+
+SCRIPT = Path(__file__).parent / "scripts" / "skip_a_backward.py"
+HANG_TIMEOUT = 2.0
+
+
+def _records(path: Path) -> list[object]:
+    return [decode(line) for line in path.read_bytes().splitlines() if line.strip()]
+
+
+def _hang_finding(run_dir: Path) -> ddpdoctor.Finding | None:
+    report = ddpdoctor.analyze(ddpdoctor.load_run(run_dir))
+    return next((f for f in report.findings if f.code == "hang" and f.severity == "error"), None)
+
+
+def test_a_skipped_backward_is_named_while_the_job_hangs(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(run_dir), str(HANG_TIMEOUT)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port)))
+             for r in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "rank-1-skipped").exists():
+            assert time.monotonic() < deadline, "rank 1 never reached the step it skips"
+            assert all(p.poll() is None for p in procs), "a rank exited before the hang"
+            time.sleep(0.05)
+        hung_at = time.monotonic()
+        finding = None
+        while finding is None and time.monotonic() < hung_at + HANG_TIMEOUT + 5:
+            finding = _hang_finding(run_dir)
+            if finding is None:
+                time.sleep(0.2)
+        found_after = time.monotonic() - hung_at
+        assert finding is not None, "no hang finding within hang_timeout + 5 s"
+        assert all(p.poll() is None for p in procs), "the job must still be hung"
+
+        # the report, as a user runs it, while the job is still hung
+        cli = subprocess.run([sys.executable, "-m", "ddpdoctor", "report", str(run_dir), "--format", "json"],
+                             capture_output=True, text=True, timeout=60)
+        assert all(p.poll() is None for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+
+    assert found_after <= HANG_TIMEOUT + 5
+    assert finding.ranks == [1]
+    waiting = finding.evidence["waiting"]
+    assert list(waiting) == [0] and waiting[0]["phase"] == "allreduce" and waiting[0]["step"] == 2
+    # rank 1 went on to step 3: its forward waits in the BatchNorm buffer broadcast
+    missing = finding.evidence["missing"][1]
+    assert missing["phase"] == "buffer broadcast" and missing["step"] == 3
+    assert any("skip_a_backward.py" in line and "ddp(x)" in line for line in missing["stack"])
+    assert missing["steps_without_allreduce"] == [2]  # the skipped backward, named
+    assert "missing: rank 1" in finding.title
+
+    report = json.loads(cli.stdout)
+    hang = next(f for f in report["findings"] if f["code"] == "hang")
+    assert hang["severity"] == "error" and hang["ranks"] == [1]
+    assert {r["rank"]: r["status"] for r in report["ranks"]} == {0: "hung", 1: "hung"}
+
+    # on disk, flushed at once by each rank's watchdog: where it is, and rank 0's own warning
+    rank0 = _records(run_dir / "rank-00000.jsonl")
+    stalls = [r for r in rank0 if isinstance(r, Hang)]
+    assert stalls and stalls[0].state == "stalled" and stalls[0].pending_bucket is not None
+    assert stalls[0].waited_s >= HANG_TIMEOUT
+    assert any("loss.backward()" in line for line in stalls[0].stack)
+    logged = [r for r in rank0 if isinstance(r, FindingRecord) and r.code == "hang"]
+    assert logged and logged[0].severity == "error"
+    assert b"HangWarning" in procs[0].stderr.read()
+
+
+def _hang(rank: int, phase: str, step: int, state: str = "stalled", **kw: object) -> Hang:
+    return Hang(rank=rank, t_mono_ns=0, t_wall_ns=0, state=state, step=step, phase=phase, waited_s=30.0,
+                **kw)  # type: ignore[arg-type]
+
+
+def test_missing_rank_between_steps_or_gone_is_named_with_its_stack() -> None:
+    from ddpdoctor.analysis.hang import hang_findings
+
+    latest = {0: _hang(0, "allreduce", 7, pending_bucket=1), 1: _hang(1, "allreduce", 7, pending_bucket=1),
+              2: _hang(2, "between steps", 7, stack=["/data/train.py:40 in main: batch = next(it)"])}
+    [f] = hang_findings(latest, {0: 6, 1: 6, 2: 7, 3: 5}, 4, ended={3: "close"})
+    assert f.severity == "error" and f.ranks == [2, 3]
+    assert f.title == "ranks 0, 1 wait in the all-reduce of bucket 1 of step 7; missing: ranks 2, 3"
+    assert "batch = next(it)" in f.detail and "rank 3 has left training" in f.detail
+    assert "Join" in f.fix  # no skipped step known: the uneven-data advice
+    assert f.evidence["missing"][3]["ended"] == "close"
+
+
+def test_a_stall_that_resumed_is_info_and_idle_ranks_are_no_hang() -> None:
+    from ddpdoctor.analysis.hang import hang_findings
+
+    resumed = hang_findings({0: _hang(0, "between steps", 3, state="resumed")}, {0: 3}, 1)
+    assert [(f.code, f.severity) for f in resumed] == [("hang", "info")]
+    idle = {r: _hang(r, "between steps", 9) for r in range(2)}  # evaluation on every rank: nobody waits
+    assert hang_findings(idle, {0: 9, 1: 9}, 2) == []
