@@ -359,11 +359,14 @@ class LiveRun:
                 found = self._hang_fn(current, last, self._expected(), ended=ended)
             except Exception:  # the UI must not die of one detector's bug
                 found = []
-            hung = False
+            hung: set[int] = set()
             for f in found:
                 self._findings[("hang", f.severity, tuple(f.ranks))] = f
-                hung = hung or f.severity == "error"
-            return stalled if hung else set()
+                if f.severity == "error":
+                    # the ranks waiting in the collective are hung; the missing ones that are
+                    # stalled elsewhere stay "stalled", so the culprit stands out
+                    hung |= {int(r) for r in f.evidence.get("waiting", {})} or stalled
+            return hung & stalled
         # without the detector: every rank still running waits (no one can make progress)
         live = {r for r, st in self._ranks.items() if st.end is None}
         return stalled if live and live <= stalled else set()

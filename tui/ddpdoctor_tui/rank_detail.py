@@ -26,10 +26,17 @@ class RankDetail(VerticalScroll):
         else:
             self.border_title = f"rank {view.rank}"
             head = Text(f"rank {view.rank}  {view.host}  step {view.step if view.step is not None else '-'}  ")
-            head.append_text(status_text(view.status))
+            head.append_text(status_text(view.status, 0))
             if view.end_reason:
                 head.append(f"  (end: {view.end_reason})", style="dim")
             parts.append(head)
+            if view.hang is not None:
+                h = view.hang
+                pending = "" if h.pending_bucket is None else f", waiting for bucket {h.pending_bucket}"
+                parts.append(Text(f"no progress for {h.waited_s:.0f} s in {h.phase} of step {h.step}{pending} "
+                                  f"({h.buckets_ready}/{h.buckets} buckets ready, {h.buckets_done} done)",
+                                  style="bold yellow"))
+                parts.append(Text("stack (innermost last):\n" + "\n".join(h.stack[-20:]), style=""))
             if view.buckets:
                 table = Table(box=None, pad_edge=False, header_style="bold")
                 for col in ("coll", "ready ms", "done ms", "KiB", "late ms"):
@@ -39,11 +46,4 @@ class RankDetail(VerticalScroll):
                     table.add_row(b.name, ms(b.ready_ms), ms(b.done_ms), f"{b.bytes / 1024:.0f}",
                                   Text(late, style="bold red" if (b.late_ms or 0.0) >= 10.0 else ""))
                 parts.append(table)
-            if view.hang is not None:
-                h = view.hang
-                pending = "" if h.pending_bucket is None else f", waiting for bucket {h.pending_bucket}"
-                parts.append(Text(f"no progress for {h.waited_s:.0f} s in {h.phase} of step {h.step}{pending} "
-                                  f"({h.buckets_ready}/{h.buckets} buckets ready, {h.buckets_done} done)",
-                                  style="bold yellow"))
-                parts.append(Text("stack (innermost last):\n" + "\n".join(h.stack[-20:]), style=""))
         self.query_one("#detail-text", Static).update(Group(*parts))
