@@ -31,6 +31,7 @@ from ddpdoctor.runtime.live_findings import LiveFindings
 from ddpdoctor.runtime.probes import Probes
 from ddpdoctor.runtime.step_recorder import OpenStep, StepRecorder
 from ddpdoctor.sinks import FileSink, NullSink, Sink, SinkError
+from ddpdoctor.sinks.tcp import ENDPOINT_ENV, stream_tee
 
 #: How often the buffer byte count is recomputed (buffers are rarely replaced).
 _BUFFER_BYTES_EVERY = 100
@@ -76,6 +77,7 @@ class Monitor:
         cuda_timing: bool | None = None,
         check_every: int = CHECK_EVERY,
         hang_timeout: float | None = None,
+        endpoint: str | None = None,
     ) -> None:
         self.ddp = ddp
         self.closed = False
@@ -87,6 +89,13 @@ class Monitor:
         self.ddp_index = 0
         self.check_every = max(1, int(check_every))
         self.sink: Sink = sink if sink is not None else self._open_file_sink(run_dir_path)
+        # the stream is a copy beside the sink (the local file stays the source of truth)
+        if endpoint is None and sink is None:
+            endpoint = os.environ.get(ENDPOINT_ENV) or None
+        self.endpoint = endpoint
+        if self.endpoint:
+            self.sink = stream_tee(self.sink, self.endpoint, rank=self.rank, ddp=self.ddp_index,
+                                   run=self.run_dir.name if self.run_dir else "", attempt=run_dir.elastic_attempt())
         device = getattr(ddp, "device", torch.device("cpu"))
         self._cuda = device.type == "cuda" if cuda_timing is None else bool(cuda_timing)
         self.recorder = StepRecorder(self.rank, self.ddp_index, self.emit, CudaClock() if self._cuda else HostClock())
@@ -433,6 +442,7 @@ def instrument(
     cuda_timing: bool | None = None,
     check_every: int = CHECK_EVERY,
     hang_timeout: float | None = None,
+    endpoint: str | None = None,
 ) -> Monitor:
     """Start monitoring ``ddp_model`` on this rank; call it on every rank.
 
@@ -448,6 +458,9 @@ def instrument(
         hang_timeout: seconds without progress before the hang watchdog records where this rank
             is (phase, step, pending bucket, stack) and flushes it. Default:
             ``$DDPDOCTOR_HANG_TIMEOUT``, else 120; 0 turns the watchdog off.
+        endpoint: ``HOST:PORT`` of a ``ddpdoctor watch --listen`` or ``ddpdoctor collect`` to stream
+            every record to as well (bounded queue, drops counted, never blocks training; the local
+            file stays complete). Default: ``$DDPDOCTOR_ENDPOINT`` (when no ``sink`` is given).
 
     Returns:
         A ``Monitor``: a context manager; ``close()`` detaches and flushes. If ddpdoctor cannot
@@ -460,7 +473,8 @@ def instrument(
         if existing is not None:
             return existing
         return Monitor(ddp_model, run_dir_path=run_dir, sink=sink, proc_interval=proc_interval,
-                       cuda_timing=cuda_timing, check_every=check_every, hang_timeout=hang_timeout)
+                       cuda_timing=cuda_timing, check_every=check_every, hang_timeout=hang_timeout,
+                       endpoint=endpoint)
     except Exception as exc:
         warnings.warn(f"ddpdoctor could not attach to the model ({type(exc).__name__}: {exc}); "
                       "training goes on unmonitored", ProbeDisabledWarning, stacklevel=2)

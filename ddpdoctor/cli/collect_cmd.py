@@ -1,0 +1,114 @@
+"""``ddpdoctor collect --listen HOST:PORT --run-dir DIR``: streamed ranks -> the usual run-dir layout.
+
+Every rank streaming to it (``ddpdoctor run --endpoint HOST:PORT``) gets its
+``rank-NNNNN.jsonl`` in DIR (in ``attempt-N/`` for an elastic run), written line for line as
+the rank's own file sink writes it, so ``ddpdoctor report DIR`` and ``trace`` work on it. It runs
+until SIGINT or SIGTERM. A stream is a copy: records the senders dropped are missing here (the
+count is printed), the ranks' local files have them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import BinaryIO
+
+from ddpdoctor.runlog.run import ATTEMPT_PREFIX
+from ddpdoctor.runlog.stream_source import Peer, StreamListener, StreamLine
+
+#: How often received lines are written out (and files flushed).
+WRITE_INTERVAL_S = 0.2
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("collect", help="receive streamed ranks and write them as a run dir",
+                       description="Receive the streams of `ddpdoctor run --endpoint HOST:PORT` and write the usual "
+                                   "run-dir layout, for `ddpdoctor report` later. Stops on SIGINT/SIGTERM.")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT",
+                   help="address to listen on (loopback unless a token is set; port 0 picks a free one)")
+    p.add_argument("--run-dir", type=Path, required=True, help="where the rank files are written")
+    p.add_argument("--token", default=None, help="shared secret the senders must present (default: $DDPDOCTOR_TOKEN)")
+    p.set_defaults(func=run)
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--listen wants HOST:PORT, got {text!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+class Collector:
+    """Writes what a listener receives into ``run_dir``: one file per rank (and attempt)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.run_name: str | None = None
+        self.records = 0
+        self.other_runs = 0
+        self._files: dict[tuple[int | None, int, int], BinaryIO] = {}
+
+    def path(self, peer: Peer) -> Path:
+        folder = self.run_dir if peer.attempt is None else self.run_dir / f"{ATTEMPT_PREFIX}{peer.attempt}"
+        suffix = "" if peer.ddp == 0 else f".ddp{peer.ddp}"
+        return folder / f"rank-{peer.rank:05d}{suffix}.jsonl"
+
+    def write(self, lines: list[StreamLine]) -> None:
+        touched = set()
+        for line in lines:
+            peer = line.peer
+            if self.run_name is None:
+                self.run_name = peer.run
+            elif peer.run != self.run_name:  # one collector, one run: never mix two runs' ranks
+                if self.other_runs == 0:
+                    print(f"ddpdoctor collect: ignoring run {peer.run!r} (collecting {self.run_name!r})",
+                          file=sys.stderr, flush=True)
+                self.other_runs += 1
+                continue
+            key = (peer.attempt, peer.rank, peer.ddp)
+            f = self._files.get(key)
+            if f is None:
+                path = self.path(peer)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                f = self._files[key] = open(path, "ab")  # noqa: SIM115 - kept open for the run
+            f.write(line.raw)
+            touched.add(key)
+            self.records += 1
+        for key in touched:
+            self._files[key].flush()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        host, port = parse_listen(args.listen)
+        listener = StreamListener(host, port, args.token)
+    except (ValueError, OSError) as exc:  # malformed address, no token off loopback, port taken
+        print(f"ddpdoctor collect: {exc}", file=sys.stderr)
+        return 2
+    collector = Collector(args.run_dir)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    shown = f"[{host}]" if ":" in host else host
+    print(f"ddpdoctor collect: listening on {shown}:{listener.port}, writing {args.run_dir}", flush=True)
+    try:
+        while not stop.wait(WRITE_INTERVAL_S):
+            collector.write(listener.take())
+    finally:
+        listener.close()
+        collector.write(listener.take())
+        collector.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    ranks = len({(p.rank, p.ddp) for p in listener.peers.values()})
+    print(f"ddpdoctor collect: {collector.records} records from {ranks} rank streams in {args.run_dir}; "
+          f"dropped by senders or here: {listener.dropped()}; rejected connections: {listener.rejected}",
+          flush=True)
+    return 0
