@@ -8,6 +8,7 @@ not the work, and synchronizing would change training; events are resolved later
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -73,3 +74,33 @@ def wall_ns() -> int:
 
 def mono_ns() -> int:
     return time.perf_counter_ns()
+
+
+#: Test only: ``RANK:SECONDS`` shifts every host clock of the process whose ``$RANK`` is RANK
+#: (wall, monotonic, bucket marks) by SECONDS, as another host's clocks would be. The reader
+#: must line the ranks up anyway (``analysis.clock_align``); tests/test_clock_offset.py checks it.
+TEST_OFFSET_ENV = "DDPDOCTOR_TEST_CLOCK_OFFSET"
+
+
+def _test_offset_ns() -> int:
+    rank, _, seconds = os.environ.get(TEST_OFFSET_ENV, "").partition(":")
+    if not seconds or os.environ.get("RANK") != rank:
+        return 0
+    try:
+        return int(float(seconds) * 1e9)
+    except ValueError:
+        return 0
+
+
+_OFFSET_NS = _test_offset_ns()
+if _OFFSET_NS:  # rebound here, at import, so the hot path costs nothing when it is off
+    def wall_ns() -> int:
+        return time.time_ns() + _OFFSET_NS
+
+    def mono_ns() -> int:
+        return time.perf_counter_ns() + _OFFSET_NS
+
+    def _offset_now(self: HostClock) -> Mark:
+        return time.perf_counter_ns() + _OFFSET_NS
+
+    HostClock.now = _offset_now  # type: ignore[method-assign]

@@ -1,0 +1,69 @@
+"""Ranks on hosts whose clocks disagree: one rank's clocks shifted by 3.7 s (test-only
+``DDPDOCTOR_TEST_CLOCK_OFFSET``), the straggler is still the right rank and the trace lines up."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import ddpdoctor
+from tests.test_run_cmd import _env, _torchrun, ddpdoctor_run
+
+SCRIPT = """
+    import time, torch, torch.distributed as dist
+    from torch import nn
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    def train():
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)),
+                                                    bucket_cap_mb=0.05)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(12):
+            if dist.get_rank() == 1:
+                time.sleep(0.08)          # rank 1 loads its data slowly
+            loss = model(torch.randn(32, 64)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    train()
+    dist.destroy_process_group()
+"""
+
+
+def test_straggler_and_trace_line_up_despite_a_clock_offset(tmp_path: Path) -> None:
+    script = tmp_path / "slow_data.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    # rank 0 (the fast one) runs 3.7 s ahead: read naively, rank 0 would look late everywhere
+    env = dict(_env(), DDPDOCTOR_TEST_CLOCK_OFFSET="0:3.7")
+    proc = ddpdoctor_run(tmp_path, _torchrun(str(script)), "--run-dir", "run", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = ddpdoctor.load_run(tmp_path / "run")
+    skew_s = (run.ranks[0].header.t_wall_ns - run.ranks[1].header.t_wall_ns) / 1e9
+    assert 3.0 < skew_s < 4.5  # the offset is really in the log
+
+    findings = {f.code: f for f in ddpdoctor.analyze(run).findings}
+    f = findings["straggler"]
+    assert f.ranks == [1] and f.evidence["phase"] == "data loading (before forward)"
+    assert 50 <= f.evidence["median_lateness_ms"] < 500
+
+    out = tmp_path / "trace.json"
+    trace = subprocess.run([sys.executable, "-m", "ddpdoctor", "trace", str(tmp_path / "run"), "-o", str(out)],
+                           capture_output=True, text=True, timeout=120, env=_env())
+    assert trace.returncode == 0, trace.stderr
+    slices = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    ends: dict[tuple[int, str], list[float]] = {}
+    for e in slices:
+        if e["name"].startswith("all-reduce bucket"):
+            ends.setdefault((e["args"]["step"], e["name"]), []).append(e["ts"] + e["dur"])
+    gaps = sorted(max(v) - min(v) for v in ends.values() if len(v) == 2)
+    # all ranks leave a bucket's all-reduce together: on the aligned clocks, within 2 ms, not 3.7 s
+    assert gaps and gaps[len(gaps) // 2] < 2000
+    forwards = {e["pid"]: sorted(x["ts"] for x in slices if x["pid"] == e["pid"] and x["name"] == "forward")
+                for e in slices}
+    # and rank 1's forwards start after rank 0's (it is the late one), by well under a second
+    late = [b - a for a, b in zip(forwards[0], forwards[1])]
+    assert sorted(late)[len(late) // 2] > 0 and max(late) < 1e6
