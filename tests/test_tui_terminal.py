@@ -1,0 +1,108 @@
+"""``ddpdoctor watch`` and ``ddpdoctor demo`` in a real terminal: tmux runs them, keys go in with
+send-keys, the screen comes back with capture-pane. Skipped where tmux is not installed."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.test_live_run import write_run
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Terminal:
+    """One tmux session on a private server socket (never touches the user's tmux)."""
+
+    def __init__(self, command: str, width: int = 120, height: int = 40) -> None:
+        self.socket = f"ddpdoctor-test-{uuid.uuid4().hex[:8]}"
+        env = {**os.environ, "TERM": "xterm-256color", "PYTHONPATH": str(ROOT)}
+        self._tmux("new-session", "-d", "-s", "t", "-x", str(width), "-y", str(height),
+                   f"cd {shlex.quote(str(ROOT))} && {command}; echo EXITED rc=$?; sleep 600", env=env)
+
+    def _tmux(self, *args: str, env: dict[str, str] | None = None) -> str:
+        return subprocess.run(["tmux", "-L", self.socket, *args], check=True, capture_output=True, text=True,
+                              timeout=20, env=env).stdout
+
+    def screen(self) -> str:
+        return self._tmux("capture-pane", "-p", "-t", "t")
+
+    def keys(self, *keys: str) -> None:
+        self._tmux("send-keys", "-t", "t", *keys)
+
+    def wait_for(self, text: str, timeout: float = 60.0, gone: bool = False) -> str:
+        """The screen once ``text`` is on it (or, ``gone``, off it); polled: a terminal has no other way to tell."""
+        deadline = time.monotonic() + timeout
+        tick = threading.Event()
+        while True:
+            screen = self.screen()
+            if (text in screen) != gone:
+                return screen
+            assert time.monotonic() < deadline, f"{text!r} never {'went' if gone else 'appeared'}; the screen:\n{screen}"
+            tick.wait(0.2)
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=20)
+
+
+@pytest.fixture
+def terminal() -> Iterator[list[Terminal]]:
+    opened: list[Terminal] = []
+    try:
+        yield opened
+    finally:
+        for t in opened:
+            t.close()
+
+
+def test_watch_in_a_real_terminal(tmp_path: Path, terminal: list[Terminal]) -> None:
+    run = write_run(tmp_path / "run", world=4, steps=30, straggler=2, end=None)
+    term = Terminal(f"{shlex.quote(sys.executable)} -m ddpdoctor watch {shlex.quote(str(run))}")
+    terminal.append(term)
+    screen = term.wait_for("latest: rank 2 at b0")
+    assert "ranks 4/4" in screen and "WARNING" in screen and "step 29 (latest 29)" in screen
+    assert "straggler" in screen and "fix:" in screen
+    term.keys("p")
+    term.wait_for("[PAUSED]")
+    term.keys("Left", "Left")
+    screen = term.wait_for("step 27 (latest 29)")
+    term.keys("?")
+    screen = term.wait_for("filter findings")
+    term.keys("Escape")
+    # a key right after escape would read as alt+key: wait for the help to close first
+    term.wait_for("filter findings", gone=True)
+    term.keys("q")
+    screen = term.wait_for("EXITED rc=0")
+
+
+def test_watch_says_what_is_wrong_with_a_missing_dir(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "ddpdoctor", "watch", str(tmp_path / "nope")], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "no such directory" in done.stderr
+
+
+@pytest.mark.slow
+def test_demo_opens_the_live_view_and_prints_the_report_on_quit(tmp_path: Path, terminal: list[Terminal]) -> None:
+    run_dir = tmp_path / "demo"
+    term = Terminal(f"{shlex.quote(sys.executable)} -m ddpdoctor demo --scenario straggler --steps 400 --pace 0.02 "
+                    f"--run-dir {shlex.quote(str(run_dir))}")
+    terminal.append(term)
+    screen = term.wait_for("arrives late at the step's collectives", timeout=120)
+    assert "ranks 2/2" in screen and "straggler" in screen
+    term.keys("q")
+    screen = term.wait_for("EXITED rc=0", timeout=60)
+    assert "stopped the training on your quit" in screen and "straggler" in screen
+    # the ranks were stopped with SIGTERM, so each closed its log ("terminated" in the report)
+    assert screen.count("terminated") >= 2
