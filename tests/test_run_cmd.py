@@ -189,3 +189,25 @@ def test_an_elastic_restart_gets_its_own_attempt(tmp_path: Path) -> None:
     # `ddpdoctor report` reads the latest attempt, or the one named by its folder
     assert subprocess.run([sys.executable, "-m", "ddpdoctor", "report", str(run_dir / "attempt-0")],
                           capture_output=True, timeout=120).returncode == 0
+
+
+def test_a_failing_hook_warns_once_and_training_goes_on(tmp_path: Path) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch, torch.distributed as dist
+        from torch import nn
+        sys.modules["ddpdoctor.runtime.monitor"] = None   # ddpdoctor's runtime cannot be imported here
+        dist.init_process_group("gloo")
+        def train():
+            for _ in range(2):   # two models: still one warning
+                model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+                model(torch.randn(2, 4)).sum().backward()
+        train()
+        print("trained", flush=True)
+        dist.destroy_process_group()
+    """))
+    proc = ddpdoctor_run(tmp_path, _torchrun(str(script), nproc=1), "--run-dir", "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trained" in proc.stdout
+    assert proc.stderr.count("could not instrument a DistributedDataParallel model") == 1
+    assert not (tmp_path / "run").exists()
