@@ -80,3 +80,43 @@ def test_tail_starts_over_when_the_file_is_truncated_or_deleted(tmp_path: Path) 
     assert [r.step for r in tail.poll()] == [7]
     path.unlink()
     assert tail.poll() == []
+
+
+def _write_synth(run_dir: Path, ranks: int, steps: int, straggler: int | None = None) -> None:
+    from bench.synth import rank_records
+    from ddpdoctor.sinks import FileSink
+
+    for rank in range(ranks):
+        sink = FileSink(run_dir / f"rank-{rank:05d}.jsonl")
+        for record in rank_records(rank, ranks, steps, straggler=straggler):
+            sink.emit(record)
+        sink.close()
+
+
+def test_a_sampled_load_keeps_the_same_steps_on_every_rank_and_counts_all(tmp_path: Path) -> None:
+    _write_synth(tmp_path, 3, 3000, straggler=2)
+    with (tmp_path / "rank-00001.jsonl").open("ab") as f:
+        f.write(b"garbage\n{\"kind\": \"step\", \"rank\": 1, \"step\": 3000, \"t0_mo")  # garbage, then a torn tail
+    run = load_run(tmp_path, max_steps=256)
+    kept = {r: [s.step for s in log.steps] for r, log in run.ranks.items()}
+    assert run.ranks[0].step_stride == 16  # the smallest power of two that keeps <= 256 of 3000
+    assert kept[0] == kept[1] == kept[2]  # comparable step by step
+    assert all(s % 16 == 0 for s in kept[0] if s < 3000 - 128) and kept[0][-128:] == list(range(2872, 3000))
+    assert [log.steps_total for log in run.ranks.values()] == [3000] * 3
+    assert run.ranks[1].corrupt_lines == 2 and run.ranks[1].torn_tail
+    full = load_run(tmp_path)
+    assert len(run.ranks[0].fingerprints) == len(full.ranks[0].fingerprints) == 62  # all non-step records kept
+    assert sum(len(log.steps) for log in full.ranks.values()) == 9000
+    report = ddpdoctor.analyze(run)
+    assert report.run["steps_sampled_every"] == 16 and report.ranks[0]["steps"] == 3000
+    [straggler] = [f for f in report.findings if f.code == "straggler"]
+    assert straggler.ranks == [2] and straggler.evidence["phase"] == "backward"
+    assert [f.code for f in report.findings] == ["straggler"]
+
+
+def test_bare_steps_are_remembered_even_when_sampled(tmp_path: Path) -> None:
+    header = Header(rank=0, world_size=1)
+    steps = [Step(rank=0, step=i, t0_mono_ns=i, t0_wall_ns=i, b_ready_us=[] if i == 37 else [1.0]) for i in range(600)]
+    (tmp_path / "rank-00000.jsonl").write_bytes(b"".join(encode(r) for r in [header, *steps]))
+    assert load_run(tmp_path, max_steps=64).ranks[0].bare_steps == [37]
+    assert load_run(tmp_path).ranks[0].bare_steps == [37]

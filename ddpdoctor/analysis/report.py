@@ -71,7 +71,7 @@ def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: st
         "device": h.device if h else None,
         "local_rank": h.local_rank if h else None,
         "status": _rank_status(log, lost),
-        "steps": len(log.steps),
+        "steps": log.steps_total,
         "last_step": last.step if last else None,
         "buckets": len(last.b_ready_us) if last else 0,
         "buffer_bytes_per_step": last.bcast_bytes if last else 0,
@@ -122,6 +122,8 @@ def analyze(run: Run) -> Report:
         "corrupt_lines": run.corrupt_lines,
         "unknown_lines": run.unknown_lines,
         "finished": bool(run.ranks) and all(log.end is not None for log in run.ranks.values()),
+        # >1: step statistics come from every n-th step of each rank (and its last steps)
+        "steps_sampled_every": max((log.step_stride for log in run.ranks.values()), default=1),
     }
     all_steps = [v for r in ranks for v in ([r["medians_ms"]["step"]] if r["medians_ms"]["step"] is not None else [])]
     stats: dict[str, Any] = {

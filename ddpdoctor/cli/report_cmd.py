@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
-    report = analyze(load_run(args.run_dir))
+    report = analyze(load_run(args.run_dir, max_steps="auto"))
     if args.format == "json":
         text = json.dumps(report.to_dict(), indent=2) + "\n"
     elif args.format == "markdown":

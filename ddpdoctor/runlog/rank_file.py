@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from ddpdoctor.events import (
     CorruptLine,
     End,
@@ -23,6 +25,12 @@ from ddpdoctor.events import (
     Unused,
     decode,
 )
+
+
+#: Bare steps (without any bucket) remembered per rank: enough to name a skipped backward.
+MAX_BARE_STEPS = 1000
+#: Steps always kept at the end of a sampled rank log (what happened last: lost ranks, hangs).
+TAIL_STEPS = 128
 
 
 @dataclass
@@ -47,10 +55,16 @@ class RankLog:
     corrupt_lines: int = 0  # not JSON: garbage, or a line torn by a crash
     unknown_lines: int = 0  # JSON, but not a record this version knows
     torn_tail: bool = False  # the file ends in the middle of a line
+    steps_total: int = 0  # step records in the file (``steps`` holds them all unless sampled)
+    step_stride: int = 1  # ``steps`` keeps every step whose index is a multiple of this, and the last ones
+    bare_steps: list[int] = field(default_factory=list)  # steps logged without any bucket (first 1000)
 
     def add(self, record: Record) -> None:
         if isinstance(record, Step):
             self.steps.append(record)
+            self.steps_total += 1
+            if not record.b_ready_us and len(self.bare_steps) < MAX_BARE_STEPS:
+                self.bare_steps.append(record.step)
         elif isinstance(record, ProcSample):
             self.procs.append(record)
         elif isinstance(record, Layout):
@@ -159,3 +173,77 @@ class RankFileTail:
         if self.keep:
             self.log.add(record)
         out.append(record)
+
+
+class _Peek(msgspec.Struct):
+    """The few fields needed to choose which lines to decode in full."""
+
+    kind: str = ""
+    step: int | None = None
+    b_ready_us: msgspec.Raw = msgspec.Raw(b"")  # left undecoded: only whether it is there
+
+
+_peek_lines = msgspec.json.Decoder(_Peek).decode_lines
+_peek_one = msgspec.json.Decoder(_Peek).decode
+
+
+def _peek_all(lines: list[bytes], data: bytes) -> list[_Peek | None]:
+    try:
+        peeks: list[_Peek | None] = list(_peek_lines(data))  # one C pass over the file: the common case
+        if len(peeks) == len(lines):
+            return peeks
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    out: list[_Peek | None] = []
+    for line in lines:
+        try:
+            out.append(_peek_one(line))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            out.append(None)  # decoded (and counted) below
+    return out
+
+
+def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
+    """One rank file with at most about ``max_steps`` step records kept (plus the last ones).
+
+    Every record that is not a step is kept. Steps are kept at a power-of-two stride of their
+    index, so ranks with similar step counts keep the same steps and stay comparable step by
+    step; ``steps_total`` and ``bare_steps`` still count every step in the file.
+    """
+    log = RankLog(rank=rank, ddp=ddp, path=path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return log
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        if data[cut:].strip():
+            log.torn_tail = True
+            log.corrupt_lines += 1
+        data = data[:cut]
+    lines = [line for line in data.split(b"\n") if line.strip()]
+    peeks = _peek_all(lines, data) if len(lines) == data.count(b"\n") else [_safe_peek(x) for x in lines]
+    step_rows = [i for i, p in enumerate(peeks) if p is not None and p.kind == "step" and p.step is not None]
+    stride = 1
+    while len(step_rows) > stride * max_steps:
+        stride *= 2
+    tail = set(step_rows[-TAIL_STEPS:])
+    keep = [i for i, p in enumerate(peeks)
+            if p is None or p.kind != "step" or p.step is None or p.step % stride == 0 or i in tail]
+    tail_reader = RankFileTail(path, rank, ddp)
+    tail_reader.log = log
+    out: list[Record] = []
+    for i in keep:
+        tail_reader._decode(lines[i], out)
+    log.steps_total = len(step_rows)
+    log.step_stride = stride
+    log.bare_steps = [p.step for i in step_rows if (p := peeks[i]) is not None and len(p.b_ready_us) == 0
+                      and p.step is not None][:MAX_BARE_STEPS]
+    return log
+
+
+def _safe_peek(line: bytes) -> _Peek | None:
+    try:
+        return _peek_one(line)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from ddpdoctor.runlog.rank_file import RankFileTail, RankLog, parse_name
+from ddpdoctor.runlog.rank_file import RankFileTail, RankLog, parse_name, read_sampled
 
 
 class RunDirError(ValueError):
@@ -99,13 +101,25 @@ def check_run_dir(directory: str | os.PathLike[str]) -> Path:
     return path
 
 
-def load_run(directory: str | os.PathLike[str], attempt: int | None = None) -> Run:
+#: Step records a sampled load keeps over all ranks ("auto"): a few hundred MB of memory at most.
+STEP_BUDGET = 250_000
+#: ... but never fewer than this per rank, nor more.
+MIN_STEPS_PER_RANK, MAX_STEPS_PER_RANK = 512, 8192
+
+
+def load_run(directory: str | os.PathLike[str], attempt: int | None = None,
+             max_steps: int | Literal["auto"] | None = None) -> Run:
     """Read every rank file of a run dir (finished or still being written).
 
     Corrupt lines and a torn last line are skipped and counted per rank (``corrupt_lines``),
     never fatal. A run dir with elastic attempts (``attempt-N`` folders) is read at its latest
     attempt unless ``attempt`` says which. Raises ``RunDirError`` when the directory is missing
     or holds no rank file.
+
+    ``max_steps`` bounds the step records kept per rank (for very long or very wide runs): steps
+    are then kept at a power-of-two stride of their index, the same on every rank, plus the last
+    ones; every other record is kept and ``steps_total`` still counts all steps. ``"auto"``
+    shares ``STEP_BUDGET`` among the rank files (what ``ddpdoctor report`` uses).
     """
     root = check_run_dir(directory)
     path, chosen = attempt_dir(root, attempt)
@@ -113,11 +127,23 @@ def load_run(directory: str | os.PathLike[str], attempt: int | None = None) -> R
     if not files:
         raise RunDirError(f"{path}: no rank files (rank-NNNNN.jsonl) here; is this a ddpdoctor run dir?")
     run = Run(dir=path, attempt=chosen, attempts=attempts(root) if chosen is not None else [])
-    for file, rank, ddp in files:
-        tail = RankFileTail(file, rank, ddp)
-        tail.poll(final=True)
-        if ddp == 0:
-            run.ranks[rank] = tail.log
-        else:
-            run.other_models.append(tail.log)
+    if max_steps == "auto":
+        max_steps = min(MAX_STEPS_PER_RANK, max(MIN_STEPS_PER_RANK, STEP_BUDGET // len(files)))
+    collecting = gc.isenabled()
+    gc.disable()  # many small objects that never form cycles: the collector would only rescan them
+    try:
+        for file, rank, ddp in files:
+            if max_steps is None:
+                tail = RankFileTail(file, rank, ddp)
+                tail.poll(final=True)
+                log = tail.log
+            else:
+                log = read_sampled(file, rank, ddp, max_steps)
+            if ddp == 0:
+                run.ranks[rank] = log
+            else:
+                run.other_models.append(log)
+    finally:
+        if collecting:
+            gc.enable()
     return run

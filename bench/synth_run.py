@@ -1,0 +1,96 @@
+"""Write a realistic synthetic run through ddpdoctor's own writer, then time ``ddpdoctor report`` on it.
+
+usage: python bench/synth_run.py --ranks 256 --steps 10000 [--straggler 17] [--buckets 8]
+                                 [--report] [--repeat 3] OUT
+
+Each rank file is written by a ``FileSink`` (the writer every training rank uses), from the
+records ``bench/synth.py`` generates: per-step records with per-bucket arrays, process samples,
+fingerprints and unused-parameter checks at the sampled steps, an end record. With ``--report``
+the script then runs ``python -m ddpdoctor report OUT --format json`` ``--repeat`` times in a
+fresh process each and prints the wall time and the peak RSS of that process (median of the
+runs), and whether the planted straggler was named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.synth import rank_records  # noqa: E402
+from ddpdoctor.sinks import FileSink  # noqa: E402
+
+
+def write_rank(out: str, rank: int, world: int, steps: int, buckets: int, straggler: int | None) -> int:
+    sink = FileSink(Path(out) / f"rank-{rank:05d}.jsonl")
+    n = 0
+    for record in rank_records(rank, world, steps, buckets=buckets, straggler=straggler):
+        sink.emit(record)
+        n += 1
+    sink.close(timeout=120.0)
+    if sink.dropped:
+        raise RuntimeError(f"rank {rank}: the writer dropped {sink.dropped} records")
+    return n
+
+
+def write_run(out: Path, ranks: int, steps: int, buckets: int, straggler: int | None, jobs: int) -> tuple[int, float]:
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        counts = list(pool.map(write_rank, [str(out)] * ranks, range(ranks), [ranks] * ranks, [steps] * ranks,
+                               [buckets] * ranks, [straggler] * ranks))
+    return sum(counts), time.monotonic() - started
+
+
+def time_report(out: Path) -> tuple[float, float, dict[str, object]]:
+    """One ``ddpdoctor report`` in a fresh process: (seconds, peak RSS in MiB, report)."""
+    script = ("import resource, subprocess, sys, time; t = time.monotonic(); "
+              "p = subprocess.run([sys.executable, '-m', 'ddpdoctor', 'report', sys.argv[1], '--format', 'json'], "
+              "capture_output=True, text=True); dt = time.monotonic() - t; "
+              "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024; "
+              "sys.stderr.write(p.stderr); print(dt, rss); print(p.stdout)")
+    done = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, check=True)
+    first, _, rest = done.stdout.partition("\n")
+    seconds, rss = (float(v) for v in first.split())
+    return seconds, rss, json.loads(rest)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--ranks", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=10_000)
+    ap.add_argument("--buckets", type=int, default=8)
+    ap.add_argument("--straggler", type=int, default=None)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--report", action="store_true", help="then time `ddpdoctor report` on it")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--reuse", action="store_true", help="do not write: the run is already there")
+    args = ap.parse_args()
+    if not args.reuse:
+        n, dt = write_run(args.out, args.ranks, args.steps, args.buckets, args.straggler, args.jobs)
+        size = sum(f.stat().st_size for f in args.out.iterdir())
+        print(f"wrote {n:,} records, {size / 2**20:,.0f} MiB, {args.ranks} ranks x {args.steps:,} steps in {dt:.1f} s")
+    if args.report:
+        runs = [time_report(args.out) for _ in range(args.repeat)]
+        secs = [r[0] for r in runs]
+        rss = [r[1] for r in runs]
+        report = runs[-1][2]
+        stragglers = [f["ranks"] for f in report["findings"] if f["code"] == "straggler"]  # type: ignore[index]
+        print(f"ddpdoctor report: median {statistics.median(secs):.1f} s (runs: {', '.join(f'{s:.1f}' for s in secs)}), "
+              f"peak RSS median {statistics.median(rss):,.0f} MiB (max {max(rss):,.0f})")
+        print(f"straggler findings: {stragglers or 'none'}; findings: "
+              f"{[(f['code'], f['severity']) for f in report['findings']]}")  # type: ignore[index]
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
