@@ -47,6 +47,8 @@ def render(report: Report) -> str:
         f"  world size {run['world_size']}, backend {run['backend']}, torch {run['torch']}, device {run['device']}, "
         f"hosts {', '.join(run['hosts']) or '?'}",
         f"  {stats['steps']} steps, {'finished' if run['finished'] else 'not finished (still running, or a rank died)'}",
+        *([f"  step statistics from every {run['steps_sampled_every']}th step of each rank and its last 128 steps"]
+          if run.get("steps_sampled_every", 1) > 1 else []),
     ]
     if opts:
         lines.append(
