@@ -18,6 +18,7 @@ import dataclasses
 import importlib
 from collections import deque
 from collections.abc import Iterable
+from itertools import islice
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Callable
@@ -39,6 +40,8 @@ HISTORY = 200
 WINDOW = 10
 #: Complete steps between two re-estimates of the clock offsets (they drift slowly).
 CLOCK_EVERY = 20
+#: From this many ranks on, the straggler check runs every other complete step.
+LARGE_RUN = 64
 
 STATUSES = ("running", "straggler", "stalled", "hung", "finished", "terminated", "failed", "lost")
 
@@ -312,12 +315,17 @@ class LiveRun:
     def _check_stragglers(self) -> None:
         if not self._complete or self._complete[-1] == self._checked_upto or len(self._ranks) < 2:
             return
+        # the check costs O(ranks x window): on large runs, every other step (still named within the window)
+        if len(self._ranks) >= LARGE_RUN and self._checked_upto is not None and self._complete[-1] < self._checked_upto + 2:
+            return
         self._checked_upto = self._complete[-1]
         recent = [s for s in list(self._complete)[-self.window:] if s in self._arrivals]
         if len(recent) < 3:
             return
         wanted = set(recent) | {s - 1 for s in recent}  # the step before: the data-loading gap
-        steps_by_rank = {r: [s for s in st.steps if s.step in wanted] for r, st in self._ranks.items()}
+        tail = self.window + 2
+        steps_by_rank = {r: [s for s in list(islice(reversed(st.steps), tail))[::-1] if s.step in wanted]
+                         for r, st in self._ranks.items()}
         found = stragglers(steps_by_rank, [self._arrivals[s] for s in recent])
         self._stragglers = {r for f in found for r in f.ranks}
         for f in found:
