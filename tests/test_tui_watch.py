@@ -186,3 +186,26 @@ async def test_tails_a_growing_run_through_garbage_truncation_and_late_ranks(tmp
         assert app.query_one(RanksTable).row_count == 3
         await pilot.press("q")
     assert app.return_code == 0
+
+
+async def test_a_streamed_run_looks_the_same(tmp_path: Path) -> None:
+    from ddpdoctor.runlog.stream_source import StreamSource
+    from ddpdoctor.sinks.tcp import TcpSink
+
+    source = StreamSource("127.0.0.1", 0)
+    app = WatchApp(source, interval=0.05)
+    sinks = [TcpSink(f"127.0.0.1:{source.port}", rank=r, run="synthetic") for r in range(3)]
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            assert "listening on 127.0.0.1" in widget_text(app.query_one(RunHeader))
+            for r, sink in enumerate(sinks):
+                for rec in synthetic_records(r, 3, range(20), straggler=1):
+                    sink.emit(rec)
+                sink.flush()
+            await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.finished)
+            assert app.snapshot.view_step == 19  # type: ignore[union-attr]
+            assert app.query_one(RanksTable).get_cell("1", "late").plain == "40.0"
+            assert "straggler" in widget_text(app.query_one("#findings-text"))
+    finally:
+        for sink in sinks:
+            sink.close()

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ddpdoctor.runlog.run import check_run_dir
+from ddpdoctor.runlog.run import attempt_dir, check_run_dir
 from ddpdoctor.runlog.source import DirSource, RecordSource
 
 
@@ -31,13 +31,14 @@ def open_source(run_dir: Path | None, listen: str | None, token: str | None = No
     if listen is not None:
         host, port = parse_endpoint(listen)
         try:
-            from ddpdoctor.runlog.stream_source import StreamSource  # type: ignore[import-not-found]
+            from ddpdoctor.runlog.stream_source import StreamSource
         except ImportError as exc:
             raise ValueError(f"streaming is not available in this build ({exc})") from None
         return StreamSource(host, port, token=token)  # type: ignore[no-any-return]
     if run_dir is None:
         raise ValueError("give a run dir to watch, or --listen HOST:PORT")
-    return DirSource(check_run_dir(run_dir))
+    # a run torchrun may restart keeps each attempt in attempt-N: watch the latest
+    return DirSource(attempt_dir(check_run_dir(run_dir))[0])
 
 
 def run(args: argparse.Namespace) -> int:
