@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
-import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -134,10 +136,18 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=10.0, help="steps per second per rank")
     parser.add_argument("--seconds", type=float, default=40.0)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one run, JSON out (internal)
     args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one_run(args.ranks, args.rate, args.seconds)))
+        return
     medians, p95s, maxes, growth, final = [], [], [], [], []
     for i in range(args.runs):
-        r = one_run(args.ranks, args.rate, args.seconds)
+        # each run in a fresh process: its RSS is that run's alone
+        out = subprocess.run([sys.executable, __file__, "--one", "--ranks", str(args.ranks), "--rate", str(args.rate),
+                              "--seconds", str(args.seconds)], capture_output=True, text=True, check=True,
+                             timeout=args.seconds + 120)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
         lags = sorted(r["lags"])
         if not lags:
             print(f"run {i + 1}: nothing shown")
@@ -163,5 +173,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TEXTUAL_ANIMATIONS", "none")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     main()

@@ -2,40 +2,89 @@
 
 from __future__ import annotations
 
-from rich.text import Text
-from textual.widgets import Static
+from functools import lru_cache
 
-from ddpdoctor.analysis.live_run import LiveSnapshot
+from rich.segment import Segment
+from rich.style import Style
+from textual.geometry import Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from ddpdoctor.analysis.live_run import Heatmap, LiveSnapshot
 from ddpdoctor.analysis.straggler import MIN_LATENESS_MS, MIN_LATENESS_SHARE
 from ddpdoctor_tui.formatting import lateness_colour
 
+CELL = 6  # characters per collective
 
-class BucketHeatmap(Static):
+
+@lru_cache(maxsize=512)
+def _cell_style(colour: str) -> Style:
+    return Style.parse(f"black on {colour}")
+
+
+_DIM = Style(dim=True)
+_SELECTED = Style(reverse=True)
+
+
+class BucketHeatmap(ScrollView):
     """One row per rank, one cell per collective (buffer broadcast, then buckets in firing order).
 
     The colour scale tops out at the straggler detector's own threshold, so red means "late
-    enough to be named a straggler" and a healthy run stays green.
+    enough to be named a straggler" and a healthy run stays green. A line-API widget: only the
+    rows on screen are rendered, so 256 ranks cost what 20 do.
     """
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.heat: Heatmap | None = None
+        self.threshold_ms = MIN_LATENESS_MS
+        self.selected: int | None = None
+        self._ranks: list[int] = []
 
     def show(self, snap: LiveSnapshot, selected: int | None) -> None:
         heat = snap.heatmap
+        self.heat, self.selected = heat, selected
         if heat is None:
-            self.update(Text("no complete step yet: the heatmap needs every rank's bucket times", style="dim"))
+            self.border_title = "bucket arrivals"
+            self.border_subtitle = "no complete step yet"
+            self._ranks = []
+            self.virtual_size = Size(0, 1)
+            self.refresh()
             return
         step_ms = next((t.median_ms for t in reversed(snap.step_times) if t.step == heat.step), 0.0)
-        threshold = max(MIN_LATENESS_MS, MIN_LATENESS_SHARE * step_ms)
-        out = Text()
-        out.append(f"step {heat.step}  arrival lateness (red >= {threshold:.0f} ms)\n", style="bold")
-        out.append("rank  " + " ".join(f"{name[:5]:>5}" for name in heat.collectives) + "\n", style="dim")
-        for rank, row in heat.late_ms.items():
-            out.append(f"{rank:>4}  ", style="reverse" if rank == selected else "")
-            for v in row:
-                out.append(f"{v:5.0f}" if v >= 1.0 else "    .", style=f"black on {lateness_colour(v, threshold)}")
-                out.append(" ")
-            out.append("\n")
+        self.threshold_ms = max(MIN_LATENESS_MS, MIN_LATENESS_SHARE * step_ms)
+        self.border_title = f"bucket arrivals, step {heat.step}: lateness ms (red >= {self.threshold_ms:.0f})"
         worst = heat.worst()
         if worst is not None and worst[2] >= 1.0:
             rank, index, value = worst
-            out.append(f"latest: rank {rank} at {heat.collectives[index]}, +{value:.1f} ms",
-                       style="bold red" if value >= threshold else "")
-        self.update(out)
+            self.border_subtitle = f"latest: rank {rank} at {heat.collectives[index]}, +{value:.1f} ms"
+        else:
+            self.border_subtitle = "all ranks on time"
+        self._ranks = list(heat.late_ms)
+        self.virtual_size = Size(6 + CELL * len(heat.collectives), 1 + len(self._ranks))
+        self.refresh()
+
+    def text_lines(self) -> list[str]:
+        """Every row as plain text (what ``render_line`` draws, for tests and snapshots)."""
+        return [self._line(y).text for y in range(1 + len(self._ranks))]
+
+    def render_line(self, y: int) -> Strip:
+        scroll_x, scroll_y = self.scroll_offset
+        strip = self._line(y + scroll_y)
+        return strip.crop(scroll_x, scroll_x + self.size.width).extend_cell_length(self.size.width)
+
+    def _line(self, y: int) -> Strip:
+        heat = self.heat
+        if heat is None:
+            return Strip([Segment("waiting for a step that every rank logged", _DIM)]) if y == 0 else Strip.blank(0)
+        if y == 0:
+            return Strip([Segment("rank  " + "".join(f"{name[:CELL - 1]:>{CELL - 1}} " for name in heat.collectives), _DIM)])
+        if y - 1 >= len(self._ranks):
+            return Strip.blank(0)
+        rank = self._ranks[y - 1]
+        segments = [Segment(f"{rank:>4}", _SELECTED if rank == self.selected else None), Segment("  ")]
+        for v in heat.late_ms[rank]:
+            text = f"{v:{CELL - 1}.0f}" if v >= 1.0 else " " * (CELL - 2) + "."
+            segments.append(Segment(text, _cell_style(lateness_colour(v, self.threshold_ms))))
+            segments.append(Segment(" "))
+        return Strip(segments)

@@ -8,7 +8,7 @@ from pathlib import Path
 from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, VerticalScroll
+from textual.containers import Horizontal
 from textual.widgets import DataTable, Footer
 
 from ddpdoctor.analysis.live_run import HISTORY, LiveSnapshot
@@ -58,15 +58,14 @@ class WatchApp(App[None]):
         yield RunHeader(id="header")
         yield RanksTable(id="ranks")
         with Horizontal(id="middle"):
-            with VerticalScroll(id="heatmap-box"):
-                yield BucketHeatmap(id="heatmap")
+            yield BucketHeatmap(id="heatmap")
             yield RankDetail(id="detail")
         yield StepChart(id="chart")
         yield FindingsPanel(id="findings")
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#heatmap-box").border_title = "bucket arrivals"
+        self.query_one(BucketHeatmap).border_title = "bucket arrivals"
         self.query_one("#ranks").border_title = "ranks"
         self.query_one("#detail").border_title = "rank detail"
         self.query_one("#chart").border_title = "step time"
