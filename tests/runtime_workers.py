@@ -277,3 +277,21 @@ def straggler_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
                 loss.backward()
                 opt.step()
     return {"rank": rank}
+
+
+def whatif_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """A stack of 12 small layers with 10 KB buckets (one per weight): a poor bucket_cap_mb."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(12):
+        layers += [torch.nn.Linear(64, 64), torch.nn.ReLU()]
+    ddp = DDP(torch.nn.Sequential(*layers), bucket_cap_mb=BUCKET_CAP_MB)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    x = torch.randn(32, 64)
+    with ddpdoctor.instrument(ddp, run_dir=Path(tmp) / "whatif", check_every=2):
+        for _ in range(14):
+            loss = ddp(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return {"rank": rank}

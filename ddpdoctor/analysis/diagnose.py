@@ -13,6 +13,7 @@ from ddpdoctor.analysis.buffers import (
 )
 from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
+from ddpdoctor.analysis.bucket_size import bucket_size
 from ddpdoctor.analysis.hang import hangs_in_run
 from ddpdoctor.analysis.lost import lost_ranks
 from ddpdoctor.analysis.replicas import compare_fingerprints
@@ -98,6 +99,7 @@ def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Findin
     derived += stragglers(steps_by_rank, arrived)
     derived += lost_ranks(run)
     derived += hangs_in_run(run)
+    derived += bucket_size(run)
     codes = {f.code for f in derived}
     logged = [_from_record(r) for log in run.ranks.values() for r in log.findings
               if r.code in LOGGED_EVIDENCE_CODES and r.code not in codes]

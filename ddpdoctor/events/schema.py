@@ -176,6 +176,9 @@ class Unused(_Record, tag="unused", kw_only=True):
     step: int
     names: list[str] = []
     post_forward_us: float | None = None  # DDP's post-forward work (graph search with find_unused)
+    # per parameter (header order): when its gradient was accumulated, µs from the step's start
+    # on the monotonic clock (host time); None when not reduced or no gradient
+    param_ready_us: list[float | None] = []
 
 
 class FindingRecord(_Record, tag="finding", kw_only=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 import os
 import threading
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -54,7 +55,8 @@ class _Sample:
 
     def __init__(self, step: int) -> None:
         self.step = step
-        self.seen: set[int] = set()
+        self.seen: dict[int, int] = {}  # parameter index -> monotonic ns its gradient was accumulated
+        self.t0_mono_ns = 0
         self.hooked: list[tuple[int, str]] = []
         self.handles: list[Any] = []
         self.post_forward_us: float | None = None
@@ -228,7 +230,7 @@ class Monitor:
                     self.fingerprinter.poll()
                 self._check_grad_flags(step.index)
                 if sync and self._sample is None and self._sample_due(step.index):
-                    self._begin_sample(step.index)
+                    self._begin_sample(step.index, step.t0_mono_ns)
             except Exception as exc:
                 self.probes.failed("checks", exc)
 
@@ -247,13 +249,15 @@ class Monitor:
     def _sample_due(self, step: int) -> bool:
         return step in (0, 1, 3) or step % self.check_every == 0
 
-    def _begin_sample(self, step: int) -> None:
+    def _begin_sample(self, step: int, t0_mono_ns: int) -> None:
         sample = self._sample = _Sample(step)
+        sample.t0_mono_ns = t0_mono_ns
         seen = sample.seen
+        now = time.monotonic_ns
         for i, (p, reduced) in enumerate(zip(self._params, self._reduced)):
             if reduced and p.requires_grad:
                 sample.hooked.append((i, self._names[i]))
-                sample.handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: seen.add(i)))
+                sample.handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: seen.__setitem__(i, now())))
         # after DDP's own pre-forward (buffer broadcast), right before the wrapped module runs
         sample.handles.append(self.ddp.module.register_forward_pre_hook(self._on_module_pre))
         ddp = self.ddp
@@ -298,8 +302,10 @@ class Monitor:
         if self.ddp is not None:
             self.ddp.__dict__.pop("_post_forward", None)
         names = [name for i, name in sample.hooked if i not in sample.seen]
+        t0, seen = sample.t0_mono_ns, sample.seen
+        ready = [round((seen[i] - t0) / 1000.0, 1) if i in seen else None for i in range(len(self._params))]
         self.emit(Unused(rank=self.rank, ddp=self.ddp_index, step=sample.step, names=names,
-                         post_forward_us=sample.post_forward_us))
+                         post_forward_us=sample.post_forward_us, param_ready_us=ready))
 
     def _on_forward_post(self, module: Any, args: Any, output: Any) -> None:
         if not self.probes.on["forward"]:
