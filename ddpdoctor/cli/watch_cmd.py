@@ -6,8 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from ddpdoctor.analysis.live_run import HISTORY
 from ddpdoctor.runlog.run import attempt_dir, check_run_dir
 from ddpdoctor.runlog.source import DirSource, RecordSource
+
+#: Bytes read per rank file per poll: catching up on a long run shows progress instead of a
+#: blank screen until every file is read.
+POLL_BYTES = 1 << 20
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -15,6 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("run_dir", type=Path, nargs="?", help="the run dir to watch (being written, or finished)")
     p.add_argument("--listen", metavar="HOST:PORT", help="receive a streamed run (ddpdoctor run --endpoint HOST:PORT)")
     p.add_argument("--token", help="shared secret the senders must present (stream only)")
+    p.add_argument("--history", type=int, default=HISTORY,
+                   help=f"steps kept per rank, to step back over (default {HISTORY}; memory grows with it)")
     p.set_defaults(func=run)
 
 
@@ -38,7 +45,7 @@ def open_source(run_dir: Path | None, listen: str | None, token: str | None = No
     if run_dir is None:
         raise ValueError("give a run dir to watch, or --listen HOST:PORT")
     # a run torchrun may restart keeps each attempt in attempt-N: watch the latest
-    return DirSource(attempt_dir(check_run_dir(run_dir))[0])
+    return DirSource(attempt_dir(check_run_dir(run_dir))[0], max_bytes_per_poll=POLL_BYTES)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,5 +59,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from ddpdoctor_tui import WatchApp  # textual only when the UI is actually wanted
 
-    WatchApp(source).run()
+    WatchApp(source, history=max(args.history, 20)).run()
     return 0

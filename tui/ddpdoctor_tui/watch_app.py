@@ -44,7 +44,7 @@ class WatchApp(App[None]):
                  history: int = HISTORY) -> None:
         super().__init__()
         if source is not None and not hasattr(source, "poll"):
-            source = DirSource(Path(source))  # type: ignore[arg-type]
+            source = DirSource(Path(source), max_bytes_per_poll=1 << 20)  # type: ignore[arg-type]
         self.source: RecordSource | None = source  # type: ignore[assignment]
         self.interval = interval
         self.history = history
