@@ -49,7 +49,8 @@ def _step(rank: int, step: int, t0_ns: int, step_ms: float, late_ms: float, rng:
 def writer(directory: str, ranks: int, rate: float, seconds: float, done_q: Any, straggler: int) -> None:
     """Append records for ``seconds`` at ``rate`` steps/s per rank; put (step, flushed_at) on ``done_q``."""
     rng = random.Random(0)
-    files = [open(Path(directory) / f"rank-{r:05d}.jsonl", "ab", buffering=1 << 16) for r in range(ranks)]
+    files = [open(Path(directory) / f"rank-{r:05d}.jsonl", "ab", buffering=1 << 16)  # noqa: SIM115 - closed at the end
+             for r in range(ranks)]
     now_ns = time.time_ns()
     for r, f in enumerate(files):
         f.write(encode(Header(rank=r, run_id="watch-load", world_size=ranks, host=f"node{r // 8:03d}", backend="nccl",

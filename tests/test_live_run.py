@@ -10,7 +10,16 @@ from typing import Any
 import pytest
 
 from ddpdoctor.analysis.live_run import LiveRun, LiveSnapshot
-from ddpdoctor.events import BucketInfo, End, Hang, Header, Layout, ProcSample, Step, encode
+from ddpdoctor.events import (
+    BucketInfo,
+    End,
+    Hang,
+    Header,
+    Layout,
+    ProcSample,
+    Step,
+    encode,
+)
 from ddpdoctor.runlog import DirSource
 
 T0_NS = 1_700_000_000_000_000_000  # fixed wall clock: synthetic runs render the same every time
@@ -59,8 +68,7 @@ def write_run(directory: Path, world: int = 4, steps: int = 30, **kwargs: Any) -
     directory.mkdir(parents=True, exist_ok=True)
     for rank in range(world):
         with open(directory / f"rank-{rank:05d}.jsonl", "wb") as f:
-            for rec in synthetic_records(rank, world, range(steps), **kwargs):
-                f.write(encode(rec))
+            f.writelines(encode(rec) for rec in synthetic_records(rank, world, range(steps), **kwargs))
     return directory
 
 
@@ -103,7 +111,7 @@ def test_a_straggler_that_starts_mid_run_is_named_within_10_steps(tmp_path: Path
     d = tmp_path / "run"
     d.mkdir()
     source, live = DirSource(d), LiveRun()
-    files = {r: open(d / f"rank-{r:05d}.jsonl", "ab") for r in range(4)}
+    files = {r: open(d / f"rank-{r:05d}.jsonl", "ab") for r in range(4)}  # noqa: SIM115 - closed below
     try:
         records = {r: synthetic_records(r, 4, range(60), straggler=3, straggle_from=30, end=None) for r in range(4)}
         seen_at = None
@@ -144,8 +152,7 @@ def test_failed_terminated_and_lost_ranks(tmp_path: Path) -> None:
     d.mkdir()
     for rank, kwargs in ((0, {"end": "error: RuntimeError"}), (1, {"end": "signal"}), (2, {"end": None, "steps": 10})):
         with open(d / f"rank-{rank:05d}.jsonl", "wb") as f:
-            for rec in synthetic_records(rank, 3, range(kwargs.pop("steps", 30)), **kwargs):
-                f.write(encode(rec))
+            f.writelines(encode(rec) for rec in synthetic_records(rank, 3, range(kwargs.pop("steps", 30)), **kwargs))
     _, snap = feed_all(d)
     assert [r.status for r in snap.ranks] == ["failed", "terminated", "lost"]
     assert any(f.code == "rank-lost" and f.ranks == [2] for f in snap.findings)
@@ -160,8 +167,7 @@ def test_garbage_truncation_deletion_and_late_ranks(tmp_path: Path) -> None:
     # ranks 0 and 1 first, with garbage between records and a torn last line
     for r in (0, 1):
         with open(d / f"rank-{r:05d}.jsonl", "wb") as f:
-            for rec in recs[r][:12]:
-                f.write(encode(rec) + b"\x00garbage{not json\n")
+            f.writelines(encode(rec) + b"\x00garbage{not json\n" for rec in recs[r][:12])
             f.write(encode(recs[r][12])[:20])
     live.feed(source.poll())
     live.set_source_health(source.health())
@@ -171,14 +177,12 @@ def test_garbage_truncation_deletion_and_late_ranks(tmp_path: Path) -> None:
     assert snap.source.corrupt_lines >= 20
     # rank 2 appears late: earlier steps complete as its records arrive
     with open(d / "rank-00002.jsonl", "wb") as f:
-        for rec in recs[2]:
-            f.write(encode(rec))
+        f.writelines(encode(rec) for rec in recs[2])
     live.feed(source.poll())
     assert live.snapshot().view_step is not None
     # rank 1's file is truncated and rewritten: read from the start, nothing counted twice
     with open(d / "rank-00001.jsonl", "wb") as f:
-        for rec in recs[1][:5]:
-            f.write(encode(rec))
+        f.writelines(encode(rec) for rec in recs[1][:5])
     live.feed(source.poll())
     snap = live.snapshot()
     assert snap.ranks[1].step is not None and snap.ranks[1].step <= 5
@@ -226,7 +230,7 @@ def test_live_view_names_a_real_straggler_within_10_steps(tmp_path: Path) -> Non
     def train() -> None:
         try:
             run_ranks(delayed_rank_training, 2, args=(str(run_dir), healthy, slow), timeout=180)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             errors.append(exc)
 
     trainer = threading.Thread(target=train, daemon=True)

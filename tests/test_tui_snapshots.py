@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ddpdoctor_tui import WatchApp
 from rich.console import Console
 from textual.app import App
 
 from ddpdoctor.runlog import DirSource
-from ddpdoctor_tui import WatchApp
 from tests.test_live_run import write_run
 from tests.test_tui_watch import SIZE, at_step, wait_for
 

@@ -54,7 +54,7 @@ class Terminal:
             tick.wait(0.2)
 
     def close(self) -> None:
-        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=20)
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=20, check=False)
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_watch_in_a_real_terminal(tmp_path: Path, terminal: list[Terminal]) -> N
 
 def test_watch_says_what_is_wrong_with_a_missing_dir(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "ddpdoctor", "watch", str(tmp_path / "nope")], capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, check=False)
     assert done.returncode == 2 and "no such directory" in done.stderr
 
 

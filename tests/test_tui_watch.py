@@ -7,12 +7,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rich.console import Console
-from textual.app import App
-from textual.pilot import Pilot
-from textual.widgets import Sparkline
-
-from ddpdoctor.events import encode
 from ddpdoctor_tui import WatchApp
 from ddpdoctor_tui.bucket_heatmap import BucketHeatmap
 from ddpdoctor_tui.findings_panel import FindingsPanel
@@ -20,6 +14,12 @@ from ddpdoctor_tui.help_screen import HelpScreen
 from ddpdoctor_tui.rank_detail import RankDetail
 from ddpdoctor_tui.ranks_table import RanksTable
 from ddpdoctor_tui.run_header import RunHeader
+from rich.console import Console
+from textual.app import App
+from textual.pilot import Pilot
+from textual.widgets import Sparkline
+
+from ddpdoctor.events import encode
 from tests.test_live_run import synthetic_records, write_run
 
 SIZE = (120, 40)
@@ -168,8 +168,7 @@ async def test_tails_a_growing_run_through_garbage_truncation_and_late_ranks(tmp
 
     def append(rank: int, records: list[object], junk: bytes = b"") -> None:
         with open(d / f"rank-{rank:05d}.jsonl", "ab") as f:
-            for rec in records:
-                f.write(encode(rec) + junk)  # type: ignore[arg-type]
+            f.writelines(encode(rec) + junk for rec in records)  # type: ignore[arg-type]
 
     app = WatchApp(d, interval=0.05)
     async with app.run_test(size=SIZE) as pilot:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections import deque
-from collections.abc import Iterable
-from itertools import islice
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 from statistics import median
-from typing import Any, Callable
+from typing import Any
 
 from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
 from ddpdoctor.analysis.clock_align import ClockOffsets, estimate_offsets
@@ -184,7 +184,6 @@ class LiveRun:
         self._findings: dict[tuple[Any, ...], Finding] = {}  # in order of first appearance
         self._stragglers: set[int] = set()
         self._checked_upto: int | None = None
-        self._hang_ranks: set[int] = set()
         self._source = EMPTY_HEALTH
         self._records = 0
         self._hang_fn = _hang_findings()
@@ -365,7 +364,7 @@ class LiveRun:
                 ended = {r: st.end.reason for r, st in self._ranks.items() if st.end is not None}
                 current = {r: h for r, h in latest.items() if r in stalled or h.state == "resumed"}
                 found = self._hang_fn(current, last, self._expected(), ended=ended)
-            except Exception:  # the UI must not die of one detector's bug
+            except Exception:  # noqa: BLE001 - the live view must not die of one detector's bug
                 found = []
             hung: set[int] = set()
             for f in found:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.text import Text
+from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
@@ -21,7 +22,7 @@ class FindingsPanel(VerticalScroll):
         self.min_severity = "info"
         self._findings: tuple[Finding, ...] = ()
 
-    def compose(self):  # type: ignore[no-untyped-def]
+    def compose(self) -> ComposeResult:
         yield Static(id="findings-text")
 
     def cycle_filter(self) -> str:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from rich.table import Table
 from textual.app import ComposeResult
+from textual.binding import BindingType
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
@@ -32,7 +35,7 @@ STATUSES: tuple[tuple[str, str], ...] = (
 class HelpScreen(ModalScreen[None]):
     """Key bindings and what the statuses mean; any of escape, ? or q closes it."""
 
-    BINDINGS = [("escape", "dismiss", "Close"), ("question_mark", "dismiss", "Close"), ("q", "dismiss", "Close")]
+    BINDINGS: ClassVar[list[BindingType]] = [("escape", "dismiss", "Close"), ("question_mark", "dismiss", "Close"), ("q", "dismiss", "Close")]
 
     def compose(self) -> ComposeResult:
         keys = Table(title="keys", box=None, show_header=False)

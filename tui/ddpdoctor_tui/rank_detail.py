@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
+from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
@@ -15,7 +16,7 @@ from ddpdoctor_tui.formatting import ms, status_text
 class RankDetail(VerticalScroll):
     """Per-bucket ready/done times, bytes and lateness; the hang watchdog's record and stack."""
 
-    def compose(self):  # type: ignore[no-untyped-def]
+    def compose(self) -> ComposeResult:
         yield Static(id="detail-text")
 
     def show(self, snap: LiveSnapshot, rank: int | None) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import ClassVar
 
 from textual import on
 from textual.app import App, ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
 from textual.widgets import DataTable, Footer
 
@@ -29,7 +30,7 @@ class WatchApp(App[None]):
 
     CSS_PATH = "watch_app.tcss"
     TITLE = "ddpdoctor watch"
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("q", "quit", "Quit"),
         Binding("p,space", "pause", "Pause"),
         # priority: the ranks table (focused) would take these keys for its own cursor and scrolling

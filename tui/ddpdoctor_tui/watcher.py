@@ -64,7 +64,7 @@ class Watcher(threading.Thread):
             try:
                 records = self.source.poll()
                 failures = 0
-            except Exception as exc:  # a source must not take the UI down; say it once
+            except Exception as exc:  # noqa: BLE001 - a source must not take the UI down; say it once
                 records = []
                 failures += 1
                 if failures == 1:
@@ -84,5 +84,5 @@ class Watcher(threading.Thread):
             self._wake.clear()
         try:
             self.source.close()
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - closing on the way out: nothing left to tell
             pass
