@@ -87,12 +87,6 @@ def test_watch_in_a_real_terminal(tmp_path: Path, terminal: list[Terminal]) -> N
     screen = term.wait_for("EXITED rc=0")
 
 
-def test_watch_says_what_is_wrong_with_a_missing_dir(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "ddpdoctor", "watch", str(tmp_path / "nope")], capture_output=True,
-                          text=True, timeout=60, check=False)
-    assert done.returncode == 2 and "no such directory" in done.stderr
-
-
 @pytest.mark.slow
 def test_demo_opens_the_live_view_and_prints_the_report_on_quit(tmp_path: Path, terminal: list[Terminal]) -> None:
     run_dir = tmp_path / "demo"
