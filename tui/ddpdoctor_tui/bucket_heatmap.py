@@ -53,7 +53,7 @@ class BucketHeatmap(ScrollView):
             return
         step_ms = next((t.median_ms for t in reversed(snap.step_times) if t.step == heat.step), 0.0)
         self.threshold_ms = max(MIN_LATENESS_MS, MIN_LATENESS_SHARE * step_ms)
-        self.border_title = f"bucket arrivals, step {heat.step}: lateness ms (red >= {self.threshold_ms:.0f})"
+        self.border_title = f"arrivals, step {heat.step}: late ms (red >= {self.threshold_ms:.0f})"
         worst = heat.worst()
         if worst is not None and worst[2] >= 1.0:
             rank, index, value = worst

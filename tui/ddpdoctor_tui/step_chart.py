@@ -20,13 +20,14 @@ class StepChart(Vertical):
 
     def show(self, snap: LiveSnapshot) -> None:
         times = snap.step_times[-120:]
-        label = Text("step time ms ", style="bold")
+        label = Text()
         if not times:
-            label.append("(no complete step yet)", style="dim")
+            label.append("no complete step yet", style="dim")
         else:
             t = next((x for x in times if x.step == snap.view_step), times[-1])
-            label.append(f"step {t.step}: min {t.min_ms:.1f} / median {t.median_ms:.1f} / max {t.max_ms:.1f}   "
-                         f"top: max, bottom: median over the last {len(times)} steps", style="")
+            label.append(f"step {t.step}: ", style="bold")
+            label.append(f"min {t.min_ms:.1f}  median {t.median_ms:.1f}  max {t.max_ms:.1f} ms")
+        self.border_subtitle = f"top: max, bottom: median, last {len(times)} steps" if times else ""
         self.query_one("#chart-label", Static).update(label)
         self.query_one("#chart-max", Sparkline).data = [t.max_ms for t in times]
         self.query_one("#chart-median", Sparkline).data = [t.median_ms for t in times]
