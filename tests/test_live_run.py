@@ -141,7 +141,9 @@ def test_history_is_bounded(tmp_path: Path) -> None:
 def test_hang_status_and_stack(tmp_path: Path) -> None:
     _, snap = feed_all(write_run(tmp_path / "run", world=3, steps=20, hang_at=12))
     # ranks 0 and 1 wait in the all-reduce; rank 2, stalled in its evaluation, is the one missing
-    assert {r.rank: r.status for r in snap.ranks} == {0: "hung", 1: "hung", 2: "stalled"}
+    assert {r.rank: r.status for r in snap.ranks} == {0: "hung", 1: "hung", 2: "hung"}
+    f = next(f for f in snap.findings if f.code == "hang" and f.severity == "error")
+    assert f.ranks == [2] and "evaluate" in f.detail
     assert snap.ranks[2].hang is not None and "evaluate" in snap.ranks[2].hang.stack[-1]
     assert snap.health == "error"
     assert any(f.code == "hang" and f.severity == "error" for f in snap.findings)
@@ -255,3 +257,47 @@ def test_live_view_names_a_real_straggler_within_10_steps(tmp_path: Path) -> Non
     f = next(f for f in snap.findings if f.code == "straggler")
     assert f.ranks == [1] and f.evidence["phase"] == "backward"
     assert seen_at is not None and healthy <= seen_at < healthy + 10, seen_at
+
+
+@pytest.mark.slow
+def test_live_view_names_a_real_hang_while_the_job_is_hung(tmp_path: Path) -> None:
+    """tests/scripts/skip_a_backward.py: rank 1 skips one backward, the job hangs; the watchdogs fire."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.ddp_harness import free_port
+
+    script = Path(__file__).parent / "scripts" / "skip_a_backward.py"
+    run_dir = tmp_path / "run"
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(run_dir), "2.0"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port)))
+             for r in range(2)]
+    tick = threading.Event()
+    try:
+        deadline = time.monotonic() + 120
+        while not run_dir.exists():
+            assert time.monotonic() < deadline, "the ranks never created the run dir"
+            tick.wait(0.05)
+        source, live = DirSource(run_dir), LiveRun()
+        finding = None
+        while finding is None:
+            assert time.monotonic() < deadline, "no hang finding naming where rank 1 is"
+            assert all(p.poll() is None for p in procs), "a rank exited: the job must hang"
+            live.feed(source.poll())
+            snap = live.snapshot()
+            finding = next((f for f in snap.findings if f.code == "hang" and f.severity == "error"
+                            and "stack" in f.evidence.get("missing", {}).get(1, {})), None)
+            tick.wait(0.1)
+        assert finding.ranks == [1]
+        assert {r.rank: r.status for r in snap.ranks} == {0: "hung", 1: "hung"}
+        stalled = snap.ranks[1].hang
+        assert stalled is not None and any("skip_a_backward.py" in line for line in stalled.stack)
+        assert snap.health == "error"
+        assert [f.code for f in snap.findings].count("hang") == 1  # rank 0's own hang finding gave way
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)

@@ -366,14 +366,13 @@ class LiveRun:
                 found = self._hang_fn(current, last, self._expected(), ended=ended)
             except Exception:  # noqa: BLE001 - the live view must not die of one detector's bug
                 found = []
-            hung: set[int] = set()
+            hung = False
             for f in found:
                 self._findings[("hang", f.severity, tuple(f.ranks))] = f
-                if f.severity == "error":
-                    # the ranks waiting in the collective are hung; the missing ones that are
-                    # stalled elsewhere stay "stalled", so the culprit stands out
-                    hung |= {int(r) for r in f.evidence.get("waiting", {})} or stalled
-            return hung & stalled
+                hung = hung or f.severity == "error"
+            # in a hang every stalled rank is hung, as the report says; the finding names the
+            # missing rank and where it is
+            return stalled if hung else set()
         # without the detector: every rank still running waits (no one can make progress)
         live = {r for r, st in self._ranks.items() if st.end is None}
         return stalled if live and live <= stalled else set()
@@ -405,7 +404,9 @@ class LiveRun:
                            late_ms={r: tuple(v / 1000.0 for v in lat) for r, lat in sorted(arr.lateness_us.items())})
         headers = [st.header for st in self._ranks.values() if st.header is not None]
         h0 = min(headers, key=lambda h: h.rank) if headers else None
-        findings = tuple(self._findings.values())
+        # a rank's own finding (its watchdog's hang) gives way to the cross-rank one of the same code
+        crossed = {key[0] for key in self._findings if key[0] != "logged"}
+        findings = tuple(f for key, f in self._findings.items() if not (key[0] == "logged" and key[1] in crossed))
         statuses = {r.status for r in rows}
         worst = max((SEVERITY_ORDER[f.severity] for f in findings), default=-1)
         if not rows:
