@@ -181,13 +181,15 @@ def test_garbage_truncation_deletion_and_late_ranks(tmp_path: Path) -> None:
     with open(d / "rank-00002.jsonl", "wb") as f:
         f.writelines(encode(rec) for rec in recs[2])
     live.feed(source.poll())
-    assert live.snapshot().view_step is not None
+    before = live.snapshot().view_step
+    assert before is not None
     # rank 1's file is truncated and rewritten: read from the start, nothing counted twice
     with open(d / "rank-00001.jsonl", "wb") as f:
         f.writelines(encode(rec) for rec in recs[1][:5])
     live.feed(source.poll())
     snap = live.snapshot()
     assert snap.ranks[1].step is not None and snap.ranks[1].step <= 5
+    assert list(snap.steps) == sorted(set(snap.steps)) and snap.view_step == snap.steps[-1] == before
     # rank 0's file is deleted: the view keeps what it had
     (d / "rank-00000.jsonl").unlink()
     live.feed(source.poll())

@@ -292,6 +292,8 @@ class LiveRun:
         return None
 
     def _step_complete(self, step: int) -> None:
+        if self._complete and step <= self._complete[-1]:
+            return  # completed again after a rank's file was read anew: the view never goes back
         by_rank = self._steps_at(step)
         if len(by_rank) < len(self._ranks):
             return
