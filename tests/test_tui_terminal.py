@@ -100,3 +100,16 @@ def test_demo_opens_the_live_view_and_prints_the_report_on_quit(tmp_path: Path, 
     assert "stopped the training on your quit" in screen and "straggler" in screen
     # the ranks were stopped with SIGTERM, so each closed its log ("terminated" in the report)
     assert screen.count("terminated") >= 2
+
+
+@pytest.mark.slow
+def test_demo_view_stays_open_on_the_finished_run(tmp_path: Path, terminal: list[Terminal]) -> None:
+    run_dir = tmp_path / "demo"
+    term = Terminal(f"{shlex.quote(sys.executable)} -m ddpdoctor demo --steps 15 --pace 0 "
+                    f"--run-dir {shlex.quote(str(run_dir))}")
+    terminal.append(term)
+    screen = term.wait_for("[finished]", timeout=120)
+    assert "FINISHED" in screen and "ranks 2/2" in screen and screen.count("finished") >= 3  # header + each rank
+    term.keys("q")
+    screen = term.wait_for("EXITED rc=0", timeout=60)
+    assert "stopped the training" not in screen and "15 steps, finished" in screen
