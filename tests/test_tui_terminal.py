@@ -109,7 +109,8 @@ def test_demo_view_stays_open_on_the_finished_run(tmp_path: Path, terminal: list
                     f"--run-dir {shlex.quote(str(run_dir))}")
     terminal.append(term)
     screen = term.wait_for("[finished]", timeout=120)
-    assert "FINISHED" in screen and "ranks 2/2" in screen and screen.count("finished") >= 3  # header + each rank
+    # header + each rank (the health word may be WARNING: on a loaded machine a rank can really lag)
+    assert "ranks 2/2" in screen and screen.count("finished") >= 3, screen
     term.keys("q")
     screen = term.wait_for("EXITED rc=0", timeout=60)
     assert "stopped the training" not in screen and "15 steps, finished" in screen
