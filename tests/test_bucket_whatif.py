@@ -60,3 +60,17 @@ def test_a_cap_that_splits_every_weight_gets_a_bucket_size_recommendation(run: d
     assert f"bucket_cap_mb={best.cap_mb:g}" in finding.fix
     assert {c["bucket_cap_mb"] for c in finding.evidence["candidates"]} >= {1.0, 5.0, 25.0, 100.0}
     assert MIB == 2**20
+
+
+def test_the_live_view_shows_the_same_recommendation(run: ddpdoctor.Run) -> None:
+    from ddpdoctor.analysis.live_run import LiveRun
+    from ddpdoctor.runlog import DirSource
+
+    live = LiveRun(str(run.dir))
+    source = DirSource(run.dir)
+    live.feed(source.poll())
+    snap = live.snapshot()
+    assert snap.finished
+    [finding] = [f for f in snap.findings if f.code == "bucket-size"]
+    report = {f.code: f for f in ddpdoctor.analyze(run).findings}["bucket-size"]
+    assert finding.evidence["recommended_bucket_cap_mb"] == report.evidence["recommended_bucket_cap_mb"]

@@ -20,15 +20,17 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 from statistics import median
 from typing import Any
 
+from ddpdoctor.analysis.bucket_size import bucket_size
 from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
 from ddpdoctor.analysis.clock_align import ClockOffsets, estimate_offsets
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
 from ddpdoctor.analysis.lost import lost_ranks
 from ddpdoctor.analysis.straggler import stragglers
-from ddpdoctor.events import End, FindingRecord, Hang, Header, Layout, ProcSample, Step
+from ddpdoctor.events import End, FindingRecord, Hang, Header, Layout, ProcSample, Step, Unused
 from ddpdoctor.runlog.rank_file import RankLog
 from ddpdoctor.runlog.run import Run
 from ddpdoctor.runlog.source import RankRecord, SourceHealth
@@ -42,6 +44,9 @@ WINDOW = 10
 CLOCK_EVERY = 20
 #: From this many ranks on, the straggler check runs every other complete step.
 LARGE_RUN = 64
+#: The bucket what-if runs every this many complete steps (and once the run finished), over at
+#: most ``WHATIF_RANKS`` ranks' recent steps and sampled backward passes.
+WHATIF_EVERY, WHATIF_RANKS, WHATIF_SAMPLES = 100, 8, 16
 
 STATUSES = ("running", "straggler", "stalled", "hung", "finished", "terminated", "failed", "lost")
 
@@ -143,6 +148,7 @@ class _RankState:
     last_hang: Hang | None = None  # latest watchdog record, stalled or resumed
     buckets: int = 0  # from the latest layout
     last_wall_ns: int = 0  # newest wall time in any of its records
+    sampled: deque[Unused] = field(default_factory=lambda: deque(maxlen=WHATIF_SAMPLES))  # with ready times
 
 
 def _step_wall_ns(s: Step) -> int:
@@ -187,6 +193,8 @@ class LiveRun:
         self._source = EMPTY_HEALTH
         self._records = 0
         self._hang_fn = _hang_findings()
+        self._whatif_at: int | None = None  # complete step of the last bucket what-if
+        self._whatif_final = False
 
     # -- feeding ------------------------------------------------------------------------------
 
@@ -198,6 +206,7 @@ class LiveRun:
             self._records += 1
             self._add(rr.rank, rr.record)
         self._check_stragglers()
+        self._check_bucket_size()
 
     def set_source_health(self, health: SourceHealth) -> None:
         self._source = health
@@ -230,6 +239,9 @@ class LiveRun:
             st.last_wall_ns = max(st.last_wall_ns, rec.t_wall_ns)
         elif isinstance(rec, Layout):
             st.buckets = len(rec.buckets)
+        elif isinstance(rec, Unused):
+            if rec.param_ready_us:
+                st.sampled.append(rec)
         elif isinstance(rec, Hang):
             st.hang = rec if rec.state == "stalled" else None
             st.last_hang = rec
@@ -335,6 +347,30 @@ class LiveRun:
             seen = old.evidence["live_seen_at_step"] if old else self._checked_upto
             self._findings[key] = dataclasses.replace(f, step=old.step if old else f.step,
                                                       evidence={**f.evidence, "live_seen_at_step": seen})
+
+    def _check_bucket_size(self) -> None:
+        """The report's bucket-size finding over the recent window, now and then (it replays backward passes)."""
+        if not self._complete:
+            return
+        finished = bool(self._ranks) and all(st.end is not None for st in self._ranks.values())
+        last = self._complete[-1]
+        due = self._whatif_at is None or last >= self._whatif_at + WHATIF_EVERY
+        if not (due or (finished and not self._whatif_final)):
+            return
+        self._whatif_at, self._whatif_final = last, finished
+        run = Run(dir=Path(self.label or "."))
+        for rank in sorted(self._ranks)[:WHATIF_RANKS]:
+            st = self._ranks[rank]
+            log = RankLog(rank=rank, ddp=0, path=Path(), header=st.header,
+                          headers=[st.header] if st.header else [], steps=list(st.steps), unused=list(st.sampled))
+            run.ranks[rank] = log
+        try:
+            found = bucket_size(run)
+        except (ValueError, ZeroDivisionError, KeyError):  # a window too thin to replay: try again later
+            return
+        self._findings.pop(("bucket-size",), None)
+        for f in found:
+            self._findings[("bucket-size",)] = f
 
     def _lost(self) -> set[int]:
         if len(self._ranks) < 2:
