@@ -154,10 +154,16 @@ def test_a_receiver_that_goes_away_costs_drops_not_training() -> None:
         tcp.emit(proc_record(0, 0))
         assert tcp.flush(timeout=10)
         lis.close()  # receiver gone
-        for i in range(1, 500):
+        for i in range(1, 501):
             tcp.emit(proc_record(0, i))
-        assert not tcp.flush(timeout=10)
-        assert tcp.dropped >= 399  # the queue bound held; the rest was counted
+        assert tcp.dropped >= 400  # the queue bound held at once; the rest was counted
+        # the kernel may take a few sends before the reset shows: then the sender notices and drops
+        deadline = time.monotonic() + 20
+        while tcp.flush(timeout=10):
+            assert time.monotonic() < deadline, "the sender never noticed the receiver is gone"
+            for i in range(100):
+                tcp.emit(proc_record(0, i))
+        assert tcp.dropped > 400
     finally:
         tcp.close(timeout=5)
 

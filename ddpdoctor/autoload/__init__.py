@@ -17,9 +17,11 @@ untouched.
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 import threading
 import warnings
+import weakref
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -31,6 +33,8 @@ _MARK = "__ddpdoctor_autoload__"
 
 _warned = False
 _lock = threading.Lock()
+#: Monitors this hook attached (the script never sees them, so the hook closes them).
+_attached: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def patch(module: ModuleType) -> None:
@@ -54,6 +58,39 @@ def patch(module: ModuleType) -> None:
 
     setattr(__init__, _MARK, True)
     cls.__init__ = __init__
+    _guard_destroy(module.dist)
+
+
+def _guard_destroy(dist: ModuleType) -> None:
+    """Close the hook's monitors before the default process group is destroyed.
+
+    A monitor holds its DDP model until it is closed. A script that lets its model go out of scope
+    and then calls ``destroy_process_group()`` expects the reducer to be gone by then; with torch
+    2.13 gloo a reducer that outlives its process group can abort the process at exit. So the
+    monitors the script does not know about are closed (log ended, model released) and collected
+    right before the group goes, which restores the order the script had without ddpdoctor.
+    """
+    original = dist.destroy_process_group
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        group = args[0] if args else kwargs.get("group")
+        if group is None and len(_attached):
+            try:
+                for monitor in list(_attached):
+                    monitor.close()
+                gc.collect()
+            except Exception as exc:
+                warn_once(exc)
+        return original(*args, **kwargs)
+
+    setattr(destroy_process_group, _MARK, True)
+    dist.destroy_process_group = destroy_process_group
+    c10d = getattr(dist, "distributed_c10d", None)
+    if c10d is not None and getattr(c10d, "destroy_process_group", None) is original:
+        c10d.destroy_process_group = destroy_process_group
 
 
 def _built_by_ddpdoctor(ddp: Any, caller: Any) -> bool:
@@ -71,7 +108,9 @@ def _after_init(ddp: Any, caller: Any) -> None:
 
     if monitor_of(ddp) is not None:
         return
-    instrument(ddp)  # settings from the environment; never raises (a failure warns and detaches)
+    monitor = instrument(ddp)  # settings from the environment; never raises (a failure warns and detaches)
+    if hasattr(monitor, "ddp"):  # a real monitor (not the do-nothing one)
+        _attached.add(monitor)
 
 
 def warn_once(exc: BaseException) -> None:
