@@ -125,7 +125,7 @@ def test_receiver_down_never_blocks_and_counts_drops_then_reconnects() -> None:
     file = MemorySink()
     tee = stream_tee(file, f"127.0.0.1:{port}", rank=0, run="r")
     tcp = tee.secondary  # type: ignore[attr-defined]
-    tcp.max_queue = 1000
+    tcp.max_pending = 1000
     t0 = time.perf_counter()
     for i in range(5000):
         tee.emit(proc_record(0, i))

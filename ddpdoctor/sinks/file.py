@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections import deque
 from pathlib import Path
 
 from ddpdoctor.categories import LogWriteWarning
-from ddpdoctor.events import Record, encode_into
-from ddpdoctor.sinks.base import Sink, SinkError
+from ddpdoctor.events import encode_into
+from ddpdoctor.sinks.background import BackgroundSink
+from ddpdoctor.sinks.base import SinkError
 
 #: Upper bound on how long an emitted record may sit in memory before it reaches the OS.
 FLUSH_INTERVAL_S = 0.2
@@ -18,13 +18,7 @@ FLUSH_INTERVAL_S = 0.2
 MAX_PENDING = 100_000
 
 
-class _FlushRequest:
-    def __init__(self, stop: bool = False) -> None:
-        self.stop = stop
-        self.done = threading.Event()
-
-
-class FileSink(Sink):
+class FileSink(BackgroundSink):
     """Appends JSON lines to ``path`` from a daemon thread.
 
     The training thread only appends records to a deque. The writer wakes every
@@ -38,46 +32,16 @@ class FileSink(Sink):
     def __init__(self, path: str | os.PathLike[str], flush_interval: float = FLUSH_INTERVAL_S) -> None:
         self.path = Path(path)
         self.flush_interval = flush_interval
-        self.dropped = 0
         self.write_errors = 0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115 - owned by the writer
         except OSError as exc:
             raise SinkError(f"cannot open {self.path} for writing: {exc.strerror or exc}") from exc
-        self._records: deque[Record] = deque()  # append/popleft are atomic: no lock on the hot path
-        self._requests: deque[_FlushRequest] = deque()
-        self._wake = threading.Event()
-        self._closed = False
+        self._init_queue(MAX_PENDING)
         self._warned = False
         self._thread = threading.Thread(target=self._run, name=f"ddpdoctor-writer:{self.path.name}", daemon=True)
         self._thread.start()
-
-    def emit(self, record: Record) -> None:
-        if self._closed:
-            return
-        if len(self._records) >= MAX_PENDING:  # the disk is stuck: keep training fast, count the loss
-            self.dropped += 1
-            return
-        self._records.append(record)
-
-    def _request(self, stop: bool, timeout: float) -> bool:
-        request = _FlushRequest(stop)
-        self._requests.append(request)
-        self._wake.set()
-        return request.done.wait(timeout)
-
-    def flush(self, timeout: float = 5.0) -> bool:
-        if self._closed or not self._thread.is_alive():
-            return False
-        return self._request(False, timeout)
-
-    def close(self, timeout: float = 5.0) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._thread.is_alive():
-            self._request(True, timeout)
 
     # -- writer thread -------------------------------------------------------------------------
 
@@ -86,9 +50,7 @@ class FileSink(Sink):
         while True:
             self._wake.wait(self.flush_interval)
             self._wake.clear()
-            requests = []
-            while self._requests:
-                requests.append(self._requests.popleft())
+            requests = self._take_requests()
             records = self._records
             while records:  # after taking the requests: whatever was emitted before them is in
                 record = records.popleft()

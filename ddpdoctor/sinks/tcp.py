@@ -23,13 +23,13 @@ import socket
 import threading
 import time
 import warnings
-from collections import deque
 from collections.abc import Callable
 
 import msgspec
 
 from ddpdoctor.categories import LogWriteWarning
 from ddpdoctor.events import ProbeOff, Record, encode_into
+from ddpdoctor.sinks.background import BackgroundSink
 from ddpdoctor.sinks.base import Sink
 
 #: Where ``instrument`` streams when no ``endpoint`` is given (set by ``ddpdoctor run --endpoint``).
@@ -61,14 +61,7 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class _Request:
-    def __init__(self, stop: bool) -> None:
-        self.stop = stop
-        self.done = threading.Event()
-        self.ok = False
-
-
-class TcpSink(Sink):
+class TcpSink(BackgroundSink):
     """Sends records to ``endpoint`` from a daemon thread; never blocks, drops and counts instead.
 
     ``sent`` and ``dropped`` are running totals; ``connects`` counts successful connections.
@@ -91,10 +84,8 @@ class TcpSink(Sink):
     ) -> None:
         self.endpoint = endpoint
         self.host, self.port = parse_endpoint(endpoint)
-        self.max_queue = max_queue
         self.on_drops = on_drops
         self.sent = 0
-        self.dropped = 0
         self.connects = 0
         self._interval = send_interval
         token = token if token is not None else os.environ.get(TOKEN_ENV)
@@ -102,10 +93,7 @@ class TcpSink(Sink):
             "ddpdoctor": "hello", "v": PROTOCOL, "token": token, "rank": rank, "ddp": ddp, "run": run,
             "attempt": attempt, "host": socket.gethostname(), "pid": os.getpid(),
         }) + b"\n"
-        self._records: deque[Record] = deque()
-        self._requests: deque[_Request] = deque()
-        self._wake = threading.Event()
-        self._closed = False
+        self._init_queue(max_queue)  # receiver slow or down: training does not wait
         self._sock: socket.socket | None = None
         self._backoff = BACKOFF_MIN_S
         self._next_connect = 0.0
@@ -116,42 +104,13 @@ class TcpSink(Sink):
         self._thread = threading.Thread(target=self._run, name=f"ddpdoctor-stream:{rank}", daemon=True)
         self._thread.start()
 
-    def emit(self, record: Record) -> None:
-        if self._closed:
-            return
-        if len(self._records) >= self.max_queue:  # receiver slow or down: training does not wait
-            self.dropped += 1
-            return
-        self._records.append(record)
-
-    def _request(self, stop: bool, timeout: float) -> bool:
-        request = _Request(stop)
-        self._requests.append(request)
-        self._wake.set()
-        return request.done.wait(timeout) and request.ok
-
-    def flush(self, timeout: float = 5.0) -> bool:
-        """True when everything emitted so far was handed to a connected receiver."""
-        if self._closed or not self._thread.is_alive():
-            return False
-        return self._request(False, timeout)
-
-    def close(self, timeout: float = 5.0) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._thread.is_alive():
-            self._request(True, timeout)
-
     # -- sender thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             self._wake.wait(self._interval)
             self._wake.clear()
-            requests = []
-            while self._requests:
-                requests.append(self._requests.popleft())
+            requests = self._take_requests()
             stop = any(r.stop for r in requests)
             ok = False
             try:
