@@ -129,16 +129,21 @@ def hang_findings(latest: dict[int, Hang], last_step: dict[int, int | None], wor
 
 
 def _steps_without_allreduce(run: Run, latest: dict[int, Hang]) -> dict[int, list[int]]:
-    with_buckets: dict[int, set[int]] = {}
-    for r, log in run.ranks.items():
-        with_buckets[r] = {s.step for s in log.steps if s.b_ready_us}
-        h = latest.get(r)
-        if h is not None and h.buckets_ready:  # the step it is stuck in is not logged yet
-            with_buckets[r].add(h.step)
+    """Per rank, its bare steps (``RankLog.bare_steps``: every step, even in a sampled load) in
+    which another rank did all-reduce: it reached that step, logged buckets in it or is stuck in
+    it with buckets ready."""
+    bare_sets = {o: set(log.bare_steps) for o, log in run.ranks.items()}
+
+    def all_reduced(o: int, step: int) -> bool:
+        log, h = run.ranks[o], latest.get(o)
+        if h is not None and h.step == step:
+            return h.buckets_ready > 0  # the step it is stuck in is not logged yet
+        reached = bool(log.steps) and log.steps[-1].step >= step
+        return reached and step not in bare_sets[o]
+
     out: dict[int, list[int]] = {}
     for r, log in run.ranks.items():
-        others = set().union(*(v for o, v in with_buckets.items() if o != r)) if len(with_buckets) > 1 else set()
-        bare = [s.step for s in log.steps if not s.b_ready_us and s.step in others]
+        bare = [s for s in log.bare_steps if any(all_reduced(o, s) for o in run.ranks if o != r)]
         if bare:
             out[r] = bare
     return out

@@ -18,6 +18,7 @@ import traceback
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from ddpdoctor.analysis.hang import COLLECTIVE_PHASES
 from ddpdoctor.categories import HangWarning
 from ddpdoctor.events import FindingRecord, Hang
 from ddpdoctor.runtime.clocks import mono_ns, wall_ns
@@ -31,8 +32,6 @@ HANG_TIMEOUT_ENV = "DDPDOCTOR_HANG_TIMEOUT"
 #: Default seconds without progress before a rank counts as stalled: far below the process
 #: group's own timeout (10 to 30 minutes), above any ordinary step.
 DEFAULT_HANG_TIMEOUT = 120.0
-#: Phases in which a stalled rank waits for the other ranks (a collective).
-COLLECTIVE_PHASES = ("allreduce", "buffer broadcast")
 #: Stack frames kept in a hang record (innermost last).
 MAX_FRAMES = 40
 
