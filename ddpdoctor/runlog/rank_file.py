@@ -160,19 +160,24 @@ class RankFileTail:
         return out
 
     def _decode(self, line: bytes, out: list[Record]) -> None:
-        if not line.strip():
-            return
-        try:
-            record = decode(line)
-        except CorruptLine:
-            self.log.corrupt_lines += 1
-            return
-        except UnknownRecord:
-            self.log.unknown_lines += 1
-            return
-        if self.keep:
-            self.log.add(record)
-        out.append(record)
+        record = decode_counted(line, self.log)
+        if record is not None:
+            if self.keep:
+                self.log.add(record)
+            out.append(record)
+
+
+def decode_counted(line: bytes, log: RankLog) -> Record | None:
+    """One line's record, or None for a blank, corrupt or unknown line (counted in ``log``)."""
+    if not line.strip():
+        return None
+    try:
+        return decode(line)
+    except CorruptLine:
+        log.corrupt_lines += 1
+    except UnknownRecord:
+        log.unknown_lines += 1
+    return None
 
 
 class _Peek(msgspec.Struct):
@@ -194,13 +199,7 @@ def _peek_all(lines: list[bytes], data: bytes) -> list[_Peek | None]:
             return peeks
     except (msgspec.DecodeError, msgspec.ValidationError):
         pass
-    out: list[_Peek | None] = []
-    for line in lines:
-        try:
-            out.append(_peek_one(line))
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            out.append(None)  # decoded (and counted) below
-    return out
+    return [_safe_peek(line) for line in lines]  # a bad line peeks as None: decoded (and counted) in full
 
 
 def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
@@ -222,7 +221,7 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
             log.corrupt_lines += 1
         data = data[:cut]
     lines = [line for line in data.split(b"\n") if line.strip()]
-    peeks = _peek_all(lines, data) if len(lines) == data.count(b"\n") else [_safe_peek(x) for x in lines]
+    peeks = _peek_all(lines, data)
     step_rows = [i for i, p in enumerate(peeks) if p is not None and p.kind == "step" and p.step is not None]
     stride = 1
     while len(step_rows) > stride * max_steps:
@@ -230,11 +229,10 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
     tail = set(step_rows[-TAIL_STEPS:])
     keep = [i for i, p in enumerate(peeks)
             if p is None or p.kind != "step" or p.step is None or p.step % stride == 0 or i in tail]
-    tail_reader = RankFileTail(path, rank, ddp)
-    tail_reader.log = log
-    out: list[Record] = []
     for i in keep:
-        tail_reader._decode(lines[i], out)
+        record = decode_counted(lines[i], log)
+        if record is not None:
+            log.add(record)
     log.steps_total = len(step_rows)
     log.step_stride = stride
     log.bare_steps = [p.step for i in step_rows if (p := peeks[i]) is not None and len(p.b_ready_us) == 0
