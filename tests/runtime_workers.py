@@ -175,6 +175,13 @@ def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         ddp.register_comm_hook(calls_instr, sum_hook)
         out["sum_instr"] = train(ddp, rank)
     out["sum_hook_calls"] = (len(calls), len(calls_instr))
+    # ... and one registered after some steps were already logged
+    calls_late: list[int] = []
+    ddp = fresh_ddp()
+    with ddpdoctor.instrument(ddp, run_dir=root / "late_hook"):
+        train(ddp, rank, steps=3)
+        ddp.register_comm_hook(calls_late, sum_hook)
+        train(ddp, rank, steps=3)
     try:
         ddp.register_comm_hook(None, sum_hook)
         out["second_register"] = "accepted"

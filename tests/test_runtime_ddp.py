@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import ddpdoctor
+from ddpdoctor.cli.render_text import render
 from ddpdoctor.events import Header, Layout, ProbeOff, Step
 from tests.ddp_harness import run_ranks
 from tests.runtime_workers import core_checks, delay_checks
@@ -104,6 +108,37 @@ def test_user_hook_registered_after_instrument_still_applies(core: Any) -> None:
         assert "only be called once" in r["second_register"]  # DDP's rule still holds
     run = ddpdoctor.load_run(tmp / "custom")
     assert all(len(s.b_done_us) >= (3 if s.step else 1) for s in run.ranks[1].steps)
+
+
+def test_a_hook_registered_after_instrument_is_the_one_the_report_names(core: Any) -> None:
+    _, tmp = core
+    # the header was written at attach, before the hook: the layout records name it
+    run = ddpdoctor.load_run(tmp / "custom")
+    for log in run.ranks.values():
+        assert log.header.ddp_options.get("comm_hook") is None
+        assert [lay.comm_hook for lay in log.layouts] == ["sum_hook"] * len(log.layouts)
+    report = ddpdoctor.analyze(run)
+    assert report.run["ddp_options"]["comm_hook"] == "sum_hook"
+    assert "comm_hook=sum_hook" in render(report)
+    cli = subprocess.run([sys.executable, "-m", "ddpdoctor", "report", str(tmp / "custom"), "--format", "json"],
+                         capture_output=True, text=True, timeout=120)
+    assert json.loads(cli.stdout)["run"]["ddp_options"]["comm_hook"] == "sum_hook", cli.stderr
+
+    # registered after three steps: a layout record with the same buckets says so from step 3 on
+    late = ddpdoctor.load_run(tmp / "late_hook")
+    for log in late.ranks.values():
+        assert [(lay.reason, lay.comm_hook) for lay in log.layouts][-1] == ("comm_hook", "sum_hook")
+        assert log.layouts[-1].step == 3 and all(lay.comm_hook is None for lay in log.layouts[:-1])
+    assert ddpdoctor.analyze(late).run["ddp_options"]["comm_hook"] == "sum_hook"
+
+    # without a hook: DDP's default, said as such
+    plain = ddpdoctor.analyze(ddpdoctor.load_run(tmp / "instr"))
+    assert plain.run["ddp_options"]["comm_hook"] is None
+    assert "comm_hook=default" in render(plain)
+    # a hook registered before instrument: in the header and in the layouts alike
+    fp16 = ddpdoctor.load_run(tmp / "fp16")
+    assert {lay.comm_hook for lay in fp16.ranks[0].layouts} == {"fp16_compress_hook"}
+    assert ddpdoctor.analyze(fp16).run["ddp_options"]["comm_hook"] == "fp16_compress_hook"
 
 
 def test_failing_probe_warns_once_switches_off_and_training_finishes(core: Any) -> None:

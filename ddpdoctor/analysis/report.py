@@ -11,7 +11,7 @@ from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.analysis.diagnose import diagnose
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.phases import PHASES, step_phases
-from ddpdoctor.events import SCHEMA_VERSION
+from ddpdoctor.events import SCHEMA_VERSION, Header, Layout
 from ddpdoctor.runlog import RankLog, Run
 
 REPORT_SCHEMA_VERSION = 1
@@ -86,6 +86,15 @@ def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: st
     }
 
 
+def _ddp_options(header: Header | None, layout: Layout | None) -> dict[str, Any]:
+    """The header's DDP options, with the comm hook in effect: one registered after ``instrument``
+    is named by the layout records only (the header was written at attach)."""
+    options = dict(header.ddp_options) if header else {}
+    if layout is not None and layout.comm_hook is not None:
+        options["comm_hook"] = layout.comm_hook
+    return options
+
+
 def analyze(run: Run) -> Report:
     """Analyze a loaded run (``ddpdoctor.load_run``): per-rank breakdown, stats, findings."""
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
@@ -117,7 +126,7 @@ def analyze(run: Run) -> Report:
         "torch": header.torch if header else None,
         "device": header.device if header else None,
         "hosts": sorted({log.header.host for log in run.ranks.values() if log.header}),
-        "ddp_options": header.ddp_options if header else {},
+        "ddp_options": _ddp_options(header, layout),
         "log_schema": header.schema if header else SCHEMA_VERSION,
         "corrupt_lines": run.corrupt_lines,
         "unknown_lines": run.unknown_lines,

@@ -81,11 +81,13 @@ class BucketInfo(msgspec.Struct):
 
 
 class Layout(_Record, tag="layout", kw_only=True):
-    """The bucket layout seen at ``step``: once at the start, again after DDP rebuilds it."""
+    """The bucket layout seen at ``step``: once at the start, again after DDP rebuilds it, and
+    again when a comm hook is registered after ``instrument`` (the header has the one before)."""
 
     step: int
-    reason: str  # "initial", "rebuilt" or "changed"
+    reason: str  # "initial", "rebuilt", "changed", or "comm_hook" (only the hook changed)
     buckets: list[BucketInfo]
+    comm_hook: str | None = None  # the user's comm hook in effect (None: DDP's default all-reduce)
 
 
 class Step(_Record, tag="step", kw_only=True):

@@ -188,6 +188,7 @@ def _shadow_registration(ddp: Any, state: HookState) -> None:
             ddp.logger._set_comm_hook_name(name)
         ddp._comm_hooks.append((hook, hook_state))
         state.inner_hook, state.inner_state, state.user_hook_name = hook, hook_state, name
+        _announce(state)
 
     def register_builtin_comm_hook(comm_hook_type: Any) -> None:
         ddp = ddp_ref()
@@ -200,6 +201,18 @@ def _shadow_registration(ddp: Any, state: HookState) -> None:
             ddp.logger._set_comm_hook_name(str(comm_hook_type))
         state.inner_hook, state.inner_state = _BUILTIN_EQUIVALENTS[kind], ddp.process_group
         state.user_hook_name = str(comm_hook_type)
+        _announce(state)
 
     ddp.__dict__["register_comm_hook"] = register_comm_hook
     ddp.__dict__["_register_builtin_comm_hook"] = register_builtin_comm_hook
+
+
+def _announce(state: HookState) -> None:
+    """The header was written at attach: the next layout record names the hook now in effect."""
+    monitor = state.monitor
+    if monitor is None:
+        return
+    try:
+        monitor.recorder.set_comm_hook(state.user_hook_name)
+    except Exception as exc:
+        monitor.probes.failed("layout", exc)

@@ -133,6 +133,7 @@ class Monitor:
         self.emit(header)
         try:
             self.hook_state = comm_hook.attach(ddp, self)
+            self.recorder.set_comm_hook(self.hook_state.user_hook_name)
         except comm_hook.HookUnsupported as exc:
             self.probes.on["buckets"] = False
             warnings.warn(f"ddpdoctor: per-bucket timing is off: {exc}", CommHookWarning, stacklevel=4)

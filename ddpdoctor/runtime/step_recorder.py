@@ -80,6 +80,8 @@ class StepRecorder:
         self._last_layout: list[tuple[int, str]] | None = None  # (bytes, dtype) per bucket
         self._last_bytes: list[int | None] = []
         self._layout_wanted = True
+        self.comm_hook: str | None = None  # the user's comm hook in effect (None: DDP's default)
+        self._last_hook: str | None = None  # the one the last Layout record named
 
     @property
     def next_index(self) -> int:
@@ -89,6 +91,12 @@ class StepRecorder:
     def layout_bytes(self) -> list[int | None]:
         """Bytes per bucket of the last layout seen (empty before the first)."""
         return list(self._last_bytes)
+
+    def set_comm_hook(self, name: str | None) -> None:
+        """A comm hook now in effect (registered after ``instrument``): the next layout names it."""
+        self.comm_hook = name
+        if name != self._last_hook:
+            self._layout_wanted = True
 
     def reset_layout(self) -> None:
         """A new DDP instance: its buckets are new, look at them again."""
@@ -261,15 +269,19 @@ class StepRecorder:
         if step.layout:
             buckets = [step.layout[i] for i in sorted(step.layout)]
             signature = [(b.bytes, b.dtype) for b in buckets]
-            if signature != self._last_layout:
+            if signature != self._last_layout or (self.comm_hook != self._last_hook):
                 if self._last_layout is None:
                     reason = "initial"
+                elif signature == self._last_layout:
+                    reason = "comm_hook"  # same buckets, another hook registered since
                 elif step.index <= 1:
                     reason = "rebuilt"
                 else:
                     reason = "changed"
-                self.emit(Layout(rank=self.rank, ddp=self.ddp_index, step=step.index, reason=reason, buckets=buckets))
+                self.emit(Layout(rank=self.rank, ddp=self.ddp_index, step=step.index, reason=reason, buckets=buckets,
+                                 comm_hook=self.comm_hook))
                 self._last_layout = signature
+                self._last_hook = self.comm_hook
                 self._last_bytes = [b.bytes for b in buckets]
             # DDP rebuilds its buckets once, before the second step's forward: look again then.
             self._layout_wanted = step.index < 1
