@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 from ddpdoctor.autoload import SITE_DIR
+from ddpdoctor.cli import torchrun_args
 
 #: Names shared with the runtime (``runtime.run_dir``, ``runtime.monitor``, ``sinks.tcp``); the
 #: cli must not import the runtime (it imports torch), so they are spelled here again.
@@ -66,6 +67,26 @@ def _new_run_dir() -> Path:
     return Path(DEFAULT_ROOT) / (time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3))
 
 
+def _default_run_dir(torchrun: torchrun_args.TorchrunArgs | None) -> Path:
+    """A fresh run dir; for torchrun on several nodes, one every node names alike when it can."""
+    if torchrun is None or torchrun.max_nodes <= 1:
+        return _new_run_dir()
+    name = torchrun_args.shared_run_name(torchrun)
+    if name is None:
+        why = (f"torchrun may span {torchrun.max_nodes} nodes (--nnodes {torchrun.nnodes}) and without --rdzv-id "
+               "this node names its run dir alone")
+    else:
+        run_dir = Path(DEFAULT_ROOT) / name
+        # Nodes wait for each other in the rendezvous before any rank writes, so a non-empty
+        # folder here is an earlier job with the same --rdzv-id: never append to it.
+        if not (run_dir.is_dir() and any(run_dir.iterdir())):
+            return run_dir
+        why = f"{run_dir} already holds a run of --rdzv-id {torchrun.rdzv_id!r}"
+    print(f"ddpdoctor run: warning: {why}; give every node the same --run-dir on a shared filesystem "
+          "to get one run", file=sys.stderr, flush=True)
+    return _new_run_dir()
+
+
 def _check_endpoint(endpoint: str) -> None:
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -81,9 +102,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.endpoint:
         _check_endpoint(args.endpoint)
-    run_dir = (args.run_dir or _new_run_dir()).absolute()  # absolute: CMD may change directory
+    torchrun = torchrun_args.parse(cmd)
+    run_dir = args.run_dir
+    if run_dir is None:
+        run_dir = _default_run_dir(torchrun)
+    run_dir = run_dir.absolute()  # absolute: CMD may change directory
     env = child_env(run_dir, args.endpoint, args.hang_timeout)
     print(f"ddpdoctor run: run dir {run_dir}", flush=True)
+    advice = torchrun_args.restart_advice(torchrun) if torchrun else None
+    if advice:
+        print(f"ddpdoctor run: note: {advice}", file=sys.stderr, flush=True)
     if args.endpoint:
         print(f"ddpdoctor run: streaming to {args.endpoint}", flush=True)
     try:
