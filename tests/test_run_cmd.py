@@ -267,3 +267,30 @@ def test_the_hooks_monitor_lets_the_model_go_before_the_process_group(tmp_path: 
     assert proc.stdout.index("model freed") < proc.stdout.index("group destroyed")
     log = ddpdoctor.load_run(tmp_path / "run").ranks[0]
     assert len(log.steps) == 3 and log.end is not None and log.end.reason == "close"
+
+
+def test_two_nodes_sharing_a_filesystem_write_one_run(tmp_path: Path) -> None:
+    """Two `ddpdoctor run -- torchrun --nnodes 2` (one per "node", same folder) give one run dir."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from torch import nn
+        dist.init_process_group("gloo")
+        def train():
+            model = nn.parallel.DistributedDataParallel(nn.Linear(8, 8))
+            for _ in range(4):
+                model(torch.randn(4, 8)).sum().backward()
+        train()
+        dist.destroy_process_group()
+    """))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "job42", str(script)]
+    with ThreadPoolExecutor(2) as pool:
+        nodes = list(pool.map(lambda _: ddpdoctor_run(tmp_path, cmd, timeout=120), range(2)))
+    for proc in nodes:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert _printed_run_dir(proc) == tmp_path / "ddpdoctor-runs" / "rdzv-job42"
+    run = ddpdoctor.load_run(tmp_path / "ddpdoctor-runs" / "rdzv-job42")
+    assert sorted(run.ranks) == [0, 1] and all(len(log.steps) == 4 for log in run.ranks.values())
