@@ -196,6 +196,57 @@ def test_garbage_truncation_deletion_and_late_ranks(tmp_path: Path) -> None:
     assert live.snapshot().ranks[0].step is not None
 
 
+def _write_attempt(run_dir: Path, attempt: int, steps: int) -> int:
+    """Rank files of one elastic attempt (``attempt-N``, as ``runtime.run_dir`` lays them out)."""
+    folder = run_dir / f"attempt-{attempt}"
+    folder.mkdir(parents=True)
+    written = 0
+    for rank in range(2):
+        recs = synthetic_records(rank, 2, range(steps), end=None)
+        with open(folder / f"rank-{rank:05d}.jsonl", "wb") as f:
+            f.writelines(encode(rec) for rec in recs)
+        written += len(recs)
+    return written
+
+
+def test_the_dir_source_follows_a_restart_to_the_new_attempt(tmp_path: Path) -> None:
+    from ddpdoctor.analysis.live_run import poll_source
+    from ddpdoctor.cli.watch_cmd import open_source
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    source = open_source(run_dir, None)  # what `ddpdoctor watch RUN_DIR` tails: the top run dir
+    assert isinstance(source, DirSource) and source.attempt is None
+    live = LiveRun(label=source.label, attempt=source.attempt)
+    live, records = poll_source(live, source)
+    assert records == []
+
+    _write_attempt(run_dir, 0, 30)
+    first, records = poll_source(live, source)
+    assert source.attempt == 0 and source.label == str(run_dir / "attempt-0")
+    assert first.attempt == 0 and len(records) > 60
+    snap = first.snapshot()
+    assert snap.attempt == 0 and snap.view_step == 29 and {r.status for r in snap.ranks} == {"running"}
+
+    # torchrun restarts the workers: attempt-1 appears while we watch, step numbers start over
+    written = _write_attempt(run_dir, 1, 5)
+    # the old attempt's files grow further (a rank that had not died yet): nothing of it is delivered
+    with open(run_dir / "attempt-0" / "rank-00000.jsonl", "ab") as f:
+        f.writelines(encode(rec) for rec in synthetic_records(0, 2, range(30, 40), header=False, end=None))
+    second, records = poll_source(first, source)
+    assert source.attempt == 1 and source.label == str(run_dir / "attempt-1")
+    assert len(records) == written and all(not isinstance(rr.record, Step) or rr.record.step < 5 for rr in records)
+    assert second is not first and second.attempt == 1  # a fresh live state: attempts never mix
+    snap = second.snapshot()
+    assert snap.attempt == 1 and snap.steps == (0, 1, 2, 3, 4) and snap.view_step == 4
+    assert snap.records == written and [r.step for r in snap.ranks] == [4, 4]
+    # and it goes on tailing the new attempt
+    with open(run_dir / "attempt-1" / "rank-00001.jsonl", "ab") as f:
+        f.writelines(encode(rec) for rec in synthetic_records(1, 2, range(5, 7), header=False, end=None))
+    third, records = poll_source(second, source)
+    assert third is second and len(records) == 2 and third.snapshot().latest_step == 6
+
+
 # -- a real 2-rank gloo run, watched while it trains ------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ from ddpdoctor.analysis.straggler import stragglers
 from ddpdoctor.events import End, FindingRecord, Hang, Header, Layout, ProcSample, Step, Unused
 from ddpdoctor.runlog.rank_file import RankLog
 from ddpdoctor.runlog.run import Run
-from ddpdoctor.runlog.source import RankRecord, SourceHealth
+from ddpdoctor.runlog.source import RankRecord, RecordSource, SourceHealth
 
 #: Steps of history kept per rank (the table, heatmap and chart can be stepped back over these).
 HISTORY = 200
@@ -132,6 +132,7 @@ class LiveSnapshot:
     finished: bool  # every rank closed its log
     source: SourceHealth
     records: int  # records fed so far
+    attempt: int | None = None  # the elastic attempt shown (None: not elastic, or not known)
 
 
 EMPTY_HEALTH = SourceHealth(0, 0, 0)
@@ -175,8 +176,10 @@ class LiveRun:
     Not thread-safe: one thread feeds and snapshots (the UI's watcher thread).
     """
 
-    def __init__(self, label: str = "", history: int = HISTORY, window: int = WINDOW) -> None:
+    def __init__(self, label: str = "", history: int = HISTORY, window: int = WINDOW,
+                 attempt: int | None = None) -> None:
         self.label = label
+        self.attempt = attempt  # one elastic attempt per LiveRun: a restart starts a new one
         self.history = max(history, window + 1)
         self.window = window
         self._ranks: dict[int, _RankState] = {}
@@ -463,7 +466,7 @@ class LiveRun:
             findings=findings, health=health, steps_per_s=self._rate(),
             finished=bool(self._ranks) and all(st.end is not None for st in self._ranks.values())
             and len(self._ranks) >= self._world_size,
-            source=self._source, records=self._records,
+            source=self._source, records=self._records, attempt=self.attempt,
         )
 
     def _row(self, st: _RankState, s: Step | None, arr: StepArrivals | None, lat: list[float] | None,
@@ -513,3 +516,18 @@ class LiveRun:
         recent = list(lead.steps)[-20:]
         span_s = (recent[-1].t0_wall_ns - recent[0].t0_wall_ns) / 1e9
         return (recent[-1].step - recent[0].step) / span_s if span_s > 0 else None
+
+
+def poll_source(live: LiveRun, source: RecordSource) -> tuple[LiveRun, list[RankRecord]]:
+    """Poll ``source`` once and feed ``live``; returns the LiveRun to keep using, and the records.
+
+    When the source moved on to another elastic attempt (torchrun restarted the workers), the
+    records go to a fresh LiveRun: step numbers start over and the old attempt's ranks, history
+    and findings must not mix with the new one's.
+    """
+    records = source.poll()
+    if source.attempt != live.attempt:
+        live = LiveRun(label=source.label, history=live.history, window=live.window, attempt=source.attempt)
+    if records:
+        live.feed(records)
+    return live, records

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from ddpdoctor.analysis.live_run import HISTORY
-from ddpdoctor.runlog.run import attempt_dir, check_run_dir
 from ddpdoctor.runlog.source import DirSource, RecordSource
 
 #: Bytes read per rank file per poll: catching up on a long run shows progress instead of a
@@ -44,8 +43,8 @@ def open_source(run_dir: Path | None, listen: str | None, token: str | None = No
         return StreamSource(host, port, token=token)  # type: ignore[no-any-return]
     if run_dir is None:
         raise ValueError("give a run dir to watch, or --listen HOST:PORT")
-    # a run torchrun may restart keeps each attempt in attempt-N: watch the latest
-    return DirSource(attempt_dir(check_run_dir(run_dir))[0], max_bytes_per_poll=POLL_BYTES)
+    # a run torchrun may restart keeps each attempt in attempt-N: the source follows the latest
+    return DirSource(run_dir, max_bytes_per_poll=POLL_BYTES)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -337,13 +337,14 @@ class StreamSource:
         shown = f"[{host}]" if ":" in host else host
         self.label = f"listening on {shown}:{self.listener.port}"
         self._latest: dict[str, int] = {}
+        self.attempt: int | None = None  # the newest attempt connected (of any run)
 
     @property
     def port(self) -> int:
         return self.listener.port
 
     def poll(self) -> list[RankRecord]:
-        out = []
+        taken = []
         for line in self.listener.take():
             peer = line.peer
             attempt = peer.attempt if peer.attempt is not None else -1
@@ -351,8 +352,12 @@ class StreamSource:
             if attempt < latest:
                 continue
             self._latest[peer.run] = attempt
-            out.append(RankRecord(peer.rank, peer.ddp, line.record))
-        return out
+            taken.append((peer.run, attempt, RankRecord(peer.rank, peer.ddp, line.record)))
+        if self._latest:
+            newest = max(self._latest.values())
+            self.attempt = newest if newest >= 0 else None
+        # a newer attempt that connected in this batch: what its run's older attempt sent before it is stale
+        return [rr for run, attempt, rr in taken if attempt == self._latest[run]]
 
     def health(self) -> SourceHealth:
         lis = self.listener

@@ -8,7 +8,7 @@ import time
 from textual.message import Message
 from textual.message_pump import MessagePump
 
-from ddpdoctor.analysis.live_run import HISTORY, LiveRun, LiveSnapshot
+from ddpdoctor.analysis.live_run import HISTORY, LiveRun, LiveSnapshot, poll_source
 from ddpdoctor.runlog.source import RecordSource
 
 
@@ -44,7 +44,7 @@ class Watcher(threading.Thread):
         self.source = source
         self.target = target
         self.interval = interval
-        self.live = LiveRun(label=source.label, history=history)
+        self.live = LiveRun(label=source.label, history=history, attempt=source.attempt)
         self.view_step: int | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -62,15 +62,14 @@ class Watcher(threading.Thread):
         failures = 0
         while not self._stopping.is_set():
             try:
-                records = self.source.poll()
+                # a new elastic attempt gets a fresh LiveRun (poll_source)
+                self.live, records = poll_source(self.live, self.source)
                 failures = 0
             except Exception as exc:  # noqa: BLE001 - a source must not take the UI down; say it once
                 records = []
                 failures += 1
                 if failures == 1:
                     self.target.post_message(SourceError(f"{type(exc).__name__}: {exc}"))
-            if records:
-                self.live.feed(records)
             self.live.set_source_health(self.source.health())
             now = time.monotonic()
             view = self.view_step
