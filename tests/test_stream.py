@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ddpdoctor.events import End, ProbeOff, ProcSample, encode
+from ddpdoctor.events import End, ProcSample, StreamDrops, encode
 from ddpdoctor.runlog.stream_source import StreamError, StreamListener, StreamSource
 from ddpdoctor.sinks import MemorySink
 from ddpdoctor.sinks.tcp import TcpSink, stream_tee
@@ -138,9 +138,9 @@ def test_receiver_down_never_blocks_and_counts_drops_then_reconnects() -> None:
         assert [g.record.t_mono_ns for g in got] == list(range(1000))
         wait_for(lambda: lis.dropped() == 4000, what="the sender's drop count to reach the listener")
         tee.close()
-        # the local file says how much the stream lost (a probe_off record of probe "stream")
-        notes = [r for r in file.records if isinstance(r, ProbeOff)]
-        assert notes and notes[-1].probe == "stream" and "4000 records dropped" in notes[-1].error
+        # the local file says how much the stream lost (a stream_drops record: running total)
+        notes = [r for r in file.records if isinstance(r, StreamDrops)]
+        assert notes and notes[-1].dropped == 4000 and notes[-1].endpoint == f"127.0.0.1:{port}"
         assert tcp.connects == 1
     finally:
         lis.close()

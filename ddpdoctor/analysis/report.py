@@ -82,6 +82,7 @@ def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: st
         "unknown_lines": log.unknown_lines,
         "torn_tail": log.torn_tail,
         "probes_off": [p.probe for p in log.probes_off],
+        "stream_dropped": log.stream_dropped,
         "end_reason": log.end.reason if log.end else None,
     }
 

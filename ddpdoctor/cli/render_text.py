@@ -38,6 +38,16 @@ def rank_table(ranks: list[dict[str, Any]]) -> list[str]:
             for row in rows]
 
 
+def _stream_note(report: Report) -> str | None:
+    """How many records the live stream lost, by rank (the rank files have them all)."""
+    lost = {r["rank"]: r.get("stream_dropped", 0) for r in report.ranks if r.get("stream_dropped")}
+    if not lost:
+        return None
+    ranks = ", ".join(f"{rank}: {n}" for rank, n in sorted(lost.items()))
+    return (f"the live stream dropped {sum(lost.values())} records (by rank {ranks}; receiver slow or down); "
+            "this report read them all from the rank files")
+
+
 def render(report: Report) -> str:
     """The whole report as readable text."""
     run, stats = report.run, report.stats
@@ -61,6 +71,8 @@ def render(report: Report) -> str:
         lines.append(f"  missing rank files: {run['missing_ranks']}")
     if run["corrupt_lines"] or run["unknown_lines"]:
         lines.append(f"  skipped {run['corrupt_lines']} corrupt and {run['unknown_lines']} unknown log lines")
+    if stream := _stream_note(report):
+        lines.append(f"  {stream}")
     lines += ["", "Per-rank medians (ms):"]
     lines += ["  " + line for line in rank_table(report.ranks)]
     buckets = stats.get("buckets") or []
@@ -94,6 +106,8 @@ def render_markdown(report: Report) -> str:
     ]
     if run["missing_ranks"]:
         lines.append(f"Missing rank files: {run['missing_ranks']}.")
+    if stream := _stream_note(report):
+        lines.append(stream[0].upper() + stream[1:] + ".")
     if run["corrupt_lines"] or run["unknown_lines"]:
         lines.append(f"Skipped {run['corrupt_lines']} corrupt and {run['unknown_lines']} unknown log lines.")
     lines += ["", "## Per-rank medians (ms)", "",

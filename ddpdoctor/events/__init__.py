@@ -25,6 +25,7 @@ from ddpdoctor.events.schema import (
     ProcSample,
     Record,
     Step,
+    StreamDrops,
     Unused,
 )
 
@@ -45,6 +46,7 @@ __all__ = [
     "ProcSample",
     "Record",
     "Step",
+    "StreamDrops",
     "UnknownRecord",
     "Unused",
     "decode",

@@ -218,6 +218,19 @@ class Hang(_Record, tag="hang", kw_only=True):
     stack: list[str] = []  # the main thread's Python stack, innermost frame last
 
 
-Record = Union[Header, Layout, Step, ProcSample, ProbeOff, End, GradFlags, Fingerprint, Unused, FindingRecord, Hang]
+class StreamDrops(_Record, tag="stream_drops", kw_only=True):
+    """Records the live stream (``--endpoint``) could not deliver; this file still has them all.
+
+    ``dropped`` is the running total since the stream started (the receiver was slow or down, or
+    a connection broke with records in flight), written at most every few seconds and at close.
+    """
+
+    t_wall_ns: int
+    endpoint: str
+    dropped: int
+
+
+Record = Union[Header, Layout, Step, ProcSample, ProbeOff, End, GradFlags, Fingerprint, Unused, FindingRecord, Hang,
+               StreamDrops]
 RECORD_TYPES: tuple[type, ...] = (Header, Layout, Step, ProcSample, ProbeOff, End, GradFlags, Fingerprint, Unused,
-                                  FindingRecord, Hang)
+                                  FindingRecord, Hang, StreamDrops)

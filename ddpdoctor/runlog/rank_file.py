@@ -21,11 +21,11 @@ from ddpdoctor.events import (
     ProcSample,
     Record,
     Step,
+    StreamDrops,
     UnknownRecord,
     Unused,
     decode,
 )
-
 
 #: Bare steps (without any bucket) remembered per rank: enough to name a skipped backward.
 MAX_BARE_STEPS = 1000
@@ -58,6 +58,7 @@ class RankLog:
     steps_total: int = 0  # step records in the file (``steps`` holds them all unless sampled)
     step_stride: int = 1  # ``steps`` keeps every step whose index is a multiple of this, and the last ones
     bare_steps: list[int] = field(default_factory=list)  # steps logged without any bucket (first 1000)
+    stream_dropped: int = 0  # records the live stream lost (this file has them): the latest total
 
     def add(self, record: Record) -> None:
         if isinstance(record, Step):
@@ -87,6 +88,8 @@ class RankLog:
             self.probes_off.append(record)
         elif isinstance(record, Hang):
             self.hangs.append(record)
+        elif isinstance(record, StreamDrops):
+            self.stream_dropped = max(self.stream_dropped, record.dropped)
 
     def segments(self) -> list[tuple[Header, int, int | None]]:
         """(header, first step, first step of the next header or None) for each DDP instance seen."""

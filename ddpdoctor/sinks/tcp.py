@@ -28,7 +28,7 @@ from collections.abc import Callable
 import msgspec
 
 from ddpdoctor.categories import LogWriteWarning
-from ddpdoctor.events import ProbeOff, Record, encode_into
+from ddpdoctor.events import Record, StreamDrops, encode_into
 from ddpdoctor.sinks.background import BackgroundSink
 from ddpdoctor.sinks.base import Sink
 
@@ -253,8 +253,8 @@ def stream_tee(primary: Sink, endpoint: str, *, rank: int, ddp: int = 0, run: st
                attempt: int | None = None, token: str | None = None) -> Sink:
     """``primary`` teed with a ``TcpSink`` to ``endpoint``; drops are logged to ``primary``.
 
-    The drop count goes into the local log as a ``probe_off`` record of probe ``stream`` (the
-    stream, not the training, lost records): at most every ``DROP_REPORT_S`` and at close.
+    The drop count goes into the local log as a ``stream_drops`` record (running total; the
+    stream, not the file, lost them): at most every ``DROP_REPORT_S`` and at close.
     A malformed endpoint warns and returns ``primary`` alone.
     """
     try:
@@ -265,9 +265,8 @@ def stream_tee(primary: Sink, endpoint: str, *, rank: int, ddp: int = 0, run: st
         return primary
 
     def log_drops(total: int) -> None:
-        primary.emit(ProbeOff(rank=rank, ddp=ddp, t_wall_ns=time.time_ns(), probe="stream",
-                              error=f"stream to {host}:{port}: {total} records dropped so far "
-                                    "(receiver slow or down); this file has them all"))
+        primary.emit(StreamDrops(rank=rank, ddp=ddp, t_wall_ns=time.time_ns(), endpoint=f"{host}:{port}",
+                                 dropped=total))
 
     sink = TcpSink(endpoint, rank=rank, ddp=ddp, run=run, attempt=attempt, token=token, on_drops=log_drops)
     return TeeSink(primary, sink)
