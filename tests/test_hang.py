@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 import ddpdoctor
+from ddpdoctor.analysis.live_run import LiveRun
 from ddpdoctor.events import FindingRecord, Hang, decode
+from ddpdoctor.runlog import DirSource
 from tests.ddp_harness import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "skip_a_backward.py"
@@ -55,6 +57,11 @@ def test_a_skipped_backward_is_named_while_the_job_hangs(tmp_path: Path) -> None
         # the report, as a user runs it, while the job is still hung
         cli = subprocess.run([sys.executable, "-m", "ddpdoctor", "report", str(run_dir), "--format", "json"],
                              capture_output=True, text=True, timeout=60)
+        # the live view (`ddpdoctor watch`) over the same files, still hung
+        source = DirSource(run_dir)
+        live = LiveRun(label=source.label)
+        live.feed(source.poll())
+        live_snap = live.snapshot()
         assert all(p.poll() is None for p in procs)
     finally:
         for p in procs:
@@ -71,6 +78,14 @@ def test_a_skipped_backward_is_named_while_the_job_hangs(tmp_path: Path) -> None
     assert any("skip_a_backward.py" in line and "ddp(x)" in line for line in missing["stack"])
     assert missing["steps_without_allreduce"] == [2]  # the skipped backward, named
     assert "missing: rank 1" in finding.title
+
+    # the live finding names the skipped backward as the report does, with the same fix
+    live_hang = next(f for f in live_snap.findings if f.code == "hang" and f.severity == "error")
+    assert live_hang.ranks == [1] and "missing: rank 1" in live_hang.title
+    assert "step 2 without any gradient all-reduce" in live_hang.detail
+    assert live_hang.evidence["missing"][1]["steps_without_allreduce"] == [2]
+    assert live_hang.fix == finding.fix and "skipped a backward" in live_hang.fix
+    assert {r.rank: r.status for r in live_snap.ranks} == {0: "hung", 1: "hung"}
 
     report = json.loads(cli.stdout)
     hang = next(f for f in report["findings"] if f["code"] == "hang")

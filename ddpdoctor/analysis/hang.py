@@ -128,22 +128,29 @@ def hang_findings(latest: dict[int, Hang], last_step: dict[int, int | None], wor
     return out
 
 
-def _steps_without_allreduce(run: Run, latest: dict[int, Hang]) -> dict[int, list[int]]:
-    """Per rank, its bare steps (``RankLog.bare_steps``: every step, even in a sampled load) in
-    which another rank did all-reduce: it reached that step, logged buckets in it or is stuck in
-    it with buckets ready."""
-    bare_sets = {o: set(log.bare_steps) for o, log in run.ranks.items()}
+def steps_without_allreduce(bare_steps: dict[int, list[int]], last_step: dict[int, int | None],
+                            latest: dict[int, Hang]) -> dict[int, list[int]]:
+    """Per rank, its bare steps (logged without any bucket all-reduce) in which another rank did
+    all-reduce: it reached that step, logged buckets in it or is stuck in it with buckets ready.
+
+    Args:
+        bare_steps: per rank, the steps it logged without any bucket (``RankLog.bare_steps``).
+        last_step: per rank, the last step it logged (None before any).
+        latest: per rank, its latest ``hang`` record.
+    """
+    bare_sets = {o: set(steps) for o, steps in bare_steps.items()}
 
     def all_reduced(o: int, step: int) -> bool:
-        log, h = run.ranks[o], latest.get(o)
+        h = latest.get(o)
         if h is not None and h.step == step:
             return h.buckets_ready > 0  # the step it is stuck in is not logged yet
-        reached = bool(log.steps) and log.steps[-1].step >= step
-        return reached and step not in bare_sets[o]
+        last = last_step.get(o)
+        return last is not None and last >= step and step not in bare_sets.get(o, ())
 
+    ranks = set(last_step) | set(bare_steps)
     out: dict[int, list[int]] = {}
-    for r, log in run.ranks.items():
-        bare = [s for s in log.bare_steps if any(all_reduced(o, s) for o in run.ranks if o != r)]
+    for r, steps in bare_steps.items():
+        bare = [s for s in steps if any(all_reduced(o, s) for o in ranks if o != r)]
         if bare:
             out[r] = bare
     return out
@@ -157,5 +164,6 @@ def hangs_in_run(run: Run) -> list[Finding]:
     last_step = {r: (log.steps[-1].step if log.steps else None) for r, log in run.ranks.items()}
     ended = {r: log.end.reason for r, log in run.ranks.items() if log.end is not None}
     waiting = any(h.state == "stalled" and h.phase in COLLECTIVE_PHASES for h in latest.values())
+    bare = {r: log.bare_steps for r, log in run.ranks.items()}
     return hang_findings(latest, last_step, run.world_size, ended=ended,
-                         no_allreduce_steps=_steps_without_allreduce(run, latest) if waiting else None)
+                         no_allreduce_steps=steps_without_allreduce(bare, last_step, latest) if waiting else None)

@@ -8,16 +8,15 @@ step (the heatmap), step-time history and the findings so far.
 
 The cross-rank analysis is the same as the report's (a finding is defined once): clock offsets
 from ``clock_align``, arrivals from ``bucket_wait``, stragglers from ``straggler`` over the last
-``window`` complete steps, lost ranks from ``lost``, hangs from ``hang`` when that module is
-there. No textual, no torch.
+``window`` complete steps, lost ranks from ``lost``, hangs from ``hang`` (with each rank's
+latest steps logged without any all-reduce, which name a skipped backward). No textual, no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -28,6 +27,7 @@ from ddpdoctor.analysis.bucket_size import bucket_size
 from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
 from ddpdoctor.analysis.clock_align import ClockOffsets, estimate_offsets
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
+from ddpdoctor.analysis.hang import COLLECTIVE_PHASES, hang_findings, steps_without_allreduce
 from ddpdoctor.analysis.lost import lost_ranks
 from ddpdoctor.analysis.straggler import stragglers
 from ddpdoctor.events import End, FindingRecord, Hang, Header, Layout, ProcSample, Step, Unused
@@ -47,6 +47,9 @@ LARGE_RUN = 64
 #: The bucket what-if runs every this many complete steps (and once the run finished), over at
 #: most ``WHATIF_RANKS`` ranks' recent steps and sampled backward passes.
 WHATIF_EVERY, WHATIF_RANKS, WHATIF_SAMPLES = 100, 8, 16
+#: Steps logged without any all-reduce kept per rank (the latest: a skipped backward that hangs
+#: the job is among a rank's last steps), for the hang finding to name.
+BARE_STEPS = 64
 
 STATUSES = ("running", "straggler", "stalled", "hung", "finished", "terminated", "failed", "lost")
 
@@ -150,20 +153,11 @@ class _RankState:
     buckets: int = 0  # from the latest layout
     last_wall_ns: int = 0  # newest wall time in any of its records
     sampled: deque[Unused] = field(default_factory=lambda: deque(maxlen=WHATIF_SAMPLES))  # with ready times
+    bare: deque[int] = field(default_factory=lambda: deque(maxlen=BARE_STEPS))  # steps without any bucket
 
 
 def _step_wall_ns(s: Step) -> int:
     return s.t0_wall_ns + int((s.end_us or s.sync_end_us or s.fwd_end_us or 0.0) * 1000)
-
-
-def _hang_findings() -> Callable[..., list[Finding]] | None:
-    # ``analysis.hang`` is written alongside this module; until it is importable the UI shows
-    # hang status from the watchdog records alone
-    try:
-        module = importlib.import_module("ddpdoctor.analysis.hang")
-    except ImportError:
-        return None
-    return getattr(module, "hang_findings", None)
 
 
 def _ms(v: float | None) -> float | None:
@@ -195,7 +189,6 @@ class LiveRun:
         self._checked_upto: int | None = None
         self._source = EMPTY_HEALTH
         self._records = 0
-        self._hang_fn = _hang_findings()
         self._whatif_at: int | None = None  # complete step of the last bucket what-if
         self._whatif_final = False
 
@@ -226,6 +219,8 @@ class LiveRun:
             if st.steps and rec.step <= st.steps[-1].step:
                 return  # read again (a file replaced under us) or out of order: already counted
             st.steps.append(rec)
+            if not rec.b_ready_us:
+                st.bare.append(rec.step)
             st.last_wall_ns = max(st.last_wall_ns, _step_wall_ns(rec))
             if st.hang is not None and st.hang.state == "stalled" and rec.step >= st.hang.step:
                 st.hang = None  # progress came back
@@ -399,24 +394,24 @@ class LiveRun:
         stalled = {r for r, st in self._ranks.items() if st.hang is not None and st.end is None}
         if not latest:
             return set()
-        if self._hang_fn is not None:
-            try:
-                last = {r: (st.steps[-1].step if st.steps else None) for r, st in self._ranks.items()}
-                ended = {r: st.end.reason for r, st in self._ranks.items() if st.end is not None}
-                current = {r: h for r, h in latest.items() if r in stalled or h.state == "resumed"}
-                found = self._hang_fn(current, last, self._expected(), ended=ended)
-            except Exception:  # noqa: BLE001 - the live view must not die of one detector's bug
-                found = []
-            hung = False
-            for f in found:
-                self._findings[("hang", f.severity, tuple(f.ranks))] = f
-                hung = hung or f.severity == "error"
-            # in a hang every stalled rank is hung, as the report says; the finding names the
-            # missing rank and where it is
-            return stalled if hung else set()
-        # without the detector: every rank still running waits (no one can make progress)
-        live = {r for r, st in self._ranks.items() if st.end is None}
-        return stalled if live and live <= stalled else set()
+        last = {r: (st.steps[-1].step if st.steps else None) for r, st in self._ranks.items()}
+        ended = {r: st.end.reason for r, st in self._ranks.items() if st.end is not None}
+        current = {r: h for r, h in latest.items() if r in stalled or h.state == "resumed"}
+        try:
+            skipped = None
+            if any(h.state == "stalled" and h.phase in COLLECTIVE_PHASES for h in current.values()):
+                bare = {r: list(st.bare) for r, st in self._ranks.items() if st.bare}
+                skipped = steps_without_allreduce(bare, last, latest)  # names a skipped backward
+            found = hang_findings(current, last, self._expected(), ended=ended, no_allreduce_steps=skipped)
+        except Exception:  # noqa: BLE001 - the live view must not die of one detector's bug
+            found = []
+        hung = False
+        for f in found:
+            self._findings[("hang", f.severity, tuple(f.ranks))] = f
+            hung = hung or f.severity == "error"
+        # in a hang every stalled rank is hung, as the report says; the finding names the
+        # missing rank and where it is
+        return stalled if hung else set()
 
     # -- reading --------------------------------------------------------------------------------
 
