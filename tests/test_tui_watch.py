@@ -212,3 +212,22 @@ async def test_a_streamed_run_looks_the_same(tmp_path: Path) -> None:
     finally:
         for sink in sinks:
             sink.close()
+
+
+async def test_an_elastic_restart_moves_the_view_to_the_new_attempt(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    write_run(run / "attempt-0", world=2, steps=12, straggler=1, end=None)  # killed mid-run
+    app = WatchApp(run, interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, at_step(app, 11))
+        assert [f.code for f in app.snapshot.findings] == ["straggler"]  # type: ignore[union-attr]
+        assert "attempt" not in widget_text(app.query_one(RunHeader)).split("\n")[0]
+        write_run(run / "attempt-1", world=2, steps=5)  # torchrun restarted every worker
+        await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.attempt == 1)
+        await wait_for(pilot, at_step(app, 4))
+        header = widget_text(app.query_one(RunHeader))
+        assert "attempt 1 (restarted)" in header and "attempt-1" in header and "FINISHED" in header
+        assert app.query_one(RanksTable).row_count == 2  # the new attempt's ranks, not old and new
+        assert not app.snapshot.findings  # attempt 0's straggler belongs to attempt 0
+        await pilot.press("q")
+    assert app.return_code == 0

@@ -10,7 +10,7 @@ from ddpdoctor_tui.formatting import HEALTH_STYLE
 
 
 class RunHeader(Static):
-    """Run, world size, backend, steps/s, overall health, and where the view is in time."""
+    """Run, world size, backend, elastic attempt, steps/s, overall health, and where the view is."""
 
     def show(self, snap: LiveSnapshot, paused: bool) -> None:
         """Render ``snap``; ``paused`` says the view is held on one step instead of following."""
@@ -20,6 +20,8 @@ class RunHeader(Static):
         line.append(f" ranks {len(snap.ranks)}/{snap.world_size}")
         if snap.backend:
             line.append(f"  {snap.backend}/{snap.device}")
+        if snap.attempt:  # torchrun restarted the workers: this view is the newest attempt only
+            line.append(f"  attempt {snap.attempt} (restarted)", style="bold yellow")
         rate = "-" if snap.steps_per_s is None else f"{snap.steps_per_s:.1f}"
         line.append(f"  {rate} steps/s  ")
         health = "finished" if snap.finished and snap.health == "ok" else snap.health
