@@ -99,3 +99,29 @@ def test_exposed_communication_by_share_of_step() -> None:
                  b_ready_us=[900.0], b_done_us=[2500.0], sync_end_us=2500.0, end_us=3000.0) for i in range(6)]
     (small,) = exposed_communication(tiny, 0)  # half of a 3 ms step, but 1.5 ms: the latency floor, info
     assert small.severity == "info" and small.evidence["share_of_step"] == 0.5
+
+
+def test_a_straggler_of_part_of_a_run_is_named_with_its_steps(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import ddpdoctor
+    from tests.test_live_run import write_run
+
+    def stragglers(**kwargs: object) -> list[Finding]:
+        run = ddpdoctor.load_run(write_run(tmp_path / str(len(list(tmp_path.iterdir()))), world=4, steps=300,
+                                           **kwargs))
+        return [f for f in ddpdoctor.analyze(run).findings if f.code == "straggler"]
+
+    # slow for 60 of 300 steps: the whole-run test (latest in 60% of the steps) cannot name it
+    late = stragglers(straggler=2, straggle_from=200, straggle_until=260)
+    assert len(late) == 1 and late[0].ranks == [2] and late[0].severity == "warning"
+    # windows of 30 steps find it (210-269); the period is then moved to the slow steps themselves
+    assert late[0].evidence["period"] == [200, 259] and late[0].step == 200
+    assert "by 40.0 ms in steps 200 to 259: backward" in late[0].title
+
+    # slow from step 240 to the end: a period that closes with the run
+    tail = stragglers(straggler=1, straggle_from=240)
+    assert len(tail) == 1 and tail[0].ranks == [1] and tail[0].evidence["period"] == [240, 299]
+
+    # slow all along: the whole-run finding alone (no period on top of it); healthy: nothing
+    whole = stragglers(straggler=3)
+    assert len(whole) == 1 and "period" not in whole[0].evidence and "in steps" not in whole[0].title
+    assert stragglers() == []

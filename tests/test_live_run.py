@@ -27,6 +27,7 @@ T0_NS = 1_700_000_000_000_000_000  # fixed wall clock: synthetic runs render the
 
 def synthetic_records(rank: int, world: int, steps: range, *, buckets: int = 4, step_ms: float = 100.0,
                       straggler: int | None = None, late_ms: float = 40.0, straggle_from: int = 0,
+                      straggle_until: int | None = None,
                       header: bool = True, end: str | None = "close", hang_at: int | None = None) -> list[Any]:
     """One rank's records: a header and layout, steps whose buckets every rank leaves together
     (the collective completes when the last rank arrives), a proc sample, an end or a stall."""
@@ -40,7 +41,8 @@ def synthetic_records(rank: int, world: int, steps: range, *, buckets: int = 4, 
     for step in steps:
         if hang_at is not None and step >= hang_at:
             break
-        late = late_ms if straggler is not None and step >= straggle_from else 0.0
+        straggling = straggle_from <= step and (straggle_until is None or step < straggle_until)
+        late = late_ms if straggler is not None and straggling else 0.0
         mine = late if rank == straggler else 0.0
         ready = [30_000.0 + 10_000.0 * i + mine * 1000 for i in range(buckets)]
         done = [30_000.0 + 10_000.0 * i + late * 1000 + 2_000.0 for i in range(buckets)]
