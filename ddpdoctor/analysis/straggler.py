@@ -78,10 +78,9 @@ def _lateness(steps_by_rank: dict[int, list[Step]], arrivals: list[StepArrivals]
     lateness: dict[int, list[float]] = {r: [] for r in steps_by_rank}
     latest: dict[int, int] = {r: 0 for r in steps_by_rank}
     for sa in arrivals:
-        last = {r: max(lat) for r, lat in sa.lateness_us.items()}  # at the collective it is latest for
-        for r, v in last.items():
-            lateness.setdefault(r, []).append(v / 1000.0)
-        slowest = max(last, key=last.get)  # type: ignore[arg-type]
+        for r, lat in sa.lateness_us.items():
+            lateness.setdefault(r, []).append(max(lat) / 1000.0)  # at the collective it is latest for
+        slowest = _latest(sa)
         latest[slowest] = latest.get(slowest, 0) + 1
     return lateness, latest
 
@@ -153,11 +152,13 @@ def _trim(rank: int, arrivals: list[StepArrivals], start: int, stop: int, margin
     """
     late_ms = median(max(sa.lateness_us[rank]) / 1000.0 for sa in arrivals[start:stop])
     lo, hi = max(0, start - margin), min(len(arrivals), stop + margin)
-    hits = [i for i in range(lo, hi) if _latest(arrivals[i]) == rank and max(arrivals[i].lateness_us[rank]) / 1000.0 >= late_ms / 2]
+    hits = [i for i in range(lo, hi)
+            if _latest(arrivals[i]) == rank and max(arrivals[i].lateness_us[rank]) / 1000.0 >= late_ms / 2]
     return (hits[0], hits[-1] + 1) if hits else (start, stop)
 
 
 def _latest(sa: StepArrivals) -> int:
+    """The rank latest at this step (at the collective it is latest for)."""
     return max(sa.lateness_us, key=lambda r: max(sa.lateness_us[r]))
 
 

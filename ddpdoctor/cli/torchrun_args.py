@@ -71,10 +71,12 @@ def parse(cmd: list[str], env: dict[str, str] | None = None) -> TorchrunArgs | N
         if not arg.startswith("-") or arg == "--":
             break  # the training script (or program): its own arguments follow
         name, eq, value = arg.partition("=")
-        if not eq and name not in _FLAGS and i + 1 < len(args):
-            value = args[i + 1]
+        if name in _FLAGS:
+            value = "1"
+        elif not eq and i + 1 < len(args):  # --opt value
             i += 1
-        values[name.lstrip("-").replace("-", "_")] = value if (eq or name not in _FLAGS) else "1"
+            value = args[i]
+        values[name.lstrip("-").replace("-", "_")] = value
         i += 1
 
     def get(dest: str, default: str) -> str:
