@@ -26,11 +26,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.synth import rank_records  # noqa: E402
+from ddpdoctor.events.layout import rank_file_name  # noqa: E402
 from ddpdoctor.sinks import FileSink  # noqa: E402
 
 
 def write_rank(out: str, rank: int, world: int, steps: int, buckets: int, straggler: int | None) -> int:
-    sink = FileSink(Path(out) / f"rank-{rank:05d}.jsonl")
+    sink = FileSink(Path(out) / rank_file_name(rank))
     n = 0
     for record in rank_records(rank, world, steps, buckets=buckets, straggler=straggler):
         sink.emit(record)

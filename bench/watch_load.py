@@ -30,6 +30,7 @@ from typing import Any
 import psutil
 
 from ddpdoctor.events import BucketInfo, Header, Layout, ProcSample, Step, encode
+from ddpdoctor.events.layout import rank_file_name
 from ddpdoctor.runlog import DirSource
 
 BUCKETS = 8
@@ -49,7 +50,7 @@ def _step(rank: int, step: int, t0_ns: int, step_ms: float, late_ms: float, rng:
 def writer(directory: str, ranks: int, rate: float, seconds: float, done_q: Any, straggler: int) -> None:
     """Append records for ``seconds`` at ``rate`` steps/s per rank; put (step, flushed_at) on ``done_q``."""
     rng = random.Random(0)
-    files = [open(Path(directory) / f"rank-{r:05d}.jsonl", "ab", buffering=1 << 16)  # noqa: SIM115 - closed at the end
+    files = [open(Path(directory) / rank_file_name(r), "ab", buffering=1 << 16)  # noqa: SIM115 - closed at the end
              for r in range(ranks)]
     now_ns = time.time_ns()
     for r, f in enumerate(files):

@@ -1,10 +1,10 @@
-"""Starting real multi-process gloo DDP from tests: free ports, timeouts, children killed."""
+"""Starting real multi-process gloo DDP from tests: free ports (``free_port``, shared with the demo and
+the benches), timeouts, children killed."""
 
 from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -13,11 +13,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ddpdoctor.cli.ports import free_port
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, args: tuple[Any, ...],

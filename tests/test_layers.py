@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,57 @@ def test_reading_and_reporting_run_without_torch() -> None:
 def test_tui_installs_under_a_namespaced_name() -> None:
     mods = _modules_after("import ddpdoctor_tui")
     assert "ddpdoctor_tui" in mods and "tui" not in mods
+
+
+# -- one spelling of each contract (events.layout, events.wire) ---------------------------------
+
+LAYOUT_NAMES = {"DDPDOCTOR_RUN_DIR", "DDPDOCTOR_ENDPOINT", "DDPDOCTOR_TOKEN", "DDPDOCTOR_HANG_TIMEOUT", "attempt-",
+                "rank-", ".jsonl", ".ddp", "ddpdoctor-runs"}
+CONTRACT_HOMES = {PKG / "events" / "layout.py", PKG / "events" / "wire.py"}
+CONTRACT_FUNCTIONS = {"parse_endpoint", "parse_listen", "parse_name", "rank_file_name", "encode_hello",
+                      "new_run_name"}
+CONTRACT_CONSTANTS = {"PROTOCOL", "TOKEN_ENV", "ENDPOINT_ENV", "RUN_DIR_ENV", "HANG_TIMEOUT_ENV", "ATTEMPT_PREFIX",
+                      "DEFAULT_ROOT"}
+
+
+def _code_files() -> list[Path]:
+    return sorted([*PKG.rglob("*.py"), *(ROOT / "tui").rglob("*.py"), *(ROOT / "bench").rglob("*.py")])
+
+
+def _second_spellings(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+            if text in LAYOUT_NAMES or re.match(r"rank-\d", text) or text.endswith(".jsonl") or text.startswith(".ddp"):
+                found.append(f"{where}: the name {text!r} (use ddpdoctor.events.layout)")
+        elif isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "ddpdoctor" for k in node.keys):
+            found.append(f"{where}: a control line built by hand (use ddpdoctor.events.wire)")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in CONTRACT_FUNCTIONS:
+            found.append(f"{where}: def {node.name} (the contract's own function is in events)")
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id in CONTRACT_CONSTANTS
+                                                  for t in node.targets):
+            found.append(f"{where}: a contract constant assigned again")
+    return found
+
+
+def test_every_contract_has_one_spelling_in_events() -> None:
+    """Run-dir names, environment variables and the wire protocol are spelled in events only."""
+    bad = [hit for path in _code_files() if path not in CONTRACT_HOMES for hit in _second_spellings(path)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_contract_check_sees_a_second_spelling() -> None:
+    planted = PKG / "events" / "_planted_for_test.py"
+    planted.write_text('PROTOCOL = 1\nname = f"rank-{3:05d}.jsonl"\nENV = "DDPDOCTOR_TOKEN"\n'
+                       'hello = {"ddpdoctor": "hello"}\ndef parse_endpoint(text): ...\n')
+    try:
+        # PROTOCOL, "rank-" and ".jsonl", the token variable, the hand-built hello, the parser
+        assert len(_second_spellings(planted)) == 6
+    finally:
+        planted.unlink()

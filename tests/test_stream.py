@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from ddpdoctor.events import End, ProcSample, StreamDrops, encode
-from ddpdoctor.runlog.stream_source import StreamError, StreamListener, StreamSource
-from ddpdoctor.sinks import MemorySink
-from ddpdoctor.sinks.tcp import TcpSink, stream_tee
-from tests.ddp_harness import free_port
+from ddpdoctor.cli.ports import free_port
+from ddpdoctor.events import End, FindingRecord, ProcSample, StreamDrops, encode
+from ddpdoctor.runlog import RankFileTail
+from ddpdoctor.sinks import FileSink, MemorySink
+from ddpdoctor.stream.listener import StreamError, StreamListener
+from ddpdoctor.stream.sender import TcpSink, TeeSink, stream_tee
+from ddpdoctor.stream.source import StreamSource
 
 TOKEN = "s3cret-token"
 
@@ -57,7 +63,7 @@ def closed_by_peer(sock: socket.socket, timeout: float = 10.0) -> bool:
 
 
 @pytest.fixture
-def listener() -> StreamListener:
+def listener() -> Iterator[StreamListener]:
     lis = StreamListener("127.0.0.1", 0)
     yield lis
     lis.close()
@@ -301,3 +307,111 @@ def test_end_record_roundtrip_through_stream_tee(listener: StreamListener) -> No
     tee.close()
     assert file.records == [end] and file.closed
     assert [g.record for g in collect(listener, 1)] == [end]
+
+
+# -- closing and flushing while the receiver is stuck (it accepted, it never reads) -------------
+
+
+@pytest.fixture
+def stuck_receiver() -> Iterator[int]:
+    """A port whose listener never accepts nor reads: connects succeed (the kernel's backlog),
+    then a sender's ``sendall`` blocks once the small buffers are full."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    try:
+        yield srv.getsockname()[1]
+    finally:
+        srv.close()
+
+
+def _bulky(i: int) -> FindingRecord:
+    return FindingRecord(rank=0, code="x", severity="info", title=str(i), detail="d" * 20_000, fix="")
+
+
+def _blocked_in_send(sink: TcpSink) -> bool:
+    frame = sys._current_frames().get(sink._thread.ident or -1)
+    return frame is not None and frame.f_code.co_name == "_sendall"
+
+
+def _sender_of(tee: object) -> TcpSink:
+    assert isinstance(tee, TeeSink) and isinstance(tee.secondary, TcpSink)
+    return tee.secondary
+
+
+def test_close_with_a_stuck_receiver_still_writes_the_final_drop_count(stuck_receiver: int, tmp_path: Path) -> None:
+    path = tmp_path / "rank-00000.jsonl"
+    tee = stream_tee(FileSink(path), f"127.0.0.1:{stuck_receiver}", rank=0, run="r")
+    sender = _sender_of(tee)
+    for i in range(1000):  # 20 MB: far more than the socket buffers hold
+        tee.emit(_bulky(i))
+    wait_for(lambda: _blocked_in_send(sender), what="the sender to block in sendall")
+    t0 = time.monotonic()
+    tee.close(timeout=5.0)
+    took = time.monotonic() - t0
+    sender._thread.join(10)
+    assert not sender._thread.is_alive()
+    assert took < 3.0  # the stream gets its 2 s, the file closes after it
+    assert sender.dropped > 0 and sender.sent + sender.dropped == 1000
+    tail = RankFileTail(path, 0, 0)
+    tail.poll(final=True)
+    assert len(tail.log.findings) == 1000  # the local file has every record
+    # the final drop count reached the file before it closed, exactly when the receiver is down
+    assert tail.log.stream_dropped == sender.dropped
+
+
+def test_flush_does_not_wait_on_the_network(stuck_receiver: int) -> None:
+    file = MemorySink()
+    tee = stream_tee(file, f"127.0.0.1:{stuck_receiver}", rank=0, run="r")
+    sender = _sender_of(tee)
+    try:
+        for i in range(1000):
+            tee.emit(_bulky(i))
+        wait_for(lambda: _blocked_in_send(sender), what="the sender to block in sendall")
+        t0 = time.monotonic()
+        assert tee.flush(timeout=5.0)  # the local file is flushed
+        assert time.monotonic() - t0 < 0.2  # the training thread did not wait for the stuck stream
+    finally:
+        tee.close(timeout=2.0)
+
+
+_EMFILE_CHILD = textwrap.dedent("""
+    import os, resource, sys, time
+    from ddpdoctor.stream.listener import StreamListener
+
+    lis = StreamListener("127.0.0.1", 0)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))  # accept() now fails with EMFILE
+    print(lis.port, flush=True)
+    sys.stdin.readline()  # the parent's connections wait in the backlog
+    t0 = time.process_time()
+    time.sleep(1.0)  # a measuring window: the listener thread's CPU time in it
+    cpu = time.process_time() - t0
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    print(cpu, getattr(lis, "accept_errors", -1), flush=True)
+    lis.close()
+""")
+
+
+def test_out_of_file_descriptors_the_listener_pauses_instead_of_spinning() -> None:
+    child = subprocess.Popen([sys.executable, "-c", _EMFILE_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    clients = []
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        port = int(child.stdout.readline())
+        clients = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        out, _ = child.communicate(timeout=30)
+        cpu, errors = out.split()
+        assert int(errors) >= 1  # accept() did run out of descriptors
+        assert float(cpu) < 0.3  # and the loop backed off instead of burning a core
+    finally:
+        for c in clients:
+            c.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)

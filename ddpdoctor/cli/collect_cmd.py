@@ -16,8 +16,9 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
-from ddpdoctor.runlog.run import ATTEMPT_PREFIX
-from ddpdoctor.runlog.stream_source import Peer, StreamListener, StreamLine
+from ddpdoctor.events.layout import TOKEN_ENV, rank_file_path
+from ddpdoctor.events.wire import parse_endpoint
+from ddpdoctor.stream.listener import Peer, StreamLine, StreamListener
 
 #: How often received lines are written out (and files flushed).
 WRITE_INTERVAL_S = 0.2
@@ -30,15 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--listen", required=True, metavar="HOST:PORT",
                    help="address to listen on (loopback unless a token is set; port 0 picks a free one)")
     p.add_argument("--run-dir", type=Path, required=True, help="where the rank files are written")
-    p.add_argument("--token", default=None, help="shared secret the senders must present (default: $DDPDOCTOR_TOKEN)")
+    p.add_argument("--token", default=None, help=f"shared secret the senders must present (default: ${TOKEN_ENV})")
     p.set_defaults(func=run)
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"--listen wants HOST:PORT, got {text!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 class Collector:
@@ -52,9 +46,7 @@ class Collector:
         self._files: dict[tuple[int | None, int, int], BinaryIO] = {}
 
     def path(self, peer: Peer) -> Path:
-        folder = self.run_dir if peer.attempt is None else self.run_dir / f"{ATTEMPT_PREFIX}{peer.attempt}"
-        suffix = "" if peer.ddp == 0 else f".ddp{peer.ddp}"
-        return folder / f"rank-{peer.rank:05d}{suffix}.jsonl"
+        return rank_file_path(self.run_dir, peer.rank, peer.ddp, peer.attempt)
 
     def write(self, lines: list[StreamLine]) -> None:
         touched = set()
@@ -88,7 +80,7 @@ class Collector:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        host, port = parse_listen(args.listen)
+        host, port = parse_endpoint(args.listen, listen=True, what="--listen")
         listener = StreamListener(host, port, args.token)
     except (ValueError, OSError) as exc:  # malformed address, no token off loopback, port taken
         print(f"ddpdoctor collect: {exc}", file=sys.stderr)

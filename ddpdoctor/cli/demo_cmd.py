@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from ddpdoctor.analysis import analyze
+from ddpdoctor.cli.ports import free_port
+from ddpdoctor.events.layout import DEFAULT_ROOT
 from ddpdoctor.cli.render_text import render
 from ddpdoctor.runlog import load_run
 
@@ -33,12 +34,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         print("ddpdoctor demo: --ranks must be at least 1", file=sys.stderr)
@@ -50,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     live = not args.headless
     steps = args.steps if args.steps is not None else (LIVE_STEPS if live else 60)
     pace = args.pace if args.pace is not None else (LIVE_PACE_S if live else 0.0)
-    run_dir = args.run_dir or Path("ddpdoctor-runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    run_dir = args.run_dir or Path(DEFAULT_ROOT) / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run dir: {run_dir}", flush=True)
     config = DemoConfig(world_size=args.ranks, steps=steps, run_dir=str(run_dir), port=free_port(),

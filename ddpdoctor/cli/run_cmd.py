@@ -19,13 +19,9 @@ from pathlib import Path
 
 from ddpdoctor.autoload import SITE_DIR
 from ddpdoctor.cli import torchrun_args
+from ddpdoctor.events.layout import DEFAULT_ROOT, ENDPOINT_ENV, HANG_TIMEOUT_ENV, RUN_DIR_ENV, new_run_name
+from ddpdoctor.events.wire import parse_endpoint
 
-#: Names shared with the runtime (``runtime.run_dir``, ``runtime.monitor``, ``sinks.tcp``); the
-#: cli must not import the runtime (it imports torch), so they are spelled here again.
-RUN_DIR_ENV = "DDPDOCTOR_RUN_DIR"
-ENDPOINT_ENV = "DDPDOCTOR_ENDPOINT"
-HANG_TIMEOUT_ENV = "DDPDOCTOR_HANG_TIMEOUT"
-DEFAULT_ROOT = "ddpdoctor-runs"
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 #: si_code of a signal the kernel generated (e.g. Ctrl-C on the terminal): it reached CMD too.
 _SI_KERNEL = 0x80
@@ -61,10 +57,7 @@ def child_env(run_dir: Path, endpoint: str | None, hang_timeout: float | None,
 
 
 def _new_run_dir() -> Path:
-    import secrets
-    import time
-
-    return Path(DEFAULT_ROOT) / (time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3))
+    return Path(DEFAULT_ROOT) / new_run_name()
 
 
 def _default_run_dir(torchrun: torchrun_args.TorchrunArgs | None) -> Path:
@@ -88,9 +81,10 @@ def _default_run_dir(torchrun: torchrun_args.TorchrunArgs | None) -> Path:
 
 
 def _check_endpoint(endpoint: str) -> None:
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise SystemExit(f"ddpdoctor run: --endpoint must be HOST:PORT, got {endpoint!r}")
+    try:
+        parse_endpoint(endpoint, what="--endpoint")
+    except ValueError as exc:
+        raise SystemExit(f"ddpdoctor run: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:

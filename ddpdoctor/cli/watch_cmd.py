@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ddpdoctor.analysis.live_run import HISTORY
+from ddpdoctor.events.wire import parse_endpoint
 from ddpdoctor.runlog.source import DirSource, RecordSource
 
 #: Bytes read per rank file per poll: catching up on a long run shows progress instead of a
@@ -24,23 +25,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run)
 
 
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port); ValueError with a readable message."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"--listen wants HOST:PORT, got {text!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
-
-
 def open_source(run_dir: Path | None, listen: str | None, token: str | None = None) -> RecordSource:
     """The record source the command line names (a RunDirError or ValueError says what is wrong)."""
     if listen is not None:
-        host, port = parse_endpoint(listen)
-        try:
-            from ddpdoctor.runlog.stream_source import StreamSource
-        except ImportError as exc:
-            raise ValueError(f"streaming is not available in this build ({exc})") from None
-        return StreamSource(host, port, token=token)  # type: ignore[no-any-return]
+        host, port = parse_endpoint(listen, listen=True, what="--listen")
+        from ddpdoctor.stream.source import StreamSource  # sockets only when a stream is asked for
+
+        return StreamSource(host, port, token=token)
     if run_dir is None:
         raise ValueError("give a run dir to watch, or --listen HOST:PORT")
     # a run torchrun may restart keeps each attempt in attempt-N: the source follows the latest

@@ -100,19 +100,6 @@ class RankLog:
         return out
 
 
-def parse_name(path: Path) -> tuple[int, int] | None:
-    """(rank, ddp index) from ``rank-00003.jsonl`` / ``rank-00003.ddp1.jsonl``; None otherwise."""
-    name = path.name
-    if not (name.startswith("rank-") and name.endswith(".jsonl")):
-        return None
-    middle = name[len("rank-") : -len(".jsonl")]
-    rank_part, _, ddp_part = middle.partition(".ddp")
-    try:
-        return int(rank_part), int(ddp_part) if ddp_part else 0
-    except ValueError:
-        return None
-
-
 class RankFileTail:
     """Incremental reader: each ``poll()`` decodes the complete lines appended since the last.
 

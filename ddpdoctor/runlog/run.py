@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ddpdoctor.runlog.rank_file import RankFileTail, RankLog, parse_name, read_sampled
+from ddpdoctor.events.layout import attempt_dir_name, parse_attempt_dir_name, parse_rank_file_name
+from ddpdoctor.runlog.rank_file import RankFileTail, RankLog, read_sampled
 
 
 class RunDirError(ValueError):
@@ -47,14 +48,10 @@ def rank_files(directory: Path) -> list[tuple[Path, int, int]]:
     """(path, rank, ddp index) of every rank file in ``directory``, by rank."""
     found = []
     for entry in os.scandir(directory):
-        parsed = parse_name(Path(entry.path))
+        parsed = parse_rank_file_name(entry.name)
         if parsed is not None and entry.is_file():
             found.append((Path(entry.path), parsed[0], parsed[1]))
     return sorted(found, key=lambda t: (t[1], t[2]))
-
-
-#: Folder of one torchelastic attempt inside a run dir (written by ``runtime.run_dir``).
-ATTEMPT_PREFIX = "attempt-"
 
 
 def attempts(directory: Path) -> list[int]:
@@ -65,11 +62,9 @@ def attempts(directory: Path) -> list[int]:
     except OSError:
         return []
     for entry in entries:
-        if entry.name.startswith(ATTEMPT_PREFIX) and entry.is_dir():
-            try:
-                found.append(int(entry.name[len(ATTEMPT_PREFIX):]))
-            except ValueError:
-                continue
+        number = parse_attempt_dir_name(entry.name)
+        if number is not None and entry.is_dir():
+            found.append(number)
     return sorted(found)
 
 
@@ -86,9 +81,9 @@ def attempt_dir(directory: str | os.PathLike[str], attempt: int | None = None) -
         if attempt not in found:
             have = ", ".join(map(str, found)) or "none"
             raise RunDirError(f"{path}: no attempt {attempt} (attempts here: {have})")
-        return path / f"{ATTEMPT_PREFIX}{attempt}", attempt
+        return path / attempt_dir_name(attempt), attempt
     if found and not rank_files(path):
-        return path / f"{ATTEMPT_PREFIX}{found[-1]}", found[-1]
+        return path / attempt_dir_name(found[-1]), found[-1]
     return path, None
 
 

@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import os
-import secrets
-import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from ddpdoctor.categories import LogWriteWarning
+from ddpdoctor.events.layout import DEFAULT_ROOT, RUN_DIR_ENV, new_run_name, rank_file_path
 
-#: Set by ``ddpdoctor run`` and ``ddpdoctor demo``; wins over everything but an explicit argument.
-RUN_DIR_ENV = "DDPDOCTOR_RUN_DIR"
-#: Folder of one elastic attempt inside a run dir (``attempt-0``, ``attempt-1``, ...); the reader
-#: (``ddpdoctor.runlog.run``) knows the same name.
-ATTEMPT_PREFIX = "attempt-"
-DEFAULT_ROOT = "ddpdoctor-runs"
 _AGREE_TIMEOUT = timedelta(seconds=30)
 
 _opened: dict[str, int] = {}
-
-
-def new_run_name() -> str:
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
 def resolve(explicit: str | os.PathLike[str] | None, rank: int, store: Any, key_suffix: str) -> Path:
@@ -76,9 +65,7 @@ def elastic_attempt() -> int | None:
 def rank_file(run_dir: Path, rank: int) -> tuple[Path, int]:
     """This rank's file (in its attempt's folder, if any), and the model's index in this process."""
     attempt = elastic_attempt()
-    folder = run_dir if attempt is None else run_dir / f"{ATTEMPT_PREFIX}{attempt}"
-    key = f"{folder.resolve()}#{rank}"
+    key = f"{rank_file_path(run_dir, rank, 0, attempt).parent.resolve()}#{rank}"
     index = _opened.get(key, 0)
     _opened[key] = index + 1
-    suffix = "" if index == 0 else f".ddp{index}"
-    return folder / f"rank-{rank:05d}{suffix}.jsonl", index
+    return rank_file_path(run_dir, rank, index, attempt), index

@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING, Any
 from ddpdoctor.analysis.hang import COLLECTIVE_PHASES
 from ddpdoctor.categories import HangWarning
 from ddpdoctor.events import FindingRecord, Hang
+from ddpdoctor.events.layout import HANG_TIMEOUT_ENV
 from ddpdoctor.runtime.clocks import mono_ns, wall_ns
 
 if TYPE_CHECKING:
     from ddpdoctor.runtime.monitor import Monitor
     from ddpdoctor.runtime.step_recorder import StepRecorder
 
-#: Environment variable read by ``instrument`` (and set by ``ddpdoctor run --hang-timeout``).
-HANG_TIMEOUT_ENV = "DDPDOCTOR_HANG_TIMEOUT"
 #: Default seconds without progress before a rank counts as stalled: far below the process
 #: group's own timeout (10 to 30 minutes), above any ordinary step.
 DEFAULT_HANG_TIMEOUT = 120.0

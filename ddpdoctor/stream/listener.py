@@ -1,25 +1,24 @@
-"""Receiving streamed runs: the listener behind ``ddpdoctor watch --listen`` and ``ddpdoctor collect``.
+"""The receiving end of the live stream: the listener behind ``watch --listen`` and ``collect``.
 
-``StreamListener`` accepts the ranks' TCP streams (``ddpdoctor run --endpoint``, wire format in
-``ddpdoctor.sinks.tcp``) on a daemon thread with one selector loop: sockets are non-blocking,
-nothing is ever written back, so a slow, silent or half-open client holds at most its own slot
-and never stalls the others or the reader. What it accepts is bounded: the number of
-connections, the length of a line, the time to say hello and the time a connection may stay
-silent. Garbage is counted and skipped; an oversized line or a bad hello closes that connection.
+``StreamListener`` accepts the ranks' TCP streams (``ddpdoctor run --endpoint``; the sending end
+is ``ddpdoctor.stream.sender``, the wire format ``ddpdoctor.events.wire``) on a daemon thread
+with one selector loop: sockets are non-blocking, nothing is ever written back, so a slow, silent
+or half-open client holds at most its own slot and never stalls the others or the reader. What
+it accepts is bounded: the number of connections, the length of a line, the time to say hello
+and the time a connection may stay silent. Garbage is counted and skipped; an oversized line or
+a bad hello closes that connection. Out of file descriptors, it stops accepting for a moment
+instead of spinning.
 
 Security: it binds loopback by default. Binding any other address needs a shared token
 (``DDPDOCTOR_TOKEN``), which every sender must present in its hello (compared in constant time).
 The token authenticates, it does not encrypt: off a trusted network, tunnel the port (ssh -L).
-
-``StreamSource`` is the ``RecordSource`` the live view polls; ``ddpdoctor collect`` reads the
-listener's raw lines and writes the usual run-dir layout.
 """
 
 from __future__ import annotations
 
+import errno
 import hmac
 import ipaddress
-import json
 import os
 import selectors
 import socket
@@ -30,10 +29,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ddpdoctor.events import CorruptLine, Record, UnknownRecord, decode
-from ddpdoctor.runlog.source import RankRecord, SourceHealth
+from ddpdoctor.events.layout import TOKEN_ENV
+from ddpdoctor.events.wire import CONTROL_PREFIX, decode_hello, decode_stats
 
-TOKEN_ENV = "DDPDOCTOR_TOKEN"
-PROTOCOL = 1
 #: Longest line accepted; a rank's header lists every parameter, so this is generous.
 MAX_LINE = 16 << 20
 MAX_CONNECTIONS = 512
@@ -43,7 +41,10 @@ HELLO_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 120.0
 #: Lines received but not yet taken by the reader; beyond this they are dropped and counted.
 MAX_PENDING = 500_000
-_CONTROL = b'{"ddpdoctor":'
+#: Seconds the listener stops accepting after running out of file descriptors (or memory):
+#: the pending connection keeps the socket readable, so retrying at once would spin.
+ACCEPT_BACKOFF_S = 0.25
+_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _RECV = 1 << 16
 
 
@@ -109,7 +110,8 @@ class StreamListener:
             (``StreamError``) when ``host`` is not a loopback address.
     Counters (read at any time): ``corrupt_lines``, ``unknown_lines``, ``rejected`` (bad hello
     or token), ``oversized``, ``refused`` (over ``max_connections``), ``timed_out``, ``overflow``
-    (received but dropped because the reader did not keep up).
+    (received but dropped because the reader did not keep up), ``accept_errors`` (out of file
+    descriptors or memory: accepting paused for ``ACCEPT_BACKOFF_S``).
     """
 
     def __init__(
@@ -141,7 +143,8 @@ class StreamListener:
         self.port: int = self._server.getsockname()[1]
         self.peers: dict[tuple[str, int | None, int, int], Peer] = {}
         self.corrupt_lines = self.unknown_lines = self.rejected = self.oversized = 0
-        self.refused = self.timed_out = self.overflow = 0
+        self.refused = self.timed_out = self.overflow = self.accept_errors = 0
+        self._accept_paused_until: float | None = None
         self._lines: deque[StreamLine] = deque()
         self._conns: dict[int, _Conn] = {}
         self._selector = selectors.DefaultSelector()
@@ -184,7 +187,11 @@ class StreamListener:
     def _loop(self) -> None:
         try:
             while not self._stop:
-                for key, _ in self._selector.select(timeout=0.5):
+                if self._accept_paused_until is not None and time.monotonic() >= self._accept_paused_until:
+                    self._accept_paused_until = None
+                    self._selector.register(self._server, selectors.EVENT_READ, None)
+                timeout = 0.5 if self._accept_paused_until is None else min(0.5, ACCEPT_BACKOFF_S)
+                for key, _ in self._selector.select(timeout=timeout):
                     if key.data is None:
                         self._accept()
                     elif key.data == "wake":
@@ -208,7 +215,12 @@ class StreamListener:
                 sock, addr = self._server.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # e.g. out of file descriptors: try again on the next event
+            except OSError as exc:
+                if exc.errno in _RESOURCE_ERRORS:
+                    # the connection stays queued and the socket readable: pause instead of spinning
+                    self.accept_errors += 1
+                    self._selector.unregister(self._server)
+                    self._accept_paused_until = time.monotonic() + ACCEPT_BACKOFF_S
                 return
             if len(self._conns) >= self.max_connections:
                 self.refused += 1
@@ -255,13 +267,16 @@ class StreamListener:
         """Handle one complete line; False closes the connection."""
         if conn.peer is None:
             return self._hello(conn, line)
-        if line.startswith(_CONTROL):
+        if line.startswith(CONTROL_PREFIX):
             try:
-                msg = json.loads(line)
-                conn.peer.sent = int(msg.get("sent", conn.peer.sent))
-                conn.peer.dropped = int(msg.get("dropped", conn.peer.dropped))
-            except (ValueError, TypeError, AttributeError, RecursionError):
+                sent, dropped = decode_stats(line)
+            except ValueError:
                 self.corrupt_lines += 1
+                return True
+            if sent is not None:
+                conn.peer.sent = sent
+            if dropped is not None:
+                conn.peer.dropped = dropped
             return True
         if not line.strip():
             return True
@@ -280,27 +295,19 @@ class StreamListener:
         return True
 
     def _hello(self, conn: _Conn, line: bytes) -> bool:
-        try:
-            msg = json.loads(line)
-            ok = (isinstance(msg, dict) and msg.get("ddpdoctor") == "hello" and msg.get("v") == PROTOCOL
-                  and isinstance(msg.get("rank"), int) and msg["rank"] >= 0
-                  and isinstance(msg.get("ddp", 0), int) and msg.get("ddp", 0) >= 0
-                  and isinstance(msg.get("run", ""), str)
-                  and (msg.get("attempt") is None or (isinstance(msg["attempt"], int) and msg["attempt"] >= 0)))
-        except (ValueError, RecursionError):
-            ok = False
-        if ok and self._token is not None:
-            given = msg.get("token")
-            ok = isinstance(given, str) and hmac.compare_digest(given.encode(), self._token)
-        if not ok:
+        hello = decode_hello(line)
+        ok = hello is not None
+        if hello is not None and self._token is not None:
+            ok = hello.token is not None and hmac.compare_digest(hello.token.encode(), self._token)
+        if hello is None or not ok:
             self.rejected += 1
             return False
-        key = (msg.get("run", ""), msg.get("attempt"), msg["rank"], msg.get("ddp", 0))
+        key = (hello.run, hello.attempt, hello.rank, hello.ddp)
         peer = self.peers.get(key)
         if peer is None:
-            peer = self.peers[key] = Peer(run=key[0], attempt=key[1], rank=key[2], ddp=key[3])
-        peer.host = str(msg.get("host", ""))[:256]
-        peer.pid = msg.get("pid", 0) if isinstance(msg.get("pid"), int) else 0
+            peer = self.peers[key] = Peer(run=hello.run, attempt=hello.attempt, rank=hello.rank, ddp=hello.ddp)
+        peer.host = hello.host
+        peer.pid = hello.pid
         peer.connections += 1
         conn.peer = peer
         return True
@@ -323,45 +330,3 @@ class StreamListener:
             conn.sock.close()
         except OSError:
             pass
-
-
-class StreamSource:
-    """The ``RecordSource`` of a streamed run: ``ddpdoctor watch --listen HOST:PORT``.
-
-    ``poll()`` never blocks: the network is read on the listener's thread. Records of an older
-    elastic attempt stop being passed on once a newer attempt of the same run has connected.
-    """
-
-    def __init__(self, host: str, port: int, token: str | None = None) -> None:
-        self.listener = StreamListener(host, port, token)
-        shown = f"[{host}]" if ":" in host else host
-        self.label = f"listening on {shown}:{self.listener.port}"
-        self._latest: dict[str, int] = {}
-        self.attempt: int | None = None  # the newest attempt connected (of any run)
-
-    @property
-    def port(self) -> int:
-        return self.listener.port
-
-    def poll(self) -> list[RankRecord]:
-        taken = []
-        for line in self.listener.take():
-            peer = line.peer
-            attempt = peer.attempt if peer.attempt is not None else -1
-            latest = self._latest.get(peer.run, -1)
-            if attempt < latest:
-                continue
-            self._latest[peer.run] = attempt
-            taken.append((peer.run, attempt, RankRecord(peer.rank, peer.ddp, line.record)))
-        if self._latest:
-            newest = max(self._latest.values())
-            self.attempt = newest if newest >= 0 else None
-        # a newer attempt that connected in this batch: what its run's older attempt sent before it is stale
-        return [rr for run, attempt, rr in taken if attempt == self._latest[run]]
-
-    def health(self) -> SourceHealth:
-        lis = self.listener
-        return SourceHealth(lis.corrupt_lines + lis.oversized, lis.unknown_lines, lis.dropped())
-
-    def close(self) -> None:
-        self.listener.close()
