@@ -101,7 +101,8 @@ def main() -> int:
     import torch.multiprocessing as mp
 
     from ddpdoctor.analysis.bucket_sim import Prediction
-    from ddpdoctor.analysis.bucket_size import MIN_GAIN_SHARE, what_if
+    from ddpdoctor.analysis.bucket_size import MIN_GAIN_SHARE
+    from ddpdoctor.analysis.from_run import what_if_run
     from ddpdoctor.runlog import load_run
 
     with socket.socket() as s:
@@ -124,7 +125,7 @@ def main() -> int:
         rows, errors, picks = [], [], {}
         for model_name in MODELS:
             whatifs = [w for rnd in range(args.rounds)
-                       if (w := what_if(load_run(Path(out) / f"{model_name}-{args.base:g}-r{rnd}"), caps_mb=CAPS))]
+                       if (w := what_if_run(load_run(Path(out) / f"{model_name}-{args.base:g}-r{rnd}"), caps_mb=CAPS))]
             if not whatifs:
                 print(f"{model_name}: no prediction (not enough samples)")
                 continue

@@ -1,14 +1,15 @@
 """ddpdoctor: see where every DDP training step's time goes, per bucket and per rank.
 
-Names that need torch (``instrument``, ``DistributedDataParallel``) are imported on first use,
-so ``import ddpdoctor`` and the reading side (``load_run``, ``analyze``) work without torch.
+Every name but the warning categories is imported on first use: a training rank that imports
+the runtime loads none of the reading side (``load_run``, ``analyze``), and the reading side
+loads no torch (``instrument``, ``DistributedDataParallel``).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from ddpdoctor.analysis import Finding, Report, analyze
 from ddpdoctor.categories import (
     AccumulationWarning,
     BufferWarning,
@@ -22,9 +23,11 @@ from ddpdoctor.categories import (
     StaleRequiresGradWarning,
     UnusedParametersWarning,
 )
-from ddpdoctor.runlog import Run, RunDirError, load_run
 
 if TYPE_CHECKING:
+    from ddpdoctor.analysis.findings import Finding
+    from ddpdoctor.analysis.report import Report, analyze
+    from ddpdoctor.runlog import Run, RunDirError, load_run
     from ddpdoctor.runtime import (
         DistributedDataParallel,
         Monitor,
@@ -35,15 +38,21 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_LAZY = {"instrument", "DistributedDataParallel", "Monitor", "check_replicas", "rewrap"}
+#: Public name -> the module that holds it.
+_HOME = {
+    "instrument": "ddpdoctor.runtime", "DistributedDataParallel": "ddpdoctor.runtime", "Monitor": "ddpdoctor.runtime",
+    "check_replicas": "ddpdoctor.runtime", "rewrap": "ddpdoctor.runtime",
+    "Finding": "ddpdoctor.analysis.findings", "Report": "ddpdoctor.analysis.report",
+    "analyze": "ddpdoctor.analysis.report",
+    "Run": "ddpdoctor.runlog", "RunDirError": "ddpdoctor.runlog", "load_run": "ddpdoctor.runlog",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from ddpdoctor import runtime
-
-        return getattr(runtime, name)
-    raise AttributeError(f"module 'ddpdoctor' has no attribute {name!r}")
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'ddpdoctor' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
 
 
 __all__ = [

@@ -9,7 +9,7 @@ import pytest
 
 import ddpdoctor
 from ddpdoctor.analysis.bucket_sim import MIB, assign_buckets, samples_of
-from ddpdoctor.analysis.bucket_size import what_if
+from ddpdoctor.analysis.from_run import what_if_run
 from ddpdoctor.analysis.sizes import dtype_bytes
 from tests.ddp_harness import run_ranks
 from tests.runtime_workers import whatif_run
@@ -46,7 +46,7 @@ def test_parameter_ready_times_are_sampled_and_the_rebuilt_layout_is_reproduced(
 
 
 def test_a_cap_that_splits_every_weight_gets_a_bucket_size_recommendation(run: ddpdoctor.Run) -> None:
-    w = what_if(run)
+    w = what_if_run(run)
     assert w is not None
     assert w.current.buckets == len(run.ranks[0].layouts[-1].buckets)
     assert w.model.samples >= 20 and w.model.latency_us >= 0 and w.hook.us(16 << 10) > 0

@@ -18,7 +18,9 @@ FORBIDDEN = {
     "events": {"torch", "textual", "rich", "ddpdoctor.sinks", "ddpdoctor.runtime", "ddpdoctor.runlog",
                "ddpdoctor.analysis", "ddpdoctor.cli"},
     "sinks": {"torch", "textual", "rich", "ddpdoctor.runtime", "ddpdoctor.runlog", "ddpdoctor.analysis", "ddpdoctor.cli"},
-    "runtime": {"textual", "rich", "ddpdoctor.runlog", "ddpdoctor.cli"},
+    "runtime": {"textual", "rich", "ddpdoctor.runlog", "ddpdoctor.cli", "ddpdoctor.stream.listener",
+                "ddpdoctor.stream.source"},
+    "stream": {"torch", "textual", "rich", "ddpdoctor.runtime", "ddpdoctor.analysis", "ddpdoctor.cli"},
     "runlog": {"torch", "textual", "rich", "ddpdoctor.sinks", "ddpdoctor.runtime", "ddpdoctor.analysis", "ddpdoctor.cli"},
     "analysis": {"torch", "textual", "rich", "ddpdoctor.sinks", "ddpdoctor.runtime", "ddpdoctor.cli"},
     "cli": {"textual", "rich"},
@@ -46,6 +48,12 @@ def test_layer_imports_point_one_way(layer: str) -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_the_stream_sender_and_listener_do_not_read_run_dirs() -> None:
+    """Only ``stream.source`` (the live view's record source) builds on runlog."""
+    for name in ("sender.py", "listener.py", "__init__.py"):
+        assert not {n for n in _imports(PKG / "stream" / name) if n.startswith("ddpdoctor.runlog")}, name
+
+
 def test_only_the_tui_imports_textual() -> None:
     offenders = [str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")
                  if any(n == "textual" or n.startswith("textual.") for n in _imports(p))]
@@ -67,6 +75,43 @@ def test_reading_and_reporting_run_without_torch() -> None:
     mods = _modules_after("import ddpdoctor.analysis, ddpdoctor.runlog, ddpdoctor.events, ddpdoctor.cli.main, "
                           "ddpdoctor.cli.report_cmd")
     assert "torch" not in mods
+
+
+READING_SIDE = ("ddpdoctor.runlog", "ddpdoctor.analysis.report", "ddpdoctor.analysis.diagnose", "textual", "rich")
+
+
+def _reading_side(mods: set[str]) -> set[str]:
+    return {m for m in mods if any(m == r or m.startswith(r + ".") for r in READING_SIDE)}
+
+
+def test_the_runtime_loads_none_of_the_reading_side() -> None:
+    assert _reading_side(_modules_after("import ddpdoctor.runtime")) == set()
+
+
+INSTRUMENT_ONE_RANK = """
+import os, socket, tempfile
+import torch, torch.distributed as dist
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+import ddpdoctor
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with ddpdoctor.instrument(model, run_dir=tempfile.mkdtemp(), endpoint=f"127.0.0.1:{port + 1}"):
+    for _ in range(4):  # sampled checks run at steps 0, 1 and 3
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+def test_an_instrumented_training_loads_none_of_the_reading_side() -> None:
+    mods = _modules_after(INSTRUMENT_ONE_RANK)
+    assert "ddpdoctor.runtime.monitor" in mods and "ddpdoctor.stream.sender" in mods  # it did instrument and stream
+    assert _reading_side(mods) == set()
 
 
 def test_tui_installs_under_a_namespaced_name() -> None:

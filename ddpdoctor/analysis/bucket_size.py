@@ -8,6 +8,7 @@ trust the model (``confidence``). The finding is raised only when the gain is wo
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from statistics import median
 from typing import Any
@@ -23,7 +24,7 @@ from ddpdoctor.analysis.bucket_sim import (
 )
 from ddpdoctor.analysis.comm_model import CommModel, fit_comm_model
 from ddpdoctor.analysis.findings import Finding
-from ddpdoctor.runlog import Run
+from ddpdoctor.events import Header, Step, Unused
 
 #: A recommendation is made from this predicted gain (share of the step, and absolute) ...
 MIN_GAIN_SHARE, MIN_GAIN_MS = 0.05, 0.5
@@ -31,6 +32,21 @@ MIN_GAIN_SHARE, MIN_GAIN_MS = 0.05, 0.5
 WARN_GAIN_SHARE, WARN_GAIN_MS = 0.15, 5.0
 #: Sampled steps needed per rank.
 MIN_SAMPLES = 3
+
+
+@dataclass(frozen=True)
+class RankBackward:
+    """What the what-if needs of one rank: its header, recent steps and sampled backward passes.
+
+    ``unused`` records carry the per-parameter ready times (``param_ready_us``) of sampled steps.
+    ``rewrapped``: the model was wrapped anew mid-run (more than one header), so its backward
+    passes are not one model's and the rank is left out.
+    """
+
+    header: Header | None
+    steps: Sequence[Step]
+    unused: Sequence[Unused] = ()
+    rewrapped: bool = False
 
 
 @dataclass
@@ -74,19 +90,24 @@ class WhatIf:
         }
 
 
-def what_if(run: Run, caps_mb: tuple[float, ...] = CANDIDATE_CAPS_MB) -> WhatIf | None:
-    """Predicted step time per bucket cap for a run (None when it lacks the samples)."""
-    steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
+def _as_list(items: Sequence[Any]) -> list[Any]:
+    return items if isinstance(items, list) else list(items)  # a loaded run's lists are not copied
+
+
+def what_if(ranks: Mapping[int, RankBackward], caps_mb: tuple[float, ...] = CANDIDATE_CAPS_MB) -> WhatIf | None:
+    """Predicted step time per bucket cap for a run's ranks (None when they lack the samples)."""
+    steps_by_rank = {r: _as_list(log.steps) for r, log in ranks.items()}
     model = fit_comm_model(steps_by_rank)
     if model is None:
         return None
     per_rank = []
-    for log in run.ranks.values():
-        if log.header is None or len(log.headers) > 1:
+    for log in ranks.values():
+        if log.header is None or log.rewrapped:
             continue  # a rewrapped model changed its parameters mid-run: not one backward to replay
-        samples = samples_of(log.header, log.unused, log.steps)
+        steps = _as_list(log.steps)
+        samples = samples_of(log.header, _as_list(log.unused), steps)
         if len(samples) >= MIN_SAMPLES:
-            per_rank.append((log.header, samples, hook_cost(log.steps[-200:])))
+            per_rank.append((log.header, samples, hook_cost(steps[-200:])))
     if not per_rank:
         return None
     # the rank with the smallest measured steps waited least for others: its backward is the job's own
@@ -107,9 +128,9 @@ def what_if(run: Run, caps_mb: tuple[float, ...] = CANDIDATE_CAPS_MB) -> WhatIf 
                   samples=len(samples), calibration_error_pct=error_pct)
 
 
-def bucket_size(run: Run) -> list[Finding]:
+def bucket_size(ranks: Mapping[int, RankBackward]) -> list[Finding]:
     """The ``bucket-size`` finding, when another cap is predicted to be worth it."""
-    w = what_if(run)
+    w = what_if(ranks)
     if w is None:
         return []
     best = w.best
@@ -120,7 +141,7 @@ def bucket_size(run: Run) -> list[Finding]:
     warn = share >= WARN_GAIN_SHARE and gain_ms >= WARN_GAIN_MS and w.confidence == "high"
     predicted_ms = w.measured_step_ms * (1.0 - share)
     return [Finding(
-        code="bucket-size", severity="warning" if warn else "info", ranks=sorted(run.ranks), step=None,
+        code="bucket-size", severity="warning" if warn else "info", ranks=sorted(ranks), step=None,
         title=(f"bucket_cap_mb={best.cap_mb:g} is predicted to make the step {share:.0%} faster "
                f"({w.measured_step_ms:.1f} -> {predicted_ms:.1f} ms; {w.confidence} confidence)"),
         detail=(f"Replaying the measured backward ({w.samples} sampled steps) with a communication model fitted "

@@ -13,9 +13,7 @@ from ddpdoctor.analysis.buffers import (
 )
 from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
-from ddpdoctor.analysis.bucket_size import bucket_size
-from ddpdoctor.analysis.hang import hangs_in_run
-from ddpdoctor.analysis.lost import lost_ranks
+from ddpdoctor.analysis.from_run import bucket_size_in_run, hangs_in_run, lost_in_run
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
 from ddpdoctor.analysis.straggler import (
@@ -99,9 +97,9 @@ def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Findin
         arrived = arrivals(steps_by_rank, estimate_offsets(steps_by_rank))
     whole_run = stragglers(steps_by_rank, arrived)
     derived += whole_run + straggler_periods(steps_by_rank, arrived, {r for f in whole_run for r in f.ranks})
-    derived += lost_ranks(run)
+    derived += lost_in_run(run)
     derived += hangs_in_run(run)
-    derived += bucket_size(run)
+    derived += bucket_size_in_run(run)
     codes = {f.code for f in derived}
     logged = [_from_record(r) for log in run.ranks.values() for r in log.findings
               if r.code in LOGGED_EVIDENCE_CODES and r.code not in codes]

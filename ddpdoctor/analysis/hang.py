@@ -14,7 +14,6 @@ from typing import Any
 
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.events import Hang
-from ddpdoctor.runlog import Run
 
 #: Phases in which a stalled rank is waiting for the other ranks.
 COLLECTIVE_PHASES = ("allreduce", "buffer broadcast")
@@ -154,16 +153,3 @@ def steps_without_allreduce(bare_steps: dict[int, list[int]], last_step: dict[in
         if bare:
             out[r] = bare
     return out
-
-
-def hangs_in_run(run: Run) -> list[Finding]:
-    """``hang_findings`` over a loaded run."""
-    latest = {r: log.hangs[-1] for r, log in run.ranks.items() if log.hangs}
-    if not latest:
-        return []
-    last_step = {r: (log.steps[-1].step if log.steps else None) for r, log in run.ranks.items()}
-    ended = {r: log.end.reason for r, log in run.ranks.items() if log.end is not None}
-    waiting = any(h.state == "stalled" and h.phase in COLLECTIVE_PHASES for h in latest.values())
-    bare = {r: log.bare_steps for r, log in run.ranks.items()}
-    return hang_findings(latest, last_step, run.world_size, ended=ended,
-                         no_allreduce_steps=steps_without_allreduce(bare, last_step, latest) if waiting else None)

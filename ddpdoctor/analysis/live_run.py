@@ -19,20 +19,17 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
-from pathlib import Path
 from statistics import median
 from typing import Any
 
-from ddpdoctor.analysis.bucket_size import bucket_size
+from ddpdoctor.analysis.bucket_size import RankBackward, bucket_size
 from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
 from ddpdoctor.analysis.clock_align import ClockOffsets, estimate_offsets
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
 from ddpdoctor.analysis.hang import COLLECTIVE_PHASES, hang_findings, steps_without_allreduce
-from ddpdoctor.analysis.lost import lost_ranks
+from ddpdoctor.analysis.lost import RankTail, lost_ranks
 from ddpdoctor.analysis.straggler import stragglers
 from ddpdoctor.events import End, FindingRecord, Hang, Header, Layout, ProcSample, Step, Unused
-from ddpdoctor.runlog.rank_file import RankLog
-from ddpdoctor.runlog.run import Run
 from ddpdoctor.runlog.source import RankRecord, RecordSource, SourceHealth
 
 #: Steps of history kept per rank (the table, heatmap and chart can be stepped back over these).
@@ -356,14 +353,11 @@ class LiveRun:
         if not (due or (finished and not self._whatif_final)):
             return
         self._whatif_at, self._whatif_final = last, finished
-        run = Run(dir=Path(self.label or "."))
-        for rank in sorted(self._ranks)[:WHATIF_RANKS]:
-            st = self._ranks[rank]
-            log = RankLog(rank=rank, ddp=0, path=Path(), header=st.header,
-                          headers=[st.header] if st.header else [], steps=list(st.steps), unused=list(st.sampled))
-            run.ranks[rank] = log
+        ranks = {rank: RankBackward(header=self._ranks[rank].header, steps=list(self._ranks[rank].steps),
+                                    unused=list(self._ranks[rank].sampled))
+                 for rank in sorted(self._ranks)[:WHATIF_RANKS]}
         try:
-            found = bucket_size(run)
+            found = bucket_size(ranks)
         except (ValueError, ZeroDivisionError, KeyError):  # a window too thin to replay: try again later
             return
         self._findings.pop(("bucket-size",), None)
@@ -373,17 +367,9 @@ class LiveRun:
     def _lost(self) -> set[int]:
         if len(self._ranks) < 2:
             return set()
-        run = Run(dir=None)  # type: ignore[arg-type]  # the detector reads only the ranks' logs
-        for rank, st in self._ranks.items():
-            log = RankLog(rank=rank, ddp=0, path=None)  # type: ignore[arg-type]
-            log.header, log.end = st.header, st.end
-            log.headers = [st.header] if st.header else []
-            if st.steps:
-                log.steps = [st.steps[-1]]
-            if st.proc:
-                log.procs = [st.proc]
-            run.ranks[rank] = log
-        found = lost_ranks(run)
+        found = lost_ranks({rank: RankTail(header=st.header, last_step=st.steps[-1] if st.steps else None,
+                                           last_proc=st.proc, end=st.end)
+                            for rank, st in self._ranks.items()})
         for f in found:
             self._findings.setdefault(("rank-lost", f.ranks[0]), f)
         return {r for f in found for r in f.ranks}

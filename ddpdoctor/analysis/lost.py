@@ -8,37 +8,51 @@ when no rank closed and all stopped together, the job may still run or was kille
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 from ddpdoctor.analysis.findings import Finding
-from ddpdoctor.runlog import RankLog, Run
+from ddpdoctor.events import End, Header, ProcSample, Step
 
 #: A rank is lost when another rank logged this long after its last record.
 GRACE_S = 5.0
 
 
-def _last_wall_ns(log: RankLog) -> int | None:
-    times = []
-    if log.steps:
-        s = log.steps[-1]
-        times.append(s.t0_wall_ns + int((s.end_us or s.sync_end_us or 0.0) * 1000))
-    if log.procs:
-        times.append(log.procs[-1].t_wall_ns)
-    if log.end is not None:
-        times.append(log.end.t_wall_ns)
-    if log.header is not None:
-        times.append(log.header.t_wall_ns)
-    return max(times) if times else None
+@dataclass(frozen=True)
+class RankTail:
+    """What ``lost_ranks`` needs of one rank: the latest of its records (any may be None)."""
+
+    header: Header | None = None
+    last_step: Step | None = None
+    last_proc: ProcSample | None = None
+    end: End | None = None
+
+    @property
+    def last_wall_ns(self) -> int | None:
+        """The wall time of its newest record."""
+        times = []
+        if self.last_step is not None:
+            s = self.last_step
+            times.append(s.t0_wall_ns + int((s.end_us or s.sync_end_us or 0.0) * 1000))
+        if self.last_proc is not None:
+            times.append(self.last_proc.t_wall_ns)
+        if self.end is not None:
+            times.append(self.end.t_wall_ns)
+        if self.header is not None:
+            times.append(self.header.t_wall_ns)
+        return max(times) if times else None
 
 
-def lost_ranks(run: Run) -> list[Finding]:
+def lost_ranks(tails: Mapping[int, RankTail]) -> list[Finding]:
     """Ranks whose log stops, with no end record, well before another rank's log does."""
-    last = {r: _last_wall_ns(log) for r, log in run.ranks.items()}
+    last = {r: tail.last_wall_ns for r, tail in tails.items()}
     known = {r: t for r, t in last.items() if t is not None}
     if len(known) < 2:
         return []
     latest = max(known.values())
-    closed = {r for r, log in run.ranks.items() if log.end is not None}
+    closed = {r for r, tail in tails.items() if tail.end is not None}
     out = []
-    for rank, log in sorted(run.ranks.items()):
+    for rank, log in sorted(tails.items()):
         t = known.get(rank)
         if log.end is not None:
             continue
@@ -48,7 +62,7 @@ def lost_ranks(run: Run) -> list[Finding]:
             continue
         if t is None:  # nothing reached the file: it died within its first flush interval
             t = min(known.values())
-        last_step = log.steps[-1].step if log.steps else None
+        last_step = log.last_step.step if log.last_step is not None else None
         others = [r for r in known if r != rank]
         out.append(Finding(
             code="rank-lost", severity="error", ranks=[rank], step=last_step,

@@ -1,0 +1,54 @@
+"""The detectors' narrow inputs, read off a loaded ``Run``: what the report (``diagnose``) feeds them.
+
+The detectors themselves (``hang``, ``lost``, ``bucket_size``) take plain records, so the live
+view (``live_run``) and the runtime call them on their own state; only this module and the
+report know the file-loaded ``Run``/``RankLog``.
+"""
+
+from __future__ import annotations
+
+from ddpdoctor.analysis.bucket_sim import CANDIDATE_CAPS_MB
+from ddpdoctor.analysis.bucket_size import RankBackward, WhatIf, bucket_size, what_if
+from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.hang import COLLECTIVE_PHASES, hang_findings, steps_without_allreduce
+from ddpdoctor.analysis.lost import RankTail, lost_ranks
+from ddpdoctor.runlog import RankLog, Run
+
+
+def rank_tail(log: RankLog) -> RankTail:
+    """The latest records of one rank's log."""
+    return RankTail(header=log.header, last_step=log.steps[-1] if log.steps else None,
+                    last_proc=log.procs[-1] if log.procs else None, end=log.end)
+
+
+def rank_backward(log: RankLog) -> RankBackward:
+    """One rank's header, steps and sampled backward passes."""
+    return RankBackward(header=log.header, steps=log.steps, unused=log.unused, rewrapped=len(log.headers) > 1)
+
+
+def lost_in_run(run: Run) -> list[Finding]:
+    """``lost.lost_ranks`` over a loaded run."""
+    return lost_ranks({r: rank_tail(log) for r, log in run.ranks.items()})
+
+
+def hangs_in_run(run: Run) -> list[Finding]:
+    """``hang.hang_findings`` over a loaded run."""
+    latest = {r: log.hangs[-1] for r, log in run.ranks.items() if log.hangs}
+    if not latest:
+        return []
+    last_step = {r: (log.steps[-1].step if log.steps else None) for r, log in run.ranks.items()}
+    ended = {r: log.end.reason for r, log in run.ranks.items() if log.end is not None}
+    waiting = any(h.state == "stalled" and h.phase in COLLECTIVE_PHASES for h in latest.values())
+    bare = {r: log.bare_steps for r, log in run.ranks.items()}
+    return hang_findings(latest, last_step, run.world_size, ended=ended,
+                         no_allreduce_steps=steps_without_allreduce(bare, last_step, latest) if waiting else None)
+
+
+def bucket_size_in_run(run: Run) -> list[Finding]:
+    """``bucket_size.bucket_size`` over a loaded run."""
+    return bucket_size({r: rank_backward(log) for r, log in run.ranks.items()})
+
+
+def what_if_run(run: Run, caps_mb: tuple[float, ...] = CANDIDATE_CAPS_MB) -> WhatIf | None:
+    """``bucket_size.what_if`` over a loaded run."""
+    return what_if({r: rank_backward(log) for r, log in run.ranks.items()}, caps_mb)
