@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from ddpdoctor.analysis.live_run import LiveRun, LiveSnapshot
+from ddpdoctor.analysis.live_run import FindingKey, LiveRun
+from ddpdoctor.analysis.live_view import LiveSnapshot
 from ddpdoctor.events import (
     BucketInfo,
     End,
@@ -20,6 +21,7 @@ from ddpdoctor.events import (
     Step,
     encode,
 )
+from ddpdoctor.events.layout import rank_file_name
 from ddpdoctor.runlog import DirSource
 
 T0_NS = 1_700_000_000_000_000_000  # fixed wall clock: synthetic runs render the same every time
@@ -69,7 +71,7 @@ def write_run(directory: Path, world: int = 4, steps: int = 30, **kwargs: Any) -
     """A finished synthetic run dir, deterministic to the byte."""
     directory.mkdir(parents=True, exist_ok=True)
     for rank in range(world):
-        with open(directory / f"rank-{rank:05d}.jsonl", "wb") as f:
+        with open(directory / rank_file_name(rank), "wb") as f:
             f.writelines(encode(rec) for rec in synthetic_records(rank, world, range(steps), **kwargs))
     return directory
 
@@ -161,6 +163,34 @@ def test_failed_terminated_and_lost_ranks(tmp_path: Path) -> None:
     assert [r.status for r in snap.ranks] == ["failed", "terminated", "lost"]
     assert any(f.code == "rank-lost" and f.ranks == [2] for f in snap.findings)
     assert snap.health == "error" and not snap.finished
+
+
+def test_snapshot_only_reads(tmp_path: Path) -> None:
+    """The detectors run when records are fed; a snapshot (any step, any number of times) changes nothing."""
+    for name, kwargs in (("hang", {"world": 3, "steps": 20, "hang_at": 12}),
+                         ("straggler", {"world": 4, "steps": 30, "straggler": 2, "end": None})):
+        live = LiveRun()
+        live.feed(DirSource(write_run(tmp_path / name, **kwargs)).poll())
+        findings, lost, hung = dict(live._findings), set(live._lost), set(live._hung)
+        assert findings  # the hang, the straggler: found while feeding
+        first = live.snapshot()
+        for at in (None, 3, 5, None):
+            live.snapshot(at)
+        assert live._findings == findings and list(live._findings) == list(findings)
+        assert (live._lost, live._hung) == (lost, hung)
+        assert live.snapshot() == first
+
+
+def test_lost_ranks_are_found_when_fed(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    d.mkdir()
+    for rank in range(3):
+        with open(d / rank_file_name(rank), "wb") as f:
+            f.writelines(encode(rec) for rec in synthetic_records(rank, 3, range(10 if rank == 2 else 30),
+                                                                  end=None if rank == 2 else "close"))
+    live = LiveRun()
+    live.feed(DirSource(d).poll())
+    assert [k for k in live._findings if k.code == "rank-lost"] == [FindingKey("rank-lost", "cross-rank", (2,))]
 
 
 def test_garbage_truncation_deletion_and_late_ranks(tmp_path: Path) -> None:

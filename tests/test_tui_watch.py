@@ -20,6 +20,8 @@ from textual.pilot import Pilot
 from textual.widgets import Sparkline
 
 from ddpdoctor.events import encode
+from ddpdoctor.events.layout import rank_file_name
+from ddpdoctor.runlog import DirSource
 from tests.test_live_run import synthetic_records, write_run
 
 SIZE = (120, 40)
@@ -231,3 +233,24 @@ async def test_an_elastic_restart_moves_the_view_to_the_new_attempt(tmp_path: Pa
         assert not app.snapshot.findings  # attempt 0's straggler belongs to attempt 0
         await pilot.press("q")
     assert app.return_code == 0
+
+
+async def test_a_column_widens_when_longer_values_come_after_the_first_rows(tmp_path: Path) -> None:
+    """At first a rank has no step ("-" in every number column); the later "40.0" is not cut to "40."."""
+    run = tmp_path / "run"
+    run.mkdir()
+    records = {r: synthetic_records(r, 2, range(3), end=None) for r in range(2)}
+    for r in range(2):  # header and layout only: the rows appear before any step
+        (run / rank_file_name(r)).write_bytes(b"".join(encode(x) for x in records[r][:2]))
+    app = WatchApp(DirSource(run), interval=0.05)
+    async with app.run_test(size=(160, 48)) as pilot:
+        table = app.query_one(RanksTable)
+        await wait_for(pilot, lambda: table.row_count == 2)
+        for r in range(2):
+            with open(run / rank_file_name(r), "ab") as f:
+                f.write(b"".join(encode(x) for x in records[r][2:]))
+        await wait_for(pilot, at_step(app, 2))
+        row = next(line for line in screen_text(app).splitlines() if line.startswith("│ 0 "))
+        # rank, host, step, step ms, fwd, bwd, ar wait, buf sync, late, cost to others
+        assert row.split()[1:11] == ["0", "node0", "2", "100.0", "20.0", "40.0", "0.0", "-", "0.0", "-"]
+        assert "cost to others" in screen_text(app)

@@ -1,15 +1,17 @@
-"""Where the ranks' streams meet, live: bounded state for ``ddpdoctor watch`` fed from any record source.
+"""Where the ranks' streams meet, live: the bounded state behind ``ddpdoctor watch``, fed from any record source.
 
 ``LiveRun.feed`` takes the records a :class:`~ddpdoctor.runlog.source.RecordSource` polled (a run
 dir being written or a stream, the same here) and keeps only a sliding window of each rank's
-recent steps, so memory stays flat over a run of any length. ``LiveRun.snapshot`` returns an
-immutable view for the UI: per-rank numbers and status, the cross-rank bucket arrivals of a
-step (the heatmap), step-time history and the findings so far.
+recent steps, so memory stays flat over a run of any length. It completes steps (every rank
+logged them: arrivals computed once), and runs the cross-rank detectors; their findings are
+kept under a typed ``FindingKey``. ``LiveRun.snapshot`` only reads: it projects that state into
+the frozen view of ``live_view`` (rows, heatmap, step times, findings) for the UI.
 
 The cross-rank analysis is the same as the report's (a finding is defined once): clock offsets
 from ``clock_align``, arrivals from ``bucket_wait``, stragglers from ``straggler`` over the last
 ``window`` complete steps, lost ranks from ``lost``, hangs from ``hang`` (with each rank's
-latest steps logged without any all-reduce, which name a skipped backward). No textual, no torch.
+latest steps logged without any all-reduce, which name a skipped backward), the bucket what-if
+from ``bucket_size``. No textual, no torch.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 from statistics import median
-from typing import Any
+from typing import Literal, NamedTuple, cast
 
+from ddpdoctor.analysis import live_view
 from ddpdoctor.analysis.bucket_size import RankBackward, bucket_size
 from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
 from ddpdoctor.analysis.clock_align import ClockOffsets, estimate_offsets
-from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
+from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding, Severity
 from ddpdoctor.analysis.hang import COLLECTIVE_PHASES, hang_findings, steps_without_allreduce
+from ddpdoctor.analysis.live_view import EMPTY_HEALTH, LiveSnapshot, StepTime
 from ddpdoctor.analysis.lost import RankTail, lost_ranks
 from ddpdoctor.analysis.straggler import stragglers
 from ddpdoctor.events import End, FindingRecord, Hang, Header, Layout, ProcSample, Step, Unused
@@ -48,94 +52,26 @@ WHATIF_EVERY, WHATIF_RANKS, WHATIF_SAMPLES = 100, 8, 16
 #: the job is among a rank's last steps), for the hang finding to name.
 BARE_STEPS = 64
 
-STATUSES = ("running", "straggler", "stalled", "hung", "finished", "terminated", "failed", "lost")
+class FindingKey(NamedTuple):
+    """Which live finding an entry is: a newer finding of the same key replaces the older one.
+
+    ``origin`` "logged": a rank's own ``finding`` record (one entry per code, ranks united);
+    "cross-rank": a detector run here over all ranks' records. A logged finding gives way to a
+    cross-rank one of the same code (the cross-rank view knows more).
+    """
+
+    code: str
+    origin: Literal["logged", "cross-rank"]
+    ranks: tuple[int, ...] = ()
+    severity: str = ""
 
 
-@dataclass(frozen=True)
-class BucketView:
-    """One collective of one rank at the viewed step (ms from the step's start; lateness on aligned clocks)."""
-
-    name: str  # "bcast" for the buffer broadcast, else "b0", "b1", ...
-    ready_ms: float | None
-    done_ms: float | None
-    bytes: int
-    late_ms: float | None  # behind the earliest rank at this collective
+def _logged(code: str) -> FindingKey:
+    return FindingKey(code, "logged")
 
 
-@dataclass(frozen=True)
-class RankView:
-    """One row of the ranks table."""
-
-    rank: int
-    host: str
-    step: int | None
-    step_ms: float | None
-    fwd_ms: float | None
-    bwd_ms: float | None
-    wait_ms: float | None  # blocked in the step's collectives for slower ranks
-    bcast_ms: float | None  # buffer broadcast inside forward
-    late_ms: float | None  # behind the earliest rank (at the collective it was latest for)
-    cpu_pct: float | None
-    rss_bytes: int | None
-    status: str
-    hang: Hang | None = None  # the watchdog's last word while stalled (phase, pending bucket, stack)
-    buckets: tuple[BucketView, ...] = ()
-    end_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class Heatmap:
-    """Arrival lateness of every rank at every collective of one step."""
-
-    step: int
-    collectives: tuple[str, ...]
-    late_ms: dict[int, tuple[float, ...]]  # rank -> per collective
-
-    def worst(self) -> tuple[int, int, float] | None:
-        """(rank, collective index, ms) of the latest arrival."""
-        best: tuple[int, int, float] | None = None
-        for rank, row in self.late_ms.items():
-            for i, v in enumerate(row):
-                if best is None or v > best[2]:
-                    best = (rank, i, v)
-        return best
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """Step time across ranks at one step (ms)."""
-
-    step: int
-    min_ms: float
-    median_ms: float
-    max_ms: float
-
-
-@dataclass(frozen=True)
-class LiveSnapshot:
-    """What the UI shows, frozen at one moment. ``view_step`` None: following the latest step."""
-
-    label: str
-    run_id: str
-    world_size: int
-    backend: str
-    device: str
-    ranks: tuple[RankView, ...]
-    steps: tuple[int, ...]  # complete steps that can be viewed (oldest first)
-    view_step: int | None  # the step shown (the latest complete one when following)
-    latest_step: int | None  # highest step any rank logged
-    heatmap: Heatmap | None
-    step_times: tuple[StepTime, ...]
-    findings: tuple[Finding, ...]
-    health: str  # "waiting", "ok", "warning", "error"
-    steps_per_s: float | None
-    finished: bool  # every rank closed its log
-    source: SourceHealth
-    records: int  # records fed so far
-    attempt: int | None = None  # the elastic attempt shown (None: not elastic, or not known)
-
-
-EMPTY_HEALTH = SourceHealth(0, 0, 0)
+def _crossed(code: str, ranks: tuple[int, ...] = (), severity: str = "") -> FindingKey:
+    return FindingKey(code, "cross-rank", ranks, severity)
 
 
 @dataclass
@@ -155,10 +91,6 @@ class _RankState:
 
 def _step_wall_ns(s: Step) -> int:
     return s.t0_wall_ns + int((s.end_us or s.sync_end_us or s.fwd_end_us or 0.0) * 1000)
-
-
-def _ms(v: float | None) -> float | None:
-    return None if v is None else v / 1000.0
 
 
 class LiveRun:
@@ -181,8 +113,10 @@ class LiveRun:
         self._step_times: deque[StepTime] = deque(maxlen=self.history)
         self._clocks: ClockOffsets | None = None
         self._clock_age = 0
-        self._findings: dict[tuple[Any, ...], Finding] = {}  # in order of first appearance
+        self._findings: dict[FindingKey, Finding] = {}  # in order of first appearance
         self._stragglers: set[int] = set()
+        self._lost: set[int] = set()  # ranks lost, as of the last feed
+        self._hung: set[int] = set()  # ranks waiting in a hang, as of the last feed
         self._checked_upto: int | None = None
         self._source = EMPTY_HEALTH
         self._records = 0
@@ -200,6 +134,8 @@ class LiveRun:
             self._add(rr.rank, rr.record)
         self._check_stragglers()
         self._check_bucket_size()
+        self._lost = self._check_lost()
+        self._hung = self._check_hangs()
 
     def set_source_health(self, health: SourceHealth) -> None:
         self._source = health
@@ -245,11 +181,13 @@ class LiveRun:
             st.end = rec
             st.last_wall_ns = max(st.last_wall_ns, rec.t_wall_ns)
         elif isinstance(rec, FindingRecord):
-            key = ("logged", rec.code)
+            key = _logged(rec.code)
             old = self._findings.get(key)
             ranks = sorted(set(old.ranks if old else []) | set(rec.ranks or [rank]))
             if old is None:
-                self._findings[key] = Finding(code=rec.code, severity=rec.severity, title=rec.title,  # type: ignore[arg-type]
+                # the runtime writes one of the three severities; an unknown one reads as info
+                severity = cast(Severity, rec.severity if rec.severity in SEVERITY_ORDER else "info")
+                self._findings[key] = Finding(code=rec.code, severity=severity, title=rec.title,
                                               detail=rec.detail, fix=rec.fix, ranks=ranks, step=rec.step,
                                               evidence=dict(rec.evidence))
             elif ranks != old.ranks:
@@ -337,7 +275,7 @@ class LiveRun:
         found = stragglers(steps_by_rank, [self._arrivals[s] for s in recent])
         self._stragglers = {r for f in found for r in f.ranks}
         for f in found:
-            key = ("straggler", f.ranks[0])
+            key = _crossed("straggler", (f.ranks[0],))
             old = self._findings.get(key)
             seen = old.evidence["live_seen_at_step"] if old else self._checked_upto
             self._findings[key] = dataclasses.replace(f, step=old.step if old else f.step,
@@ -360,21 +298,22 @@ class LiveRun:
             found = bucket_size(ranks)
         except (ValueError, ZeroDivisionError, KeyError):  # a window too thin to replay: try again later
             return
-        self._findings.pop(("bucket-size",), None)
+        self._findings.pop(_crossed("bucket-size"), None)
         for f in found:
-            self._findings[("bucket-size",)] = f
+            self._findings[_crossed("bucket-size")] = f
 
-    def _lost(self) -> set[int]:
+    def _check_lost(self) -> set[int]:
+        """Ranks whose log stopped while others went on (their finding is kept once seen)."""
         if len(self._ranks) < 2:
             return set()
         found = lost_ranks({rank: RankTail(header=st.header, last_step=st.steps[-1] if st.steps else None,
                                            last_proc=st.proc, end=st.end)
                             for rank, st in self._ranks.items()})
         for f in found:
-            self._findings.setdefault(("rank-lost", f.ranks[0]), f)
+            self._findings.setdefault(_crossed("rank-lost", (f.ranks[0],)), f)
         return {r for f in found for r in f.ranks}
 
-    def _hangs(self) -> set[int]:
+    def _check_hangs(self) -> set[int]:
         """Ranks that are part of a hang now (waiting in a collective that cannot complete)."""
         latest = {r: st.last_hang for r, st in self._ranks.items() if st.last_hang is not None}
         stalled = {r for r, st in self._ranks.items() if st.hang is not None and st.end is None}
@@ -393,7 +332,7 @@ class LiveRun:
             found = []
         hung = False
         for f in found:
-            self._findings[("hang", f.severity, tuple(f.ranks))] = f
+            self._findings[_crossed("hang", tuple(f.ranks), f.severity)] = f
             hung = hung or f.severity == "error"
         # in a hang every stalled rank is hung, as the report says; the finding names the
         # missing rank and where it is
@@ -402,92 +341,50 @@ class LiveRun:
     # -- reading --------------------------------------------------------------------------------
 
     def snapshot(self, at_step: int | None = None) -> LiveSnapshot:
-        """The view at ``at_step`` (a complete step), or at the latest complete step when None."""
+        """The view at ``at_step`` (a complete step), or at the latest complete step when None.
+
+        A pure read: the state is exactly the same after it (the detectors ran in ``feed``).
+        """
         complete = tuple(self._complete)
         if at_step is not None and complete:
             at_step = min(max(at_step, complete[0]), complete[-1])
         view = at_step if at_step is not None else (complete[-1] if complete else None)
-        following = at_step is None
-        lost = self._lost()
-        hung = self._hangs()
         arr = self._arrivals.get(view) if view is not None else None
-        heat = None
         rows = []
         for rank in sorted(self._ranks):
             st = self._ranks[rank]
-            s = (st.steps[-1] if st.steps else None) if following else self._find(st, view)  # type: ignore[arg-type]
+            if at_step is None:  # following: each rank's own latest step
+                s = st.steps[-1] if st.steps else None
+            else:
+                s = self._find(st, at_step)
             lat = arr.lateness_us.get(rank) if arr is not None and (s is None or s.step == view) else None
-            rows.append(self._row(st, s, arr, lat, lost, hung))
+            status = live_view.rank_status(rank, st.end, st.hang is not None, lost=self._lost, hung=self._hung,
+                                           stragglers=self._stragglers)
+            rows.append(live_view.rank_row(rank, header=st.header, step=s, proc=st.proc, end=st.end, hang=st.hang,
+                                           status=status, arrivals=arr, lateness=lat))
+        heat = None
         if arr is not None:
-            n = len(next(iter(arr.lateness_us.values()), []))
-            has_bcast = any(s.bcast_start_us is not None for s in self._steps_at(view).values())  # type: ignore[arg-type]
-            names = (["bcast"] if has_bcast else []) + [f"b{i}" for i in range(n - (1 if has_bcast else 0))]
-            heat = Heatmap(step=arr.step, collectives=tuple(names),
-                           late_ms={r: tuple(v / 1000.0 for v in lat) for r, lat in sorted(arr.lateness_us.items())})
+            has_bcast = any(s.bcast_start_us is not None for s in self._steps_at(arr.step).values())
+            heat = live_view.heatmap(arr, has_bcast)
         headers = [st.header for st in self._ranks.values() if st.header is not None]
         h0 = min(headers, key=lambda h: h.rank) if headers else None
-        # a rank's own finding (its watchdog's hang) gives way to the cross-rank one of the same code
-        crossed = {key[0] for key in self._findings if key[0] != "logged"}
-        findings = tuple(f for key, f in self._findings.items() if not (key[0] == "logged" and key[1] in crossed))
-        statuses = {r.status for r in rows}
-        worst = max((SEVERITY_ORDER[f.severity] for f in findings), default=-1)
-        if not rows:
-            health = "waiting"
-        elif worst >= 2 or statuses & {"hung", "lost", "failed"}:
-            health = "error"
-        elif worst >= 1 or statuses & {"straggler", "stalled", "terminated"}:
-            health = "warning"
-        else:
-            health = "ok"
+        findings = self._shown_findings()
         latest = max((st.steps[-1].step for st in self._ranks.values() if st.steps), default=None)
         return LiveSnapshot(
             label=self.label, run_id=h0.run_id if h0 else "", world_size=self._expected(),
             backend=h0.backend if h0 else "", device=h0.device if h0 else "", ranks=tuple(rows), steps=complete,
             view_step=view, latest_step=latest, heatmap=heat, step_times=tuple(self._step_times),
-            findings=findings, health=health, steps_per_s=self._rate(),
+            findings=findings, health=live_view.run_health(rows, findings), steps_per_s=self._rate(),
             finished=bool(self._ranks) and all(st.end is not None for st in self._ranks.values())
             and len(self._ranks) >= self._world_size,
             source=self._source, records=self._records, attempt=self.attempt,
         )
 
-    def _row(self, st: _RankState, s: Step | None, arr: StepArrivals | None, lat: list[float] | None,
-             lost: set[int], hung: set[int]) -> RankView:
-        if st.end is not None:
-            reason = st.end.reason
-            status = "failed" if reason.startswith("error") else "terminated" if reason == "signal" else "finished"
-        elif st.rank in lost:
-            status = "lost"
-        elif st.rank in hung:
-            status = "hung"
-        elif st.hang is not None:
-            status = "stalled"
-        elif st.rank in self._stragglers:
-            status = "straggler"
-        else:
-            status = "running"
-        buckets: list[BucketView] = []
-        if s is not None:
-            has_bcast = s.bcast_start_us is not None
-            if has_bcast:
-                start = s.bcast_start_us or 0.0
-                buckets.append(BucketView("bcast", _ms(start), _ms(start + (s.bcast_us or 0.0)), s.bcast_bytes,
-                                          lat[0] / 1000.0 if lat else None))
-            off = 1 if has_bcast else 0
-            for i, ready in enumerate(s.b_ready_us):
-                done = s.b_done_us[i] if i < len(s.b_done_us) else None
-                nbytes = s.b_bytes[i] if i < len(s.b_bytes) else 0
-                late = lat[i + off] / 1000.0 if lat and i + off < len(lat) else None
-                buckets.append(BucketView(f"b{i}", _ms(ready), _ms(done), nbytes, late))
-        bwd = s.bwd_end_us - s.fwd_end_us if s is not None and s.bwd_end_us is not None and s.fwd_end_us is not None else None
-        wait = arr.wait_us.get(st.rank) if arr is not None and lat is not None else None
-        return RankView(
-            rank=st.rank, host=st.header.host if st.header else "", step=s.step if s else None,
-            step_ms=_ms(s.end_us) if s else None, fwd_ms=_ms(s.fwd_us) if s else None, bwd_ms=_ms(bwd),
-            wait_ms=_ms(wait), bcast_ms=_ms(s.bcast_us) if s else None,
-            late_ms=max(lat) / 1000.0 if lat else None,
-            cpu_pct=st.proc.cpu_pct if st.proc else None, rss_bytes=st.proc.rss_bytes if st.proc else None,
-            status=status, hang=st.hang, buckets=tuple(buckets), end_reason=st.end.reason if st.end else None,
-        )
+    def _shown_findings(self) -> tuple[Finding, ...]:
+        """The findings in order of first appearance; a rank's own finding gives way to the
+        cross-rank one of the same code (its watchdog's hang, against the hang across ranks)."""
+        crossed = {key.code for key in self._findings if key.origin == "cross-rank"}
+        return tuple(f for key, f in self._findings.items() if not (key.origin == "logged" and key.code in crossed))
 
     def _rate(self) -> float | None:
         lead = max((st for st in self._ranks.values() if len(st.steps) >= 2), key=lambda st: st.steps[-1].step,

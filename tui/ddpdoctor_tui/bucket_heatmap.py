@@ -10,7 +10,7 @@ from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from ddpdoctor.analysis.live_run import Heatmap, LiveSnapshot
+from ddpdoctor.analysis.live_view import Heatmap, LiveSnapshot
 from ddpdoctor.analysis.straggler import MIN_LATENESS_MS, MIN_LATENESS_SHARE
 from ddpdoctor_tui.formatting import lateness_colour
 

@@ -9,7 +9,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from ddpdoctor.analysis.live_run import LiveSnapshot
+from ddpdoctor.analysis.live_view import LiveSnapshot
 from ddpdoctor_tui.formatting import ms, status_text
 
 

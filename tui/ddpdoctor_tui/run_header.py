@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from ddpdoctor.analysis.live_run import LiveSnapshot
+from ddpdoctor.analysis.live_view import LiveSnapshot
 from ddpdoctor_tui.formatting import HEALTH_STYLE
 
 

@@ -7,7 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
-from ddpdoctor.analysis.live_run import LiveSnapshot
+from ddpdoctor.analysis.live_view import LiveSnapshot
 
 
 class StepChart(Vertical):

@@ -12,7 +12,8 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
 from textual.widgets import DataTable, Footer
 
-from ddpdoctor.analysis.live_run import HISTORY, LiveSnapshot
+from ddpdoctor.analysis.live_run import HISTORY
+from ddpdoctor.analysis.live_view import LiveSnapshot
 from ddpdoctor.runlog.source import DirSource, RecordSource
 from ddpdoctor_tui.bucket_heatmap import BucketHeatmap
 from ddpdoctor_tui.findings_panel import FindingsPanel

@@ -8,7 +8,8 @@ import time
 from textual.message import Message
 from textual.message_pump import MessagePump
 
-from ddpdoctor.analysis.live_run import HISTORY, LiveRun, LiveSnapshot, poll_source
+from ddpdoctor.analysis.live_run import HISTORY, LiveRun, poll_source
+from ddpdoctor.analysis.live_view import LiveSnapshot
 from ddpdoctor.runlog.source import RecordSource
 
 

@@ -1,0 +1,183 @@
+"""What the live view draws: frozen snapshot dataclasses, and the rows and heatmap built from live state.
+
+``live_run.LiveRun`` (the state: ingestion, step completion, detectors) builds one
+``LiveSnapshot`` per tick with the functions here; the widgets in ``ddpdoctor_tui`` read only
+these dataclasses. Nothing here keeps state or analyses: a row is a projection of one rank's
+latest records, the heatmap one of a step's arrivals. No textual, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ddpdoctor.analysis.bucket_wait import StepArrivals
+from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
+from ddpdoctor.events import End, Hang, Header, ProcSample, Step
+from ddpdoctor.runlog.source import SourceHealth
+
+#: Every rank status, from the quiet to the loud (the table colours them).
+STATUSES = ("running", "straggler", "stalled", "hung", "finished", "terminated", "failed", "lost")
+
+EMPTY_HEALTH = SourceHealth(0, 0, 0)
+
+
+@dataclass(frozen=True)
+class BucketView:
+    """One collective of one rank at the viewed step (ms from the step's start; lateness on aligned clocks)."""
+
+    name: str  # "bcast" for the buffer broadcast, else "b0", "b1", ...
+    ready_ms: float | None
+    done_ms: float | None
+    bytes: int
+    late_ms: float | None  # behind the earliest rank at this collective
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One row of the ranks table."""
+
+    rank: int
+    host: str
+    step: int | None
+    step_ms: float | None
+    fwd_ms: float | None
+    bwd_ms: float | None
+    wait_ms: float | None  # blocked in the step's collectives for slower ranks
+    bcast_ms: float | None  # buffer broadcast inside forward
+    late_ms: float | None  # behind the earliest rank (at the collective it was latest for)
+    cpu_pct: float | None
+    rss_bytes: int | None
+    status: str
+    hang: Hang | None = None  # the watchdog's last word while stalled (phase, pending bucket, stack)
+    buckets: tuple[BucketView, ...] = ()
+    end_reason: str | None = None
+    #: ms the other ranks spent waiting for this one at the viewed step (None: not computed)
+    lost_for_others_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Heatmap:
+    """Arrival lateness of every rank at every collective of one step."""
+
+    step: int
+    collectives: tuple[str, ...]
+    late_ms: dict[int, tuple[float, ...]]  # rank -> per collective
+
+    def worst(self) -> tuple[int, int, float] | None:
+        """(rank, collective index, ms) of the latest arrival."""
+        best: tuple[int, int, float] | None = None
+        for rank, row in self.late_ms.items():
+            for i, v in enumerate(row):
+                if best is None or v > best[2]:
+                    best = (rank, i, v)
+        return best
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Step time across ranks at one step (ms)."""
+
+    step: int
+    min_ms: float
+    median_ms: float
+    max_ms: float
+
+
+@dataclass(frozen=True)
+class LiveSnapshot:
+    """What the UI shows, frozen at one moment. ``view_step`` None: following the latest step."""
+
+    label: str
+    run_id: str
+    world_size: int
+    backend: str
+    device: str
+    ranks: tuple[RankView, ...]
+    steps: tuple[int, ...]  # complete steps that can be viewed (oldest first)
+    view_step: int | None  # the step shown (the latest complete one when following)
+    latest_step: int | None  # highest step any rank logged
+    heatmap: Heatmap | None
+    step_times: tuple[StepTime, ...]
+    findings: tuple[Finding, ...]
+    health: str  # "waiting", "ok", "warning", "error"
+    steps_per_s: float | None
+    finished: bool  # every rank closed its log
+    source: SourceHealth
+    records: int  # records fed so far
+    attempt: int | None = None  # the elastic attempt shown (None: not elastic, or not known)
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v / 1000.0
+
+
+def rank_status(rank: int, end: End | None, stalled: bool, *, lost: set[int], hung: set[int],
+                stragglers: set[int]) -> str:
+    """One of ``STATUSES``: the end record first, then lost, hung, stalled (its watchdog fired), straggler."""
+    if end is not None:
+        reason = end.reason
+        return "failed" if reason.startswith("error") else "terminated" if reason == "signal" else "finished"
+    if rank in lost:
+        return "lost"
+    if rank in hung:
+        return "hung"
+    if stalled:
+        return "stalled"
+    return "straggler" if rank in stragglers else "running"
+
+
+def bucket_views(s: Step, lateness: Sequence[float] | None) -> tuple[BucketView, ...]:
+    """The step's collectives of one rank: the buffer broadcast (if any), then each bucket."""
+    out: list[BucketView] = []
+    has_bcast = s.bcast_start_us is not None
+    if has_bcast:
+        start = s.bcast_start_us or 0.0
+        out.append(BucketView("bcast", _ms(start), _ms(start + (s.bcast_us or 0.0)), s.bcast_bytes,
+                              lateness[0] / 1000.0 if lateness else None))
+    off = 1 if has_bcast else 0
+    for i, ready in enumerate(s.b_ready_us):
+        done = s.b_done_us[i] if i < len(s.b_done_us) else None
+        nbytes = s.b_bytes[i] if i < len(s.b_bytes) else 0
+        late = lateness[i + off] / 1000.0 if lateness and i + off < len(lateness) else None
+        out.append(BucketView(f"b{i}", _ms(ready), _ms(done), nbytes, late))
+    return tuple(out)
+
+
+def rank_row(rank: int, *, header: Header | None, step: Step | None, proc: ProcSample | None, end: End | None,
+             hang: Hang | None, status: str, arrivals: StepArrivals | None,
+             lateness: Sequence[float] | None) -> RankView:
+    """The ranks table's row of one rank at one step (``step`` None: it has logged none there)."""
+    s = step
+    bwd = s.bwd_end_us - s.fwd_end_us if s is not None and s.bwd_end_us is not None and s.fwd_end_us is not None else None
+    wait = arrivals.wait_us.get(rank) if arrivals is not None and lateness is not None else None
+    return RankView(
+        rank=rank, host=header.host if header else "", step=s.step if s else None,
+        step_ms=_ms(s.end_us) if s else None, fwd_ms=_ms(s.fwd_us) if s else None, bwd_ms=_ms(bwd),
+        wait_ms=_ms(wait), bcast_ms=_ms(s.bcast_us) if s else None,
+        late_ms=max(lateness) / 1000.0 if lateness else None,
+        cpu_pct=proc.cpu_pct if proc else None, rss_bytes=proc.rss_bytes if proc else None,
+        status=status, hang=hang, buckets=bucket_views(s, lateness) if s is not None else (),
+        end_reason=end.reason if end else None,
+    )
+
+
+def heatmap(arrivals: StepArrivals, has_bcast: bool) -> Heatmap:
+    """The step's arrivals as a ranks x collectives grid of ms late."""
+    n = len(next(iter(arrivals.lateness_us.values()), []))
+    names = (["bcast"] if has_bcast else []) + [f"b{i}" for i in range(n - (1 if has_bcast else 0))]
+    return Heatmap(step=arrivals.step, collectives=tuple(names),
+                   late_ms={r: tuple(v / 1000.0 for v in lat) for r, lat in sorted(arrivals.lateness_us.items())})
+
+
+def run_health(rows: Sequence[RankView], findings: Iterable[Finding]) -> str:
+    """``waiting`` (no rank yet), ``ok``, ``warning`` or ``error``: the worst finding or rank status."""
+    if not rows:
+        return "waiting"
+    statuses = {r.status for r in rows}
+    worst = max((SEVERITY_ORDER[f.severity] for f in findings), default=-1)
+    if worst >= 2 or statuses & {"hung", "lost", "failed"}:
+        return "error"
+    if worst >= 1 or statuses & {"straggler", "stalled", "terminated"}:
+        return "warning"
+    return "ok"
