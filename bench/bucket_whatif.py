@@ -11,8 +11,9 @@ steps of the slower rank's wall time per step (``time.perf_counter`` around the 
 (model, cap) gets the median over its rounds.
 
 The simulator sees only the logs of the ``--base`` runs of each model (one per round; the
-median of their predictions is used) and predicts the step time of every cap; the script prints predicted vs measured, the median prediction error, the cap the
-simulator recommends and how far its measured time is from the measured best.
+median of their predictions is used) and predicts the step time of every cap; the script prints
+predicted vs measured, the median prediction error, the cap the simulator recommends and how far
+its measured time is from the measured best.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.harness import free_port, init_gloo
 
 CAPS = (1.0, 5.0, 25.0, 100.0)
 MODELS = ("many-small", "few-large", "mixed")
@@ -43,29 +47,29 @@ def build(name: str) -> tuple[object, object]:
             layers += [nn.Linear(256, 256), nn.ReLU()]
         return nn.Sequential(*layers), torch.randn(64, 256)
     if name == "few-large":
-        return nn.Sequential(nn.Linear(1536, 1536), nn.ReLU(), nn.Linear(1536, 1536), nn.ReLU(),
-                             nn.Linear(1536, 1536)), torch.randn(32, 1536)
+        return nn.Sequential(
+            nn.Linear(1536, 1536), nn.ReLU(), nn.Linear(1536, 1536), nn.ReLU(), nn.Linear(1536, 1536)
+        ), torch.randn(32, 1536)
     small: list[nn.Module] = []
     for _ in range(24):
         small += [nn.Linear(128, 128), nn.ReLU()]
-    return nn.Sequential(nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 128), nn.ReLU(), *small), \
-        torch.randn(32, 4096)
+    return nn.Sequential(nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 128), nn.ReLU(), *small), torch.randn(
+        32, 4096
+    )
 
 
-def worker(rank: int, world: int, port: int, out: str, steps: int, rounds: int, result_q: object) -> None:
+def worker(rank: int, world: int, port: int, out: str, steps: int, rounds: int, result_q: Any) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ddpdoctor
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     results: dict[tuple[str, float], list[float]] = {}
     for rnd in range(rounds):
         for model_name in MODELS:
-            for cap in CAPS[rnd % len(CAPS):] + CAPS[:rnd % len(CAPS)]:
+            for cap in CAPS[rnd % len(CAPS) :] + CAPS[: rnd % len(CAPS)]:
                 net, x = build(model_name)
                 ddp = DDP(net, bucket_cap_mb=cap)
                 opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
@@ -84,7 +88,7 @@ def worker(rank: int, world: int, port: int, out: str, steps: int, rounds: int, 
                 results.setdefault((model_name, cap), []).append(statistics.median(per_step.tolist()) * 1000.0)
                 del ddp, opt
     if rank == 0:
-        result_q.put({k: statistics.median(v) for k, v in results.items()})  # type: ignore[attr-defined]
+        result_q.put({k: statistics.median(v) for k, v in results.items()})
     dist.barrier()
     os._exit(0)
 
@@ -96,8 +100,6 @@ def main() -> int:
     ap.add_argument("--base", type=float, default=25.0, help="the cap whose run the simulator sees")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    import socket
-
     import torch.multiprocessing as mp
 
     from ddpdoctor.analysis.bucket_sim import Prediction
@@ -105,13 +107,14 @@ def main() -> int:
     from ddpdoctor.analysis.from_run import what_if_run
     from ddpdoctor.runlog import load_run
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="ddpdoctor-whatif-") as out:
-        procs = [ctx.Process(target=worker, args=(r, 2, port, out, args.steps, args.rounds, queue), daemon=True) for r in range(2)]
+        procs = [
+            ctx.Process(target=worker, args=(r, 2, port, out, args.steps, args.rounds, queue), daemon=True)
+            for r in range(2)
+        ]
         try:
             for p in procs:
                 p.start()
@@ -124,44 +127,71 @@ def main() -> int:
                     p.kill()
         rows, errors, picks = [], [], {}
         for model_name in MODELS:
-            whatifs = [w for rnd in range(args.rounds)
-                       if (w := what_if_run(load_run(Path(out) / f"{model_name}-{args.base:g}-r{rnd}"), caps_mb=CAPS))]
+            whatifs = [
+                w
+                for rnd in range(args.rounds)
+                if (w := what_if_run(load_run(Path(out) / f"{model_name}-{args.base:g}-r{rnd}"), caps_mb=CAPS))
+            ]
             if not whatifs:
                 print(f"{model_name}: no prediction (not enough samples)")
                 continue
             w = whatifs[0]
-            predicted = {cap: Prediction(cap_mb=cap, buckets=w.candidates[i].buckets,
-                                         step_ms=statistics.median(x.candidates[i].step_ms for x in whatifs))
-                         for i, cap in enumerate(CAPS)}
+            predicted = {
+                cap: Prediction(
+                    cap_mb=cap,
+                    buckets=w.candidates[i].buckets,
+                    step_ms=statistics.median(x.candidates[i].step_ms for x in whatifs),
+                )
+                for i, cap in enumerate(CAPS)
+            }
             for cap in CAPS:
                 pred = predicted[cap].step_ms  # calibrated by what_if on the base run's own measured step
                 meas = measured[(model_name, cap)]
                 err = abs(pred - meas) / meas
                 if cap != args.base:  # the base run is the calibration point: its error is 0 by construction
                     errors.append(err)
-                rows.append({"model": model_name, "bucket_cap_mb": cap, "buckets": predicted[cap].buckets,
-                             "predicted_ms": round(pred, 2),
-                             "measured_ms": round(meas, 2), "error_pct": round(100 * err, 1)})
+                rows.append(
+                    {
+                        "model": model_name,
+                        "bucket_cap_mb": cap,
+                        "buckets": predicted[cap].buckets,
+                        "predicted_ms": round(pred, 2),
+                        "measured_ms": round(meas, 2),
+                        "error_pct": round(100 * err, 1),
+                    }
+                )
             best_meas = min(CAPS, key=lambda c: measured[(model_name, c)])
             # the finding's rule: move only for a predicted gain of MIN_GAIN_SHARE or more
             best = min(CAPS, key=lambda c: (round(predicted[c].step_ms, 3), abs(c - args.base)))
             gain = 1 - predicted[best].step_ms / predicted[args.base].step_ms
             pick = best if gain >= MIN_GAIN_SHARE else args.base
-            picks[model_name] = {"recommended": pick, "measured_best": best_meas,
-                                 "recommended_vs_best_pct": round(100 * (measured[(model_name, pick)]
-                                                                          / measured[(model_name, best_meas)] - 1), 1),
-                                 "confidence": w.confidence, "calibration_error_pct": round(w.calibration_error_pct, 1),
-                                 "comm_model": w.to_dict()["comm_model"], "hook": w.to_dict()["hook_cost"]}
+            picks[model_name] = {
+                "recommended": pick,
+                "measured_best": best_meas,
+                "recommended_vs_best_pct": round(
+                    100 * (measured[(model_name, pick)] / measured[(model_name, best_meas)] - 1), 1
+                ),
+                "confidence": w.confidence,
+                "calibration_error_pct": round(w.calibration_error_pct, 1),
+                "comm_model": w.to_dict()["comm_model"],
+                "hook": w.to_dict()["hook_cost"],
+            }
     print(f"{'model':<11} {'cap MiB':>7} {'buckets':>7} {'predicted':>10} {'measured':>9} {'error':>6}")
     for r in rows:
-        print(f"{r['model']:<11} {r['bucket_cap_mb']:>7g} {r['buckets']:>7} {r['predicted_ms']:>8.1f}ms "
-              f"{r['measured_ms']:>7.1f}ms {r['error_pct']:>5.1f}%")
-    print(f"median prediction error: {100 * statistics.median(errors):.1f}% over the {len(errors)} (model, cap) pairs "
-          f"other than the base run (max {100 * max(errors):.1f}%)")
-    for m, p in picks.items():
-        print(f"{m}: recommended {p['recommended']:g} MiB, measured best {p['measured_best']:g} MiB, "
-              f"recommended is {p['recommended_vs_best_pct']:+.1f}% vs best; confidence {p['confidence']} "
-              f"(calibration {p['calibration_error_pct']}%), comm {p['comm_model']}, hook {p['hook']}")
+        print(
+            f"{r['model']:<11} {r['bucket_cap_mb']:>7g} {r['buckets']:>7} {r['predicted_ms']:>8.1f}ms "
+            f"{r['measured_ms']:>7.1f}ms {r['error_pct']:>5.1f}%"
+        )
+    print(
+        f"median prediction error: {100 * statistics.median(errors):.1f}% over the {len(errors)} (model, cap) pairs "
+        f"other than the base run (max {100 * max(errors):.1f}%)"
+    )
+    for m, pick in picks.items():
+        print(
+            f"{m}: recommended {pick['recommended']:g} MiB, measured best {pick['measured_best']:g} MiB, "
+            f"recommended is {pick['recommended_vs_best_pct']:+.1f}% vs best; confidence {pick['confidence']} "
+            f"(calibration {pick['calibration_error_pct']}%), comm {pick['comm_model']}, hook {pick['hook']}"
+        )
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "picks": picks}, indent=2))
     return 0

@@ -10,9 +10,9 @@ entry point on the hot path is wrapped with a timer; the figures are totals per 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import ddpdoctor
+from bench.harness import free_port, init_gloo
 from ddpdoctor.runtime import comm_hook, live_findings, step_recorder
 from ddpdoctor.runtime import monitor as monitor_module
 from ddpdoctor.sinks import NullSink
@@ -59,12 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=1000)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_gloo(0, 1, free_port())
     for owner, name, label in PROBES:
         _wrap(owner, name, label)
     torch.manual_seed(0)
@@ -87,7 +85,8 @@ def main() -> None:
     for _ in range(args.steps):
         step()
     wall_us = (time.perf_counter() - start) / args.steps * 1e6
-    buckets = len(monitor.recorder.current.ready)
+    current = monitor.recorder.current
+    buckets = len(current.ready) if current is not None else 0
     monitor.close()
     print(f"step {wall_us:.0f} µs (instrumented, timers included), {buckets} buckets, {args.steps} steps")
     for _, _, label in PROBES:

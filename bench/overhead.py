@@ -45,22 +45,23 @@ import contextlib
 import gc
 import json
 import os
-import queue
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.harness import Groups, RankFailure, init_gloo, pair_roles, paired_overheads, pct, rotated
 
 WORLD_SIZE = 2
 DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"
@@ -74,13 +75,28 @@ def long_model() -> nn.Module:
     """Conv stack with BatchNorm: ~0.17 M parameters, >= 50 ms/step on one CPU thread."""
     w = 32
     return nn.Sequential(
-        nn.Conv2d(3, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU(),
-        nn.Conv2d(w, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(w, 2 * w, 3, padding=1), nn.BatchNorm2d(2 * w), nn.ReLU(),
-        nn.Conv2d(2 * w, 2 * w, 3, padding=1), nn.BatchNorm2d(2 * w), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(2 * w, 4 * w, 3, padding=1), nn.BatchNorm2d(4 * w), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        nn.Linear(4 * w, 256), nn.ReLU(), nn.Linear(256, 10),
+        nn.Conv2d(3, w, 3, padding=1),
+        nn.BatchNorm2d(w),
+        nn.ReLU(),
+        nn.Conv2d(w, w, 3, padding=1),
+        nn.BatchNorm2d(w),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(w, 2 * w, 3, padding=1),
+        nn.BatchNorm2d(2 * w),
+        nn.ReLU(),
+        nn.Conv2d(2 * w, 2 * w, 3, padding=1),
+        nn.BatchNorm2d(2 * w),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(2 * w, 4 * w, 3, padding=1),
+        nn.BatchNorm2d(4 * w),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4 * w, 256),
+        nn.ReLU(),
+        nn.Linear(256, 10),
     )
 
 
@@ -88,10 +104,15 @@ def short_model() -> nn.Module:
     """Tiny MLP with one BatchNorm1d: a few ms/step, several small buckets."""
     h = 128
     return nn.Sequential(
-        nn.Linear(64, h), nn.BatchNorm1d(h), nn.ReLU(),
-        nn.Linear(h, h), nn.ReLU(),
-        nn.Linear(h, h), nn.ReLU(),
-        nn.Linear(h, h), nn.ReLU(),
+        nn.Linear(64, h),
+        nn.BatchNorm1d(h),
+        nn.ReLU(),
+        nn.Linear(h, h),
+        nn.ReLU(),
+        nn.Linear(h, h),
+        nn.ReLU(),
+        nn.Linear(h, h),
+        nn.ReLU(),
         nn.Linear(h, 10),
     )
 
@@ -185,7 +206,7 @@ def _run_round(
         logged = ddp._get_ddp_logging_data()
         sizes = str(logged.get("rebuilt_bucket_sizes") or logged.get("bucket_sizes") or "")
         out["buckets"] = len([s for s in sizes.split(",") if s.strip()])
-    except Exception:
+    except Exception:  # noqa: BLE001 - a private torch API: the bucket count is informative only
         out["buckets"] = None
     if monitor is not None:
         steps_before_close = monitor.steps
@@ -193,8 +214,11 @@ def _run_round(
         monitor.close()
         path = monitor.path
         size = path.stat().st_size if path is not None and path.exists() else 0
-        if steps_before_close <= 0 or monitor.steps < warmup + steps or probes_off or (
-            mode == "ddpdoctor" and size == 0
+        if (
+            steps_before_close <= 0
+            or monitor.steps < warmup + steps
+            or probes_off
+            or (mode == "ddpdoctor" and size == 0)
         ):
             raise RuntimeError(
                 f"ddpdoctor round was not really instrumented: steps before close={steps_before_close}, "
@@ -210,14 +234,10 @@ def _run_round(
     return out
 
 
-def rank_worker(rank: int, group: str, port: int, debug: str | None, commands: Any, done: Any) -> None:
-    """One rank of one process group: runs the rounds it is sent until it is sent None."""
+def rank_worker(rank: int, group: str, port: int, commands: Any, done: Any, debug: str | None) -> None:
+    """One rank of one process group (``harness.Groups``): runs the rounds it is sent until None."""
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
-            timeout=timedelta(seconds=300),
-        )
+        init_gloo(rank, WORLD_SIZE, port)
         if debug == NOWRAP:
             # DETAIL for DDP, its reducer and logger; the default group, created before, is not
             # wrapped in ProcessGroupWrapper.
@@ -232,27 +252,41 @@ def rank_worker(rank: int, group: str, port: int, debug: str | None, commands: A
             if entry is None:
                 break
             spec = SPECS[entry["model"]]
-            mine = _run_round(rank, spec, entry["mode"], entry["warmup"], entry["steps"], entry["run_dir"],
-                              verify=entry.get("verify", False) and rank == 0)
+            mine = _run_round(
+                rank,
+                spec,
+                entry["mode"],
+                entry["warmup"],
+                entry["steps"],
+                entry["run_dir"],
+                verify=entry.get("verify", False) and rank == 0,
+            )
             gathered: list[Any] = [None] * WORLD_SIZE
             dist.all_gather_object(gathered, mine)
             if rank == 0:
-                per_step_max = [max(ts) for ts in zip(*(g["times"] for g in gathered))]
-                done.put(("result", group, rank, {
-                    **{k: v for k, v in entry.items() if k not in ("run_dir", "verify")},
-                    "group": group,
-                    "debug": level,
-                    "step_ms": statistics.median(per_step_max) * 1e3,
-                    "mean_ms": statistics.fmean(per_step_max) * 1e3,
-                    "rank_median_ms": [statistics.median(g["times"]) * 1e3 for g in gathered],
-                    "buckets": gathered[0]["buckets"],
-                    "losses": gathered[0]["losses"],
-                    "monitor_steps": gathered[0].get("monitor_steps"),
-                    "log_bytes": gathered[0].get("log_bytes"),
-                }))
+                per_step_max = [max(ts) for ts in zip(*(g["times"] for g in gathered), strict=True)]
+                done.put(
+                    (
+                        "result",
+                        group,
+                        rank,
+                        {
+                            **{k: v for k, v in entry.items() if k not in ("run_dir", "verify")},
+                            "group": group,
+                            "debug": level,
+                            "step_ms": statistics.median(per_step_max) * 1e3,
+                            "mean_ms": statistics.fmean(per_step_max) * 1e3,
+                            "rank_median_ms": [statistics.median(g["times"]) * 1e3 for g in gathered],
+                            "buckets": gathered[0]["buckets"],
+                            "losses": gathered[0]["losses"],
+                            "monitor_steps": gathered[0].get("monitor_steps"),
+                            "log_bytes": gathered[0].get("log_bytes"),
+                        },
+                    )
+                )
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the parent, then this rank exits 1
         text = traceback.format_exc()
         print(f"[group {group} rank {rank}] {text}", file=sys.stderr, flush=True)
         done.put(("error", group, rank, text))
@@ -272,114 +306,6 @@ def rank_worker(rank: int, group: str, port: int, debug: str | None, commands: A
 # -- the parent --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RankFailure(RuntimeError):
-    def __init__(self, group: str, codes: list[int | None], detail: str = "") -> None:
-        signals = {-11: "SIGSEGV", -6: "SIGABRT", -9: "SIGKILL"}
-        names = [signals.get(c, str(c)) if c is not None else "running" for c in codes]
-        super().__init__(f"group {group}: ranks exited with {', '.join(names)}" + (f"\n{detail}" if detail else ""))
-        self.codes = codes
-
-
-class Groups:
-    """2-rank process groups started side by side; the parent sends each round to one of them."""
-
-    def __init__(self) -> None:
-        self.ctx = mp.get_context("spawn")
-        self.done = self.ctx.Queue()
-        self.procs: dict[str, list[Any]] = {}
-        self.commands: dict[str, list[Any]] = {}
-        self.errors: dict[str, str] = {}
-
-    def start(self, group: str, debug: str | None, timeout: float = 300.0) -> None:
-        port = _free_port()
-        saved = os.environ.get(DEBUG_ENV)
-        if debug is None or debug == NOWRAP:
-            os.environ.pop(DEBUG_ENV, None)
-        else:
-            os.environ[DEBUG_ENV] = debug  # read by torch.distributed when the child imports it
-        try:
-            self.commands[group] = [self.ctx.Queue() for _ in range(WORLD_SIZE)]
-            self.procs[group] = []
-            for rank in range(WORLD_SIZE):
-                p = self.ctx.Process(target=rank_worker, daemon=True,
-                                     args=(rank, group, port, debug, self.commands[group][rank], self.done))
-                p.start()
-                self.procs[group].append(p)
-        finally:
-            if saved is None:
-                os.environ.pop(DEBUG_ENV, None)
-            else:
-                os.environ[DEBUG_ENV] = saved
-        ready = 0
-        while ready < WORLD_SIZE:
-            kind, _ = self._wait(group, timeout)
-            ready += kind == "ready"
-
-    def run(self, group: str, entry: dict[str, Any], timeout: float) -> dict[str, Any]:
-        for q in self.commands[group]:
-            q.put(entry)
-        while True:
-            kind, payload = self._wait(group, timeout)
-            if kind == "result":
-                return payload
-
-    def _wait(self, group: str, timeout: float) -> tuple[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                kind, from_group, _rank, payload = self.done.get(timeout=0.2)
-            except queue.Empty:
-                kind = None
-            if kind == "error":
-                self.errors[from_group] = payload
-                if from_group == group:
-                    self._fail(group, payload)
-            elif kind is not None and from_group == group:
-                return kind, payload
-            if any(p.exitcode is not None for p in self.procs[group]):
-                self._fail(group, self.errors.get(group, ""))
-            if time.monotonic() > deadline:
-                self.kill(group)
-                raise TimeoutError(f"group {group}: no answer within {timeout:.0f} s")
-
-    def _fail(self, group: str, detail: str) -> None:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(p.exitcode is None for p in self.procs[group]):
-            time.sleep(0.1)  # let the other rank go down too, to report both exit codes
-        codes = [p.exitcode for p in self.procs[group]]
-        with contextlib.suppress(queue.Empty):
-            while not detail:  # a rank's traceback may still be on its way
-                kind, from_group, _rank, payload = self.done.get(timeout=1.0)
-                if kind == "error" and from_group == group:
-                    detail = payload
-        self.kill(group)
-        raise RankFailure(group, codes, detail)
-
-    def kill(self, group: str) -> None:
-        for p in self.procs.pop(group, []):
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-        self.commands.pop(group, None)
-
-    def close(self, timeout: float = 30.0) -> None:
-        for qs in self.commands.values():
-            for q in qs:
-                q.put(None)
-        deadline = time.monotonic() + timeout
-        for procs in self.procs.values():
-            for p in procs:
-                p.join(max(0.1, deadline - time.monotonic()))
-        for group in list(self.procs):
-            self.kill(group)
-
-
 @dataclass(frozen=True)
 class Tool:
     key: str
@@ -387,10 +313,6 @@ class Tool:
     group: str
     mode: str
     base_group: str
-
-
-def _pct(x: float) -> str:
-    return f"{x * 100:+.1f}%"
 
 
 def summarize(results: list[dict[str, Any]], models: list[str], tools: list[Tool]) -> dict[str, Any]:
@@ -405,28 +327,20 @@ def summarize(results: list[dict[str, Any]], models: list[str], tools: list[Tool
                 continue
             base = [by[(tool.key, model, p, "base")] for p in pairs]
             with_tool = [by[(tool.key, model, p, "tool")] for p in pairs]
-            ratios = [t["step_ms"] / b["step_ms"] - 1 for t, b in zip(with_tool, base)]
-            mean_ratios = [t["mean_ms"] / b["mean_ms"] - 1 for t, b in zip(with_tool, base)]
+            of_medians = paired_overheads([b["step_ms"] for b in base], [t["step_ms"] for t in with_tool])
+            of_means = paired_overheads([b["mean_ms"] for b in base], [t["mean_ms"] for t in with_tool])
             summary[f"{model}/{tool.key}"] = {
                 "plain_ms": statistics.median(b["step_ms"] for b in base),
                 "tool_ms": statistics.median(t["step_ms"] for t in with_tool),
-                "overhead": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-                "q1": _quantile(ratios, 0.25), "q3": _quantile(ratios, 0.75),
-                "overhead_of_means": statistics.median(mean_ratios), "pairs": len(ratios),
+                **of_medians,
+                "overhead_of_means": of_means["overhead"],
             }
     return summary
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def table(summary: dict[str, Any], models: list[str], tools: list[Tool], info: dict[str, str],
-          failed: dict[str, str]) -> str:
+def table(
+    summary: dict[str, Any], models: list[str], tools: list[Tool], info: dict[str, str], failed: dict[str, str]
+) -> str:
     lines = [
         (
             "| model | tool | plain ms/step | with tool ms/step | overhead (median of pairs) "
@@ -443,8 +357,8 @@ def table(summary: dict[str, Any], models: list[str], tools: list[Tool], info: d
                 continue
             lines.append(
                 f"| {model} ({info[model]}) | {tool.label} | {s['plain_ms']:.2f} | {s['tool_ms']:.2f} | "
-                f"**{_pct(s['overhead'])}** | {_pct(s['q1'])} … {_pct(s['q3'])} "
-                f"[{_pct(s['min'])} … {_pct(s['max'])}] (n={s['pairs']}) | {_pct(s['overhead_of_means'])} |"
+                f"**{pct(s['overhead'])}** | {pct(s['q1'])} … {pct(s['q3'])} "
+                f"[{pct(s['min'])} … {pct(s['max'])}] (n={s['pairs']}) | {pct(s['overhead_of_means'])} |"
             )
     return "\n".join(lines)
 
@@ -453,14 +367,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=7, help="interleaved pairs per tool and model (default 7)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round, long model (default 10)")
-    parser.add_argument("--short-steps", type=int, default=None,
-                        help="timed steps per round, short model (default 20 x --steps)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="warm-up steps per round, long model (default 4; short model: 20)")
+    parser.add_argument(
+        "--short-steps", type=int, default=None, help="timed steps per round, short model (default 20 x --steps)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="warm-up steps per round, long model (default 4; short model: 20)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny smoke run (< 60 s)")
-    parser.add_argument("--attribution", action="store_true",
-                        help="also time plain DDP with a minimal Python allreduce comm hook (the floor of any "
-                             "Python comm hook) and ddpdoctor with a NullSink (all probes, no writer, no file)")
+    parser.add_argument(
+        "--attribution",
+        action="store_true",
+        help="also time plain DDP with a minimal Python allreduce comm hook (the floor of any "
+        "Python comm hook) and ddpdoctor with a NullSink (all probes, no writer, no file)",
+    )
     parser.add_argument("--no-debug-env", action="store_true", help="skip the TORCH_DISTRIBUTED_DEBUG groups")
     parser.add_argument("--json", default=None, help="write the raw per-round results here")
     args = parser.parse_args(argv)
@@ -482,13 +401,19 @@ def main(argv: list[str] | None = None) -> int:
         Tool("ddpdoctor", "ddpdoctor.instrument (file sink)", "main", "ddpdoctor", "main"),
     ]
     if args.attribution:
-        tools.append(Tool("pyhook", "(attribution) plain DDP + minimal Python comm hook, no ddpdoctor",
-                          "main", "pyhook", "main"))
+        tools.append(
+            Tool("pyhook", "(attribution) plain DDP + minimal Python comm hook, no ddpdoctor", "main", "pyhook", "main")
+        )
         tools.append(Tool("nullsink", "(attribution) ddpdoctor.instrument with NullSink", "main", "nullsink", "main"))
     tools.append(Tool("profiler", "torch.profiler (CPU activities)", "main", "profiler", "main"))
     detail = Tool("detail", "TORCH_DISTRIBUTED_DEBUG=DETAIL", "detail", "plain", "envplain")
-    nowrap = Tool("detail-nowrap", "DETAIL set after init_process_group (DDP side only, no ProcessGroupWrapper)",
-                  "nowrap", "plain", "envplain")
+    nowrap = Tool(
+        "detail-nowrap",
+        "DETAIL set after init_process_group (DDP side only, no ProcessGroupWrapper)",
+        "nowrap",
+        "plain",
+        "envplain",
+    )
     info_tool = Tool("info", "TORCH_DISTRIBUTED_DEBUG=INFO", "info", "plain", "envplain")
 
     workdir = tempfile.mkdtemp(prefix="ddpdoctor-bench-")
@@ -503,18 +428,35 @@ def main(argv: list[str] | None = None) -> int:
 
     def warm(group: str) -> None:  # first round of a fresh process: lazy initialization, not timed
         for model in models:
-            groups.run(group, {"model": model, "mode": "plain", "warmup": 2, "steps": 1, "run_dir": "",
-                               "tool": "-", "role": "-", "pair": -1}, per_round_timeout)
+            groups.run(
+                group,
+                {
+                    "model": model,
+                    "mode": "plain",
+                    "warmup": 2,
+                    "steps": 1,
+                    "run_dir": "",
+                    "tool": "-",
+                    "role": "-",
+                    "pair": -1,
+                },
+                per_round_timeout,
+            )
 
-    groups = Groups()
+    groups = Groups(rank_worker, WORLD_SIZE)
+
+    def start(group: str, debug: str | None) -> None:
+        # TORCH_DISTRIBUTED_DEBUG is read when the child imports torch.distributed
+        groups.start(group, debug, env={DEBUG_ENV: None if debug in (None, NOWRAP) else debug})
+
     try:
-        groups.start("main", None)
+        start("main", None)
         warm("main")
         if not args.no_debug_env:
-            groups.start("envplain", None)
+            start("envplain", None)
             warm("envplain")
             try:  # the real thing, as users set it
-                groups.start("detail", "DETAIL")
+                start("detail", "DETAIL")
                 warm("detail")
                 tools.append(detail)
                 shown.append(detail)
@@ -523,9 +465,9 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"TORCH_DISTRIBUTED_DEBUG=DETAIL: {exc}; measuring DETAIL without the group wrapper instead")
                 shown += [detail, nowrap]
                 tools.append(nowrap)
-                groups.start("nowrap", NOWRAP)
+                start("nowrap", NOWRAP)
                 warm("nowrap")
-            groups.start("info", "INFO")
+            start("info", "INFO")
             warm("info")
             tools.append(info_tool)
             shown.append(info_tool)
@@ -534,26 +476,32 @@ def main(argv: list[str] | None = None) -> int:
         schedule = []
         for pair in range(args.pairs):
             order_models = models if pair % 2 == 0 else models[::-1]
-            rotated = tools[pair % len(tools):] + tools[: pair % len(tools)]
             for model in order_models:
                 warmup, steps = plan[model]
-                for k, tool in enumerate(rotated):
-                    roles = ("base", "tool") if (pair + k) % 2 == 0 else ("tool", "base")
-                    for role in roles:
+                for k, tool in enumerate(rotated(tools, pair)):
+                    for role in pair_roles(pair, k):
                         group = tool.base_group if role == "base" else tool.group
                         mode = "plain" if role == "base" else tool.mode
-                        schedule.append({
-                            "tool": tool.key, "role": role, "group": group, "model": model, "mode": mode,
-                            "pair": pair, "warmup": warmup, "steps": steps,
-                            "verify": pair == 0 and mode == "profiler",
-                            "run_dir": os.path.join(workdir, f"run-{model}-{tool.key}-{pair}"),
-                        })
+                        schedule.append(
+                            {
+                                "tool": tool.key,
+                                "role": role,
+                                "group": group,
+                                "model": model,
+                                "mode": mode,
+                                "pair": pair,
+                                "warmup": warmup,
+                                "steps": steps,
+                                "verify": pair == 0 and mode == "profiler",
+                                "run_dir": os.path.join(workdir, f"run-{model}-{tool.key}-{pair}"),
+                            }
+                        )
         log(f"{len(schedule)} rounds")
         for i, entry in enumerate(schedule):
             results.append(groups.run(entry["group"], entry, per_round_timeout))
             if (i + 1) % max(1, len(schedule) // 10) == 0:
                 log(f"{i + 1}/{len(schedule)} rounds done")
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure ends the bench with its traceback and exit 1
         traceback.print_exc()
         return 1
     finally:

@@ -52,24 +52,58 @@ def step_ms(straggler_ms: float = 0.0) -> float:
 
 
 def header(rank: int, world: int, *, buckets: int = 8, run_id: str = "synth") -> Header:
-    params = [ParamInfo(name=f"layers.{i}.weight", shape=[1024, 512], dtype="torch.float32", numel=524_288,
-                        requires_grad=True) for i in range(buckets * 2)]
-    return Header(rank=rank, run_id=run_id, world_size=world, local_rank=rank % 8, host=f"node{rank // 8:03d}",
-                  pid=10_000 + rank, backend="nccl", device=f"cuda:{rank % 8}", torch="2.13.0", python="3.11",
-                  t_mono_ns=T0_MONO_NS, t_wall_ns=T0_WALL_NS + clock_offset_ns(rank),
-                  ddp_options={"bucket_cap_mb": 25, "broadcast_buffers": True, "find_unused_parameters": False},
-                  params=params, buffers=[BufferInfo(name="norm.running_mean", shape=[512], dtype="torch.float32",
-                                                     bytes=2048, broadcast=True)])
+    params = [
+        ParamInfo(
+            name=f"layers.{i}.weight", shape=[1024, 512], dtype="torch.float32", numel=524_288, requires_grad=True
+        )
+        for i in range(buckets * 2)
+    ]
+    return Header(
+        rank=rank,
+        run_id=run_id,
+        world_size=world,
+        local_rank=rank % 8,
+        host=f"node{rank // 8:03d}",
+        pid=10_000 + rank,
+        backend="nccl",
+        device=f"cuda:{rank % 8}",
+        torch="2.13.0",
+        python="3.11",
+        t_mono_ns=T0_MONO_NS,
+        t_wall_ns=T0_WALL_NS + clock_offset_ns(rank),
+        ddp_options={"bucket_cap_mb": 25, "broadcast_buffers": True, "find_unused_parameters": False},
+        params=params,
+        buffers=[BufferInfo(name="norm.running_mean", shape=[512], dtype="torch.float32", bytes=2048, broadcast=True)],
+    )
 
 
 def layout(rank: int, *, buckets: int = 8) -> Layout:
-    return Layout(rank=rank, step=0, reason="initial", buckets=[
-        BucketInfo(index=b, params=[f"layers.{2 * b}.weight", f"layers.{2 * b + 1}.weight"], bytes=BUCKET_BYTES,
-                   dtype="torch.float32") for b in range(buckets)])
+    return Layout(
+        rank=rank,
+        step=0,
+        reason="initial",
+        buckets=[
+            BucketInfo(
+                index=b,
+                params=[f"layers.{2 * b}.weight", f"layers.{2 * b + 1}.weight"],
+                bytes=BUCKET_BYTES,
+                dtype="torch.float32",
+            )
+            for b in range(buckets)
+        ],
+    )
 
 
-def step_record(rank: int, world: int, step: int, *, buckets: int = 8, straggler: int | None = None,
-                straggler_ms: float = 30.0, seed: int = 0) -> Step:
+def step_record(
+    rank: int,
+    world: int,
+    step: int,
+    *,
+    buckets: int = 8,
+    straggler: int | None = None,
+    straggler_ms: float = 30.0,
+    seed: int = 0,
+) -> Step:
     """Rank ``rank``'s record of ``step``."""
     period = step_ms(straggler_ms if straggler is not None else 0.0)
     mine = _rng(seed, rank, step)
@@ -82,27 +116,54 @@ def step_record(rank: int, world: int, step: int, *, buckets: int = 8, straggler
     ready = [fwd_end + bwd_ms * (b + 1) / buckets - mine.uniform(0, 0.3) for b in range(buckets)]
     # the all-reduce completes when the last rank is ready (the straggler, if any), on the true clock
     wait_ms = straggler_ms if straggler is not None else 0.0
-    done_true = [step * period + DATA_MS + JITTER_MS + FWD_MS + JITTER_MS
-                 + (BWD_MS + wait_ms + JITTER_MS) * (b + 1) / buckets + COMM_MS for b in range(buckets)]
-    done = [max(r + 0.05, d - start_ms) for r, d in zip(ready, done_true)]
+    done_true = [
+        step * period
+        + DATA_MS
+        + JITTER_MS
+        + FWD_MS
+        + JITTER_MS
+        + (BWD_MS + wait_ms + JITTER_MS) * (b + 1) / buckets
+        + COMM_MS
+        for b in range(buckets)
+    ]
+    done = [max(r + 0.05, d - start_ms) for r, d in zip(ready, done_true, strict=True)]
     sync_end = max(done)
     opt_end = sync_end + 0.1 + OPT_MS
     us = 1000.0
     return Step(
-        rank=rank, step=step, t0_mono_ns=T0_MONO_NS + int(start_ms * 1e6),
+        rank=rank,
+        step=step,
+        t0_mono_ns=T0_MONO_NS + int(start_ms * 1e6),
         t0_wall_ns=T0_WALL_NS + int(start_ms * 1e6) + clock_offset_ns(rank, seed),
-        fwd_start_us=round(data * us, 3), fwd_us=round((fwd_end - data - BCAST_MS) * us, 3),
-        bcast_start_us=round(bcast_start * us, 3), bcast_us=BCAST_MS * us, bcast_bytes=2048,
-        fwd_end_us=round(fwd_end * us, 3), bwd_end_us=round((fwd_end + bwd_ms) * us, 3),
-        b_ready_us=[round(t * us, 3) for t in ready], b_launch_us=[round((t + 0.02) * us, 3) for t in ready],
-        b_done_us=[round(t * us, 3) for t in done], b_bytes=[BUCKET_BYTES] * buckets,
-        sync_end_us=round(sync_end * us, 3), opt_start_us=round((sync_end + 0.1) * us, 3),
-        opt_end_us=round(opt_end * us, 3), end_us=round(period * us, 3),
+        fwd_start_us=round(data * us, 3),
+        fwd_us=round((fwd_end - data - BCAST_MS) * us, 3),
+        bcast_start_us=round(bcast_start * us, 3),
+        bcast_us=BCAST_MS * us,
+        bcast_bytes=2048,
+        fwd_end_us=round(fwd_end * us, 3),
+        bwd_end_us=round((fwd_end + bwd_ms) * us, 3),
+        b_ready_us=[round(t * us, 3) for t in ready],
+        b_launch_us=[round((t + 0.02) * us, 3) for t in ready],
+        b_done_us=[round(t * us, 3) for t in done],
+        b_bytes=[BUCKET_BYTES] * buckets,
+        sync_end_us=round(sync_end * us, 3),
+        opt_start_us=round((sync_end + 0.1) * us, 3),
+        opt_end_us=round(opt_end * us, 3),
+        end_us=round(period * us, 3),
     )
 
 
-def rank_records(rank: int, world: int, steps: int, *, buckets: int = 8, straggler: int | None = None,
-                 straggler_ms: float = 30.0, seed: int = 0, end: bool = True) -> Iterator[Record]:
+def rank_records(
+    rank: int,
+    world: int,
+    steps: int,
+    *,
+    buckets: int = 8,
+    straggler: int | None = None,
+    straggler_ms: float = 30.0,
+    seed: int = 0,
+    end: bool = True,
+) -> Iterator[Record]:
     """Everything one rank logs over ``steps`` steps: header, layout, steps, process samples,
     fingerprints and unused-parameter checks at the sampled steps, and the end record."""
     yield header(rank, world, buckets=buckets)
@@ -112,12 +173,30 @@ def rank_records(rank: int, world: int, steps: int, *, buckets: int = 8, straggl
     for i in range(steps):
         yield step_record(rank, world, i, buckets=buckets, straggler=straggler, straggler_ms=straggler_ms, seed=seed)
         if i % 20 == 0:
-            yield ProcSample(rank=rank, t_mono_ns=T0_MONO_NS + i * period_ns, t_wall_ns=T0_WALL_NS + i * period_ns,
-                             cpu_pct=99.0, rss_bytes=3 << 30)
+            yield ProcSample(
+                rank=rank,
+                t_mono_ns=T0_MONO_NS + i * period_ns,
+                t_wall_ns=T0_WALL_NS + i * period_ns,
+                cpu_pct=99.0,
+                rss_bytes=3 << 30,
+            )
         if i in (0, 1, 3) or i % 50 == 0:
-            yield Fingerprint(rank=rank, step=i, param_norms=norms, param_sums=norms, buffer_norms=[0.5],
-                              buffer_sums=[0.5], buffer_versions=[i], after_broadcast=True)
+            yield Fingerprint(
+                rank=rank,
+                step=i,
+                param_norms=norms,
+                param_sums=norms,
+                buffer_norms=[0.5],
+                buffer_sums=[0.5],
+                buffer_versions=[i],
+                after_broadcast=True,
+            )
             yield Unused(rank=rank, step=i, names=[], post_forward_us=12.0)
     if end:
-        yield End(rank=rank, t_mono_ns=T0_MONO_NS + steps * period_ns, t_wall_ns=T0_WALL_NS + steps * period_ns,
-                  steps=steps, reason="close")
+        yield End(
+            rank=rank,
+            t_mono_ns=T0_MONO_NS + steps * period_ns,
+            t_wall_ns=T0_WALL_NS + steps * period_ns,
+            steps=steps,
+            reason="close",
+        )

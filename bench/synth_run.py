@@ -22,12 +22,13 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.synth import rank_records  # noqa: E402
-from ddpdoctor.events.layout import rank_file_name  # noqa: E402
-from ddpdoctor.sinks import FileSink  # noqa: E402
+from bench.synth import rank_records
+from ddpdoctor.events.layout import rank_file_name
+from ddpdoctor.sinks import FileSink
 
 
 def write_rank(out: str, rank: int, world: int, steps: int, buckets: int, straggler: int | None) -> int:
@@ -46,18 +47,29 @@ def write_run(out: Path, ranks: int, steps: int, buckets: int, straggler: int | 
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        counts = list(pool.map(write_rank, [str(out)] * ranks, range(ranks), [ranks] * ranks, [steps] * ranks,
-                               [buckets] * ranks, [straggler] * ranks))
+        counts = list(
+            pool.map(
+                write_rank,
+                [str(out)] * ranks,
+                range(ranks),
+                [ranks] * ranks,
+                [steps] * ranks,
+                [buckets] * ranks,
+                [straggler] * ranks,
+            )
+        )
     return sum(counts), time.monotonic() - started
 
 
-def time_report(out: Path) -> tuple[float, float, dict[str, object]]:
+def time_report(out: Path) -> tuple[float, float, dict[str, Any]]:
     """One ``ddpdoctor report`` in a fresh process: (seconds, peak RSS in MiB, report)."""
-    script = ("import resource, subprocess, sys, time; t = time.monotonic(); "
-              "p = subprocess.run([sys.executable, '-m', 'ddpdoctor', 'report', sys.argv[1], '--format', 'json'], "
-              "capture_output=True, text=True); dt = time.monotonic() - t; "
-              "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024; "
-              "sys.stderr.write(p.stderr); print(dt, rss); print(p.stdout)")
+    script = (
+        "import resource, subprocess, sys, time; t = time.monotonic(); "
+        "p = subprocess.run([sys.executable, '-m', 'ddpdoctor', 'report', sys.argv[1], '--format', 'json'], "
+        "capture_output=True, text=True); dt = time.monotonic() - t; "
+        "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024; "
+        "sys.stderr.write(p.stderr); print(dt, rss); print(p.stdout)"
+    )
     done = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, check=True)
     first, _, rest = done.stdout.partition("\n")
     seconds, rss = (float(v) for v in first.split())
@@ -85,11 +97,15 @@ def main() -> int:
         secs = [r[0] for r in runs]
         rss = [r[1] for r in runs]
         report = runs[-1][2]
-        stragglers = [f["ranks"] for f in report["findings"] if f["code"] == "straggler"]  # type: ignore[index]
-        print(f"ddpdoctor report: median {statistics.median(secs):.1f} s (runs: {', '.join(f'{s:.1f}' for s in secs)}), "
-              f"peak RSS median {statistics.median(rss):,.0f} MiB (max {max(rss):,.0f})")
-        print(f"straggler findings: {stragglers or 'none'}; findings: "
-              f"{[(f['code'], f['severity']) for f in report['findings']]}")  # type: ignore[index]
+        stragglers = [f["ranks"] for f in report["findings"] if f["code"] == "straggler"]
+        print(
+            f"ddpdoctor report: median {statistics.median(secs):.1f} s (runs: {', '.join(f'{s:.1f}' for s in secs)}), "
+            f"peak RSS median {statistics.median(rss):,.0f} MiB (max {max(rss):,.0f})"
+        )
+        print(
+            f"straggler findings: {stragglers or 'none'}; findings: "
+            f"{[(f['code'], f['severity']) for f in report['findings']]}"
+        )
     return 0
 
 

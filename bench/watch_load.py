@@ -41,23 +41,62 @@ def _step(rank: int, step: int, t0_ns: int, step_ms: float, late_ms: float, rng:
     ready = [20_000.0 + 8_000.0 * i + skew * 1000 for i in range(BUCKETS)]
     # a bucket's all-reduce completes for everyone once the latest rank (30 ms + 2 ms jitter) arrived
     done = [20_000.0 + 8_000.0 * i + 35_000.0 for i in range(BUCKETS)]
-    return Step(rank=rank, step=step, t0_mono_ns=t0_ns, t0_wall_ns=t0_ns, fwd_start_us=0.0, fwd_us=15_000.0,
-                fwd_end_us=15_000.0, bwd_end_us=ready[-1], b_ready_us=ready, b_launch_us=[t + 50 for t in ready],
-                b_done_us=done, b_bytes=[4 << 20] * BUCKETS, sync_end_us=done[-1], opt_start_us=done[-1],
-                opt_end_us=done[-1] + 2_000.0, end_us=step_ms * 1000)
+    return Step(
+        rank=rank,
+        step=step,
+        t0_mono_ns=t0_ns,
+        t0_wall_ns=t0_ns,
+        fwd_start_us=0.0,
+        fwd_us=15_000.0,
+        fwd_end_us=15_000.0,
+        bwd_end_us=ready[-1],
+        b_ready_us=ready,
+        b_launch_us=[t + 50 for t in ready],
+        b_done_us=done,
+        b_bytes=[4 << 20] * BUCKETS,
+        sync_end_us=done[-1],
+        opt_start_us=done[-1],
+        opt_end_us=done[-1] + 2_000.0,
+        end_us=step_ms * 1000,
+    )
 
 
 def writer(directory: str, ranks: int, rate: float, seconds: float, done_q: Any, straggler: int) -> None:
     """Append records for ``seconds`` at ``rate`` steps/s per rank; put (step, flushed_at) on ``done_q``."""
     rng = random.Random(0)
-    files = [open(Path(directory) / rank_file_name(r), "ab", buffering=1 << 16)  # noqa: SIM115 - closed at the end
-             for r in range(ranks)]
+    files = [
+        open(Path(directory) / rank_file_name(r), "ab", buffering=1 << 16)  # noqa: SIM115 - closed at the end
+        for r in range(ranks)
+    ]
     now_ns = time.time_ns()
     for r, f in enumerate(files):
-        f.write(encode(Header(rank=r, run_id="watch-load", world_size=ranks, host=f"node{r // 8:03d}", backend="nccl",
-                              device="cuda", t_mono_ns=now_ns, t_wall_ns=now_ns)))
-        f.write(encode(Layout(rank=r, step=0, reason="initial", buckets=[
-            BucketInfo(index=i, params=[f"layer{i}.weight"], bytes=4 << 20, dtype="float32") for i in range(BUCKETS)])))
+        f.write(
+            encode(
+                Header(
+                    rank=r,
+                    run_id="watch-load",
+                    world_size=ranks,
+                    host=f"node{r // 8:03d}",
+                    backend="nccl",
+                    device="cuda",
+                    t_mono_ns=now_ns,
+                    t_wall_ns=now_ns,
+                )
+            )
+        )
+        f.write(
+            encode(
+                Layout(
+                    rank=r,
+                    step=0,
+                    reason="initial",
+                    buckets=[
+                        BucketInfo(index=i, params=[f"layer{i}.weight"], bytes=4 << 20, dtype="float32")
+                        for i in range(BUCKETS)
+                    ],
+                )
+            )
+        )
         f.flush()
     period = 1.0 / rate
     start = time.monotonic()
@@ -67,8 +106,17 @@ def writer(directory: str, ranks: int, rate: float, seconds: float, done_q: Any,
         for r, f in enumerate(files):
             f.write(encode(_step(r, step, t0_ns, 1000.0 * period, 30.0 if r == straggler else 0.0, rng)))
             if step % 10 == 0:
-                f.write(encode(ProcSample(rank=r, t_mono_ns=t0_ns, t_wall_ns=t0_ns, cpu_pct=rng.uniform(90, 100),
-                                          rss_bytes=(2 << 30) + rng.randrange(1 << 20))))
+                f.write(
+                    encode(
+                        ProcSample(
+                            rank=r,
+                            t_mono_ns=t0_ns,
+                            t_wall_ns=t0_ns,
+                            cpu_pct=rng.uniform(90, 100),
+                            rss_bytes=(2 << 30) + rng.randrange(1 << 20),
+                        )
+                    )
+                )
             f.flush()
         done_q.put((step, time.monotonic()))
         step += 1
@@ -89,7 +137,7 @@ async def watch(directory: Path, seconds: float, done_q: Any) -> dict[str, Any]:
         if snap.view_step is not None and snap.view_step not in shown:
             shown[snap.view_step] = time.monotonic()
 
-    RunHeader.show = timed_show  # type: ignore[method-assign]
+    RunHeader.show = timed_show  # type: ignore[method-assign]  # the bench times the real header's updates
     proc = psutil.Process()
     rss: list[tuple[float, int]] = []
     app = WatchApp(DirSource(directory))
@@ -100,7 +148,7 @@ async def watch(directory: Path, seconds: float, done_q: Any) -> dict[str, Any]:
                 await pilot.pause(1.0)
                 rss.append((time.monotonic() - start, proc.memory_info().rss))
     finally:
-        RunHeader.show = original  # type: ignore[method-assign]
+        RunHeader.show = original  # type: ignore[method-assign]  # put back as it was
     written: dict[int, float] = {}
     while not done_q.empty():
         step, at = done_q.get()
@@ -146,9 +194,23 @@ def main() -> None:
     medians, p95s, maxes, growth, final = [], [], [], [], []
     for i in range(args.runs):
         # each run in a fresh process: its RSS is that run's alone
-        out = subprocess.run([sys.executable, __file__, "--one", "--ranks", str(args.ranks), "--rate", str(args.rate),
-                              "--seconds", str(args.seconds)], capture_output=True, text=True, check=True,
-                             timeout=args.seconds + 120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--one",
+                "--ranks",
+                str(args.ranks),
+                "--rate",
+                str(args.rate),
+                "--seconds",
+                str(args.seconds),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=args.seconds + 120,
+        )
         r = json.loads(out.stdout.strip().splitlines()[-1])
         lags = sorted(r["lags"])
         if not lags:
@@ -162,16 +224,21 @@ def main() -> None:
         maxes.append(lags[-1])
         growth.append((rss[-1][1] - warm) / 2**20)
         final.append(rss[-1][1] / 2**20)
-        print(f"run {i + 1}: {r['written']} steps written, {r['shown']} shown; lag median {med * 1000:.0f} ms, "
-              f"p95 {p95 * 1000:.0f} ms, max {lags[-1] * 1000:.0f} ms; RSS at 10 s {warm / 2**20:.0f} MiB, "
-              f"at the end {rss[-1][1] / 2**20:.0f} MiB; straggler named: {r['stragglers']}", flush=True)
+        print(
+            f"run {i + 1}: {r['written']} steps written, {r['shown']} shown; lag median {med * 1000:.0f} ms, "
+            f"p95 {p95 * 1000:.0f} ms, max {lags[-1] * 1000:.0f} ms; RSS at 10 s {warm / 2**20:.0f} MiB, "
+            f"at the end {rss[-1][1] / 2**20:.0f} MiB; straggler named: {r['stragglers']}",
+            flush=True,
+        )
         series = [f"{t:.0f}s {m / 2**20:.0f}" for t, m in rss[9::10]]
         print(f"       RSS MiB over time: {', '.join(series)}", flush=True)
     if medians:
-        print(f"\n{args.ranks} ranks x {args.rate:g} steps/s, {args.seconds:g} s, median of {len(medians)} runs: "
-              f"lag median {statistics.median(medians) * 1000:.0f} ms, p95 {statistics.median(p95s) * 1000:.0f} ms, "
-              f"max {statistics.median(maxes) * 1000:.0f} ms; RSS {statistics.median(final):.0f} MiB at the end, "
-              f"{statistics.median(growth):+.0f} MiB after the first 10 s")
+        print(
+            f"\n{args.ranks} ranks x {args.rate:g} steps/s, {args.seconds:g} s, median of {len(medians)} runs: "
+            f"lag median {statistics.median(medians) * 1000:.0f} ms, p95 {statistics.median(p95s) * 1000:.0f} ms, "
+            f"max {statistics.median(maxes) * 1000:.0f} ms; RSS {statistics.median(final):.0f} MiB at the end, "
+            f"{statistics.median(growth):+.0f} MiB after the first 10 s"
+        )
 
 
 if __name__ == "__main__":
