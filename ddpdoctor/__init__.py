@@ -40,11 +40,17 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that holds it.
 _HOME = {
-    "instrument": "ddpdoctor.runtime", "DistributedDataParallel": "ddpdoctor.runtime", "Monitor": "ddpdoctor.runtime",
-    "check_replicas": "ddpdoctor.runtime", "rewrap": "ddpdoctor.runtime",
-    "Finding": "ddpdoctor.analysis.findings", "Report": "ddpdoctor.analysis.report",
+    "instrument": "ddpdoctor.runtime",
+    "DistributedDataParallel": "ddpdoctor.runtime",
+    "Monitor": "ddpdoctor.runtime",
+    "check_replicas": "ddpdoctor.runtime",
+    "rewrap": "ddpdoctor.runtime",
+    "Finding": "ddpdoctor.analysis.findings",
+    "Report": "ddpdoctor.analysis.report",
     "analyze": "ddpdoctor.analysis.report",
-    "Run": "ddpdoctor.runlog", "RunDirError": "ddpdoctor.runlog", "load_run": "ddpdoctor.runlog",
+    "Run": "ddpdoctor.runlog",
+    "RunDirError": "ddpdoctor.runlog",
+    "load_run": "ddpdoctor.runlog",
 }
 
 

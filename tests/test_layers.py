@@ -15,13 +15,43 @@ PKG = ROOT / "ddpdoctor"
 
 # layer -> top-level modules it must never import (directly)
 FORBIDDEN = {
-    "events": {"torch", "textual", "rich", "ddpdoctor.sinks", "ddpdoctor.runtime", "ddpdoctor.runlog",
-               "ddpdoctor.analysis", "ddpdoctor.cli"},
-    "sinks": {"torch", "textual", "rich", "ddpdoctor.runtime", "ddpdoctor.runlog", "ddpdoctor.analysis", "ddpdoctor.cli"},
-    "runtime": {"textual", "rich", "ddpdoctor.runlog", "ddpdoctor.cli", "ddpdoctor.stream.listener",
-                "ddpdoctor.stream.source"},
+    "events": {
+        "torch",
+        "textual",
+        "rich",
+        "ddpdoctor.sinks",
+        "ddpdoctor.runtime",
+        "ddpdoctor.runlog",
+        "ddpdoctor.analysis",
+        "ddpdoctor.cli",
+    },
+    "sinks": {
+        "torch",
+        "textual",
+        "rich",
+        "ddpdoctor.runtime",
+        "ddpdoctor.runlog",
+        "ddpdoctor.analysis",
+        "ddpdoctor.cli",
+    },
+    "runtime": {
+        "textual",
+        "rich",
+        "ddpdoctor.runlog",
+        "ddpdoctor.cli",
+        "ddpdoctor.stream.listener",
+        "ddpdoctor.stream.source",
+    },
     "stream": {"torch", "textual", "rich", "ddpdoctor.runtime", "ddpdoctor.analysis", "ddpdoctor.cli"},
-    "runlog": {"torch", "textual", "rich", "ddpdoctor.sinks", "ddpdoctor.runtime", "ddpdoctor.analysis", "ddpdoctor.cli"},
+    "runlog": {
+        "torch",
+        "textual",
+        "rich",
+        "ddpdoctor.sinks",
+        "ddpdoctor.runtime",
+        "ddpdoctor.analysis",
+        "ddpdoctor.cli",
+    },
     "analysis": {"torch", "textual", "rich", "ddpdoctor.sinks", "ddpdoctor.runtime", "ddpdoctor.cli"},
     "cli": {"textual", "rich"},
 }
@@ -55,14 +85,23 @@ def test_the_stream_sender_and_listener_do_not_read_run_dirs() -> None:
 
 
 def test_only_the_tui_imports_textual() -> None:
-    offenders = [str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")
-                 if any(n == "textual" or n.startswith("textual.") for n in _imports(p))]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in PKG.rglob("*.py")
+        if any(n == "textual" or n.startswith("textual.") for n in _imports(p))
+    ]
     assert offenders == []
 
 
 def _modules_after(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
-                         capture_output=True, text=True, check=True, cwd=ROOT, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     return set(out.stdout.split())
 
 
@@ -72,8 +111,9 @@ def test_import_ddpdoctor_pulls_in_neither_textual_rich_nor_torch() -> None:
 
 
 def test_reading_and_reporting_run_without_torch() -> None:
-    mods = _modules_after("import ddpdoctor.analysis, ddpdoctor.runlog, ddpdoctor.events, ddpdoctor.cli.main, "
-                          "ddpdoctor.cli.report_cmd")
+    mods = _modules_after(
+        "import ddpdoctor.analysis, ddpdoctor.runlog, ddpdoctor.events, ddpdoctor.cli.main, ddpdoctor.cli.report_cmd"
+    )
     assert "torch" not in mods
 
 
@@ -121,13 +161,28 @@ def test_tui_installs_under_a_namespaced_name() -> None:
 
 # -- one spelling of each contract (events.layout, events.wire) ---------------------------------
 
-LAYOUT_NAMES = {"DDPDOCTOR_RUN_DIR", "DDPDOCTOR_ENDPOINT", "DDPDOCTOR_TOKEN", "DDPDOCTOR_HANG_TIMEOUT", "attempt-",
-                "rank-", ".jsonl", ".ddp", "ddpdoctor-runs"}
+LAYOUT_NAMES = {
+    "DDPDOCTOR_RUN_DIR",
+    "DDPDOCTOR_ENDPOINT",
+    "DDPDOCTOR_TOKEN",
+    "DDPDOCTOR_HANG_TIMEOUT",
+    "attempt-",
+    "rank-",
+    ".jsonl",
+    ".ddp",
+    "ddpdoctor-runs",
+}
 CONTRACT_HOMES = {PKG / "events" / "layout.py", PKG / "events" / "wire.py"}
-CONTRACT_FUNCTIONS = {"parse_endpoint", "parse_listen", "parse_name", "rank_file_name", "encode_hello",
-                      "new_run_name"}
-CONTRACT_CONSTANTS = {"PROTOCOL", "TOKEN_ENV", "ENDPOINT_ENV", "RUN_DIR_ENV", "HANG_TIMEOUT_ENV", "ATTEMPT_PREFIX",
-                      "DEFAULT_ROOT"}
+CONTRACT_FUNCTIONS = {"parse_endpoint", "parse_listen", "parse_name", "rank_file_name", "encode_hello", "new_run_name"}
+CONTRACT_CONSTANTS = {
+    "PROTOCOL",
+    "TOKEN_ENV",
+    "ENDPOINT_ENV",
+    "RUN_DIR_ENV",
+    "HANG_TIMEOUT_ENV",
+    "ATTEMPT_PREFIX",
+    "DEFAULT_ROOT",
+}
 
 
 def _code_files() -> list[Path]:
@@ -136,9 +191,14 @@ def _code_files() -> list[Path]:
 
 def _second_spellings(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
-    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
-                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
-                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    docstrings = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
     found = []
     for node in ast.walk(tree):
         where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
@@ -146,12 +206,15 @@ def _second_spellings(path: Path) -> list[str]:
             text = node.value
             if text in LAYOUT_NAMES or re.match(r"rank-\d", text) or text.endswith(".jsonl") or text.startswith(".ddp"):
                 found.append(f"{where}: the name {text!r} (use ddpdoctor.events.layout)")
-        elif isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "ddpdoctor" for k in node.keys):
+        elif isinstance(node, ast.Dict) and any(
+            isinstance(k, ast.Constant) and k.value == "ddpdoctor" for k in node.keys
+        ):
             found.append(f"{where}: a control line built by hand (use ddpdoctor.events.wire)")
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in CONTRACT_FUNCTIONS:
             found.append(f"{where}: def {node.name} (the contract's own function is in events)")
-        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id in CONTRACT_CONSTANTS
-                                                  for t in node.targets):
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id in CONTRACT_CONSTANTS for t in node.targets
+        ):
             found.append(f"{where}: a contract constant assigned again")
     return found
 
@@ -164,8 +227,10 @@ def test_every_contract_has_one_spelling_in_events() -> None:
 
 def test_the_contract_check_sees_a_second_spelling() -> None:
     planted = PKG / "events" / "_planted_for_test.py"
-    planted.write_text('PROTOCOL = 1\nname = f"rank-{3:05d}.jsonl"\nENV = "DDPDOCTOR_TOKEN"\n'
-                       'hello = {"ddpdoctor": "hello"}\ndef parse_endpoint(text): ...\n')
+    planted.write_text(
+        'PROTOCOL = 1\nname = f"rank-{3:05d}.jsonl"\nENV = "DDPDOCTOR_TOKEN"\n'
+        'hello = {"ddpdoctor": "hello"}\ndef parse_endpoint(text): ...\n'
+    )
     try:
         # PROTOCOL, "rank-" and ".jsonl", the token variable, the hand-built hello, the parser
         assert len(_second_spellings(planted)) == 6

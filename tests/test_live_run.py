@@ -27,19 +27,45 @@ from ddpdoctor.runlog import DirSource
 T0_NS = 1_700_000_000_000_000_000  # fixed wall clock: synthetic runs render the same every time
 
 
-def synthetic_records(rank: int, world: int, steps: range, *, buckets: int = 4, step_ms: float = 100.0,
-                      straggler: int | None = None, late_ms: float = 40.0, straggle_from: int = 0,
-                      straggle_until: int | None = None,
-                      header: bool = True, end: str | None = "close", hang_at: int | None = None) -> list[Any]:
+def synthetic_records(
+    rank: int,
+    world: int,
+    steps: range,
+    *,
+    buckets: int = 4,
+    step_ms: float = 100.0,
+    straggler: int | None = None,
+    late_ms: float = 40.0,
+    straggle_from: int = 0,
+    straggle_until: int | None = None,
+    header: bool = True,
+    end: str | None = "close",
+    hang_at: int | None = None,
+) -> list[Any]:
     """One rank's records: a header and layout, steps whose buckets every rank leaves together
     (the collective completes when the last rank arrives), a proc sample, an end or a stall."""
     out: list[Any] = []
     if header:
-        out.append(Header(rank=rank, run_id="synthetic", world_size=world, host=f"node{rank // 8}", pid=1000 + rank,
-                          backend="gloo", t_mono_ns=0, t_wall_ns=T0_NS))
-        out.append(Layout(rank=rank, step=0, reason="initial",
-                          buckets=[BucketInfo(index=i, params=[f"p{i}"], bytes=1 << 16, dtype="float32")
-                                   for i in range(buckets)]))
+        out.append(
+            Header(
+                rank=rank,
+                run_id="synthetic",
+                world_size=world,
+                host=f"node{rank // 8}",
+                pid=1000 + rank,
+                backend="gloo",
+                t_mono_ns=0,
+                t_wall_ns=T0_NS,
+            )
+        )
+        out.append(
+            Layout(
+                rank=rank,
+                step=0,
+                reason="initial",
+                buckets=[BucketInfo(index=i, params=[f"p{i}"], bytes=1 << 16, dtype="float32") for i in range(buckets)],
+            )
+        )
     for step in steps:
         if hang_at is not None and step >= hang_at:
             break
@@ -49,19 +75,48 @@ def synthetic_records(rank: int, world: int, steps: range, *, buckets: int = 4, 
         ready = [30_000.0 + 10_000.0 * i + mine * 1000 for i in range(buckets)]
         done = [30_000.0 + 10_000.0 * i + late * 1000 + 2_000.0 for i in range(buckets)]
         t0 = T0_NS + int(step * (step_ms + late) * 1e6)
-        out.append(Step(rank=rank, step=step, t0_mono_ns=t0 - T0_NS, t0_wall_ns=t0, fwd_start_us=0.0, fwd_us=20_000.0,
-                        fwd_end_us=20_000.0, bwd_end_us=ready[-1], b_ready_us=ready, b_launch_us=[t + 100 for t in ready],
-                        b_done_us=done, b_bytes=[1 << 16] * buckets, sync_end_us=done[-1], opt_start_us=done[-1],
-                        opt_end_us=done[-1] + 1000.0, end_us=(step_ms + late) * 1000))
+        out.append(
+            Step(
+                rank=rank,
+                step=step,
+                t0_mono_ns=t0 - T0_NS,
+                t0_wall_ns=t0,
+                fwd_start_us=0.0,
+                fwd_us=20_000.0,
+                fwd_end_us=20_000.0,
+                bwd_end_us=ready[-1],
+                b_ready_us=ready,
+                b_launch_us=[t + 100 for t in ready],
+                b_done_us=done,
+                b_bytes=[1 << 16] * buckets,
+                sync_end_us=done[-1],
+                opt_start_us=done[-1],
+                opt_end_us=done[-1] + 1000.0,
+                end_us=(step_ms + late) * 1000,
+            )
+        )
         if step % 10 == 0:
-            out.append(ProcSample(rank=rank, t_mono_ns=t0 - T0_NS, t_wall_ns=t0, cpu_pct=95.0 + rank, rss_bytes=300 << 20))
+            out.append(
+                ProcSample(rank=rank, t_mono_ns=t0 - T0_NS, t_wall_ns=t0, cpu_pct=95.0 + rank, rss_bytes=300 << 20)
+            )
     last_ns = T0_NS + int(len(steps) * step_ms * 1e6)
     if hang_at is not None:
-        out.append(Hang(rank=rank, t_mono_ns=last_ns - T0_NS, t_wall_ns=last_ns, step=hang_at,
-                        phase="between steps" if rank == world - 1 else "allreduce",
-                        pending_bucket=None if rank == world - 1 else 0, waited_s=30.0, buckets=buckets,
-                        stack=["train.py:40 in main", "train.py:12 in evaluate" if rank == world - 1 else
-                               "torch/autograd/__init__.py:200 in backward"]))
+        out.append(
+            Hang(
+                rank=rank,
+                t_mono_ns=last_ns - T0_NS,
+                t_wall_ns=last_ns,
+                step=hang_at,
+                phase="between steps" if rank == world - 1 else "allreduce",
+                pending_bucket=None if rank == world - 1 else 0,
+                waited_s=30.0,
+                buckets=buckets,
+                stack=[
+                    "train.py:40 in main",
+                    "train.py:12 in evaluate" if rank == world - 1 else "torch/autograd/__init__.py:200 in backward",
+                ],
+            )
+        )
     elif end is not None:
         out.append(End(rank=rank, t_mono_ns=last_ns - T0_NS, t_wall_ns=last_ns, steps=len(steps), reason=end))
     return out
@@ -102,7 +157,7 @@ def test_a_straggler_is_named_with_its_bucket_lateness(tmp_path: Path) -> None:
     assert {r.rank: r.status for r in snap.ranks} == {0: "running", 1: "running", 2: "straggler", 3: "running"}
     f = next(f for f in snap.findings if f.code == "straggler")
     assert f.ranks == [2] and f.severity == "warning" and f.fix
-    assert snap.heatmap is not None and snap.heatmap.worst()[0] == 2  # type: ignore[index]
+    assert snap.heatmap is not None and (worst := snap.heatmap.worst()) is not None and worst[0] == 2
     assert snap.heatmap.late_ms[2] == pytest.approx((40.0,) * 4)
     assert snap.ranks[2].late_ms == pytest.approx(40.0) and snap.ranks[0].wait_ms == pytest.approx(40.0)
     assert snap.health == "warning"
@@ -156,9 +211,9 @@ def test_hang_status_and_stack(tmp_path: Path) -> None:
 def test_failed_terminated_and_lost_ranks(tmp_path: Path) -> None:
     d = tmp_path / "run"
     d.mkdir()
-    for rank, kwargs in ((0, {"end": "error: RuntimeError"}), (1, {"end": "signal"}), (2, {"end": None, "steps": 10})):
-        with open(d / f"rank-{rank:05d}.jsonl", "wb") as f:
-            f.writelines(encode(rec) for rec in synthetic_records(rank, 3, range(kwargs.pop("steps", 30)), **kwargs))
+    for rank, end, steps in ((0, "error: RuntimeError", 30), (1, "signal", 30), (2, None, 10)):
+        with open(d / rank_file_name(rank), "wb") as f:
+            f.writelines(encode(rec) for rec in synthetic_records(rank, 3, range(steps), end=end))
     _, snap = feed_all(d)
     assert [r.status for r in snap.ranks] == ["failed", "terminated", "lost"]
     assert any(f.code == "rank-lost" and f.ranks == [2] for f in snap.findings)
@@ -167,8 +222,10 @@ def test_failed_terminated_and_lost_ranks(tmp_path: Path) -> None:
 
 def test_snapshot_only_reads(tmp_path: Path) -> None:
     """The detectors run when records are fed; a snapshot (any step, any number of times) changes nothing."""
-    for name, kwargs in (("hang", {"world": 3, "steps": 20, "hang_at": 12}),
-                         ("straggler", {"world": 4, "steps": 30, "straggler": 2, "end": None})):
+    for name, kwargs in (
+        ("hang", {"world": 3, "steps": 20, "hang_at": 12}),
+        ("straggler", {"world": 4, "steps": 30, "straggler": 2, "end": None}),
+    ):
         live = LiveRun()
         live.feed(DirSource(write_run(tmp_path / name, **kwargs)).poll())
         findings, lost, hung = dict(live._findings), set(live._lost), set(live._hung)
@@ -186,8 +243,12 @@ def test_lost_ranks_are_found_when_fed(tmp_path: Path) -> None:
     d.mkdir()
     for rank in range(3):
         with open(d / rank_file_name(rank), "wb") as f:
-            f.writelines(encode(rec) for rec in synthetic_records(rank, 3, range(10 if rank == 2 else 30),
-                                                                  end=None if rank == 2 else "close"))
+            f.writelines(
+                encode(rec)
+                for rec in synthetic_records(
+                    rank, 3, range(10 if rank == 2 else 30), end=None if rank == 2 else "close"
+                )
+            )
     live = LiveRun()
     live.feed(DirSource(d).poll())
     assert [k for k in live._findings if k.code == "rank-lost"] == [FindingKey("rank-lost", "cross-rank", (2,))]
@@ -332,8 +393,13 @@ def test_live_view_names_a_real_straggler_within_10_steps(tmp_path: Path) -> Non
             snap = live.snapshot()
             # the first view after the slowdown began in which rank 1 is named (a loaded machine
             # may have made a rank lag before: that does not count for or against)
-            if (seen_at is None and snap.view_step is not None and snap.view_step >= healthy
-                    and len(snap.ranks) == 2 and snap.ranks[1].status == "straggler"):
+            if (
+                seen_at is None
+                and snap.view_step is not None
+                and snap.view_step >= healthy
+                and len(snap.ranks) == 2
+                and snap.ranks[1].status == "straggler"
+            ):
                 seen_at = snap.view_step
             if not trainer.is_alive() and snap.finished:
                 break
@@ -359,10 +425,15 @@ def test_live_view_names_a_real_hang_while_the_job_is_hung(tmp_path: Path) -> No
     script = Path(__file__).parent / "scripts" / "skip_a_backward.py"
     run_dir = tmp_path / "run"
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(script), str(run_dir), "2.0"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port)))
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(run_dir), "2.0"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port)),
+        )
+        for r in range(2)
+    ]
     tick = threading.Event()
     try:
         deadline = time.monotonic() + 120
@@ -376,8 +447,16 @@ def test_live_view_names_a_real_hang_while_the_job_is_hung(tmp_path: Path) -> No
             assert all(p.poll() is None for p in procs), "a rank exited: the job must hang"
             live.feed(source.poll())
             snap = live.snapshot()
-            finding = next((f for f in snap.findings if f.code == "hang" and f.severity == "error"
-                            and "stack" in f.evidence.get("missing", {}).get(1, {})), None)
+            finding = next(
+                (
+                    f
+                    for f in snap.findings
+                    if f.code == "hang"
+                    and f.severity == "error"
+                    and "stack" in f.evidence.get("missing", {}).get(1, {})
+                ),
+                None,
+            )
             tick.wait(0.1)
         assert finding.ranks == [1]
         assert {r.rank: r.status for r in snap.ranks} == {0: "hung", 1: "hung"}

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 import ddpdoctor
-from ddpdoctor.events import Header, Step, encode
+from ddpdoctor.events import Header, Record, Step, encode
+from ddpdoctor.events.layout import rank_file_name
 from ddpdoctor.runlog import RankFileTail, RunDirError, load_run
 
 
@@ -22,13 +24,26 @@ def _header(rank: int, world: int = 2) -> bytes:
     return encode(Header(rank=rank, world_size=world, backend="gloo"))
 
 
+def _step_no(record: Record) -> int:
+    assert isinstance(record, Step)
+    return record.step
+
+
 def _step(rank: int, i: int) -> bytes:
     return encode(Step(rank=rank, step=i, t0_mono_ns=i * 1000, t0_wall_ns=i * 1000, end_us=10.0))
 
 
 def test_torn_last_line_and_corrupt_lines_are_skipped_and_counted(tmp_path: Path) -> None:
-    _write(tmp_path / "rank-00000.jsonl", _header(0), _step(0, 0), b"\x00garbage{{\n", _step(0, 1),
-           b'{"kind":"from-the-future","rank":0}\n', _step(0, 2), _step(0, 3)[:25])
+    _write(
+        tmp_path / "rank-00000.jsonl",
+        _header(0),
+        _step(0, 0),
+        b"\x00garbage{{\n",
+        _step(0, 1),
+        b'{"kind":"from-the-future","rank":0}\n',
+        _step(0, 2),
+        _step(0, 3)[:25],
+    )
     _write(tmp_path / "rank-00001.jsonl", _header(1), _step(1, 0), _step(1, 1))
     run = load_run(tmp_path)
     log = run.ranks[0]
@@ -48,14 +63,17 @@ def test_missing_rank_file_is_reported_not_fatal(tmp_path: Path) -> None:
     assert ddpdoctor.analyze(run).to_dict()["run"]["missing_ranks"] == [1]
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: p / "absent", "no such directory"),
-    (lambda p: (p / "f.jsonl").write_text("x") and p / "f.jsonl", "not a directory"),
-    (lambda p: p, "no rank files"),
-])
-def test_bad_run_dirs_are_clear_errors(tmp_path: Path, make: object, message: str) -> None:
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p / "absent", "no such directory"),
+        (lambda p: (p / "f.jsonl").write_text("x") and p / "f.jsonl", "not a directory"),
+        (lambda p: p, "no rank files"),
+    ],
+)
+def test_bad_run_dirs_are_clear_errors(tmp_path: Path, make: Callable[[Path], Path], message: str) -> None:
     with pytest.raises(RunDirError, match=message):
-        load_run(make(tmp_path))  # type: ignore[operator]
+        load_run(make(tmp_path))
 
 
 def test_tail_reads_a_growing_file_and_holds_back_a_partial_line(tmp_path: Path) -> None:
@@ -67,7 +85,7 @@ def test_tail_reads_a_growing_file_and_holds_back_a_partial_line(tmp_path: Path)
     _write(path, line[:10])
     assert tail.poll() == []  # partial: wait for the rest
     _write(path, line[10:], _step(0, 1))
-    assert [r.step for r in tail.poll()] == [0, 1]
+    assert [_step_no(r) for r in tail.poll()] == [0, 1]
     assert tail.log.corrupt_lines == 0
 
 
@@ -77,7 +95,7 @@ def test_tail_starts_over_when_the_file_is_truncated_or_deleted(tmp_path: Path) 
     tail = RankFileTail(path, 0, 0)
     assert len(tail.poll()) == 3
     path.write_bytes(_step(0, 7))  # truncated and rewritten, shorter than before
-    assert [r.step for r in tail.poll()] == [7]
+    assert [_step_no(r) for r in tail.poll()] == [7]
     path.unlink()
     assert tail.poll() == []
 
@@ -96,7 +114,7 @@ def _write_synth(run_dir: Path, ranks: int, steps: int, straggler: int | None = 
 def test_a_sampled_load_keeps_the_same_steps_on_every_rank_and_counts_all(tmp_path: Path) -> None:
     _write_synth(tmp_path, 3, 3000, straggler=2)
     with (tmp_path / "rank-00001.jsonl").open("ab") as f:
-        f.write(b"garbage\n{\"kind\": \"step\", \"rank\": 1, \"step\": 3000, \"t0_mo")  # garbage, then a torn tail
+        f.write(b'garbage\n{"kind": "step", "rank": 1, "step": 3000, "t0_mo')  # garbage, then a torn tail
     run = load_run(tmp_path, max_steps=256)
     kept = {r: [s.step for s in log.steps] for r, log in run.ranks.items()}
     assert run.ranks[0].step_stride == 16  # the smallest power of two that keeps <= 256 of 3000
@@ -117,6 +135,7 @@ def test_a_sampled_load_keeps_the_same_steps_on_every_rank_and_counts_all(tmp_pa
 def test_bare_steps_are_remembered_even_when_sampled(tmp_path: Path) -> None:
     header = Header(rank=0, world_size=1)
     steps = [Step(rank=0, step=i, t0_mono_ns=i, t0_wall_ns=i, b_ready_us=[] if i == 37 else [1.0]) for i in range(600)]
-    (tmp_path / "rank-00000.jsonl").write_bytes(b"".join(encode(r) for r in [header, *steps]))
+    records: list[Record] = [header, *steps]
+    (tmp_path / rank_file_name(0)).write_bytes(b"".join(encode(r) for r in records))
     assert load_run(tmp_path, max_steps=64).ranks[0].bare_steps == [37]
     assert load_run(tmp_path).ranks[0].bare_steps == [37]

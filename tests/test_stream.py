@@ -13,14 +13,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ddpdoctor.cli.ports import free_port
-from ddpdoctor.events import End, FindingRecord, ProcSample, StreamDrops, encode
+from ddpdoctor.events import End, FindingRecord, ProcSample, Record, StreamDrops, encode
 from ddpdoctor.runlog import RankFileTail
+from ddpdoctor.runlog.source import RankRecord
 from ddpdoctor.sinks import FileSink, MemorySink
-from ddpdoctor.stream.listener import StreamError, StreamListener
+from ddpdoctor.stream.listener import StreamError, StreamLine, StreamListener
 from ddpdoctor.stream.sender import TcpSink, TeeSink, stream_tee
 from ddpdoctor.stream.source import StreamSource
 
@@ -34,6 +36,12 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condi
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         done.wait(0.02)
+
+
+def mono(record: Record) -> int:
+    """The index a ``proc_record`` carries."""
+    assert isinstance(record, ProcSample)
+    return record.t_mono_ns
 
 
 def proc_record(rank: int, i: int) -> ProcSample:
@@ -69,9 +77,15 @@ def listener() -> Iterator[StreamListener]:
     lis.close()
 
 
-def collect(lis: StreamListener, n: int, timeout: float = 10.0) -> list:
-    got: list = []
-    wait_for(lambda: bool(got.extend(lis.take())) or len(got) >= n, timeout, f"{n} records")
+def taken(got: list[Any], more: list[Any]) -> list[Any]:
+    """``got`` with ``more`` appended (for conditions that gather what arrived)."""
+    got.extend(more)
+    return got
+
+
+def collect(lis: StreamListener, n: int, timeout: float = 10.0) -> list[StreamLine]:
+    got: list[StreamLine] = []
+    wait_for(lambda: len(taken(got, lis.take())) >= n, timeout, f"{n} records")
     return got
 
 
@@ -100,8 +114,8 @@ def test_stream_source_is_a_record_source(listener: StreamListener) -> None:
         sink = TcpSink(f"127.0.0.1:{source.port}", rank=1)
         sink.emit(proc_record(1, 7))
         sink.close()
-        out: list = []
-        wait_for(lambda: bool(out.extend(source.poll())) or bool(out))
+        out: list[RankRecord] = []
+        wait_for(lambda: bool(taken(out, source.poll())))
         assert [(r.rank, r.ddp, r.record) for r in out] == [(1, 0, proc_record(1, 7))]
         assert source.health() == (0, 0, 0)
     finally:
@@ -114,14 +128,19 @@ def test_an_older_elastic_attempt_is_not_mixed_into_the_live_view() -> None:
         new = TcpSink(f"127.0.0.1:{source.port}", rank=0, run="r", attempt=1)
         new.emit(proc_record(0, 1))
         new.close()
-        out: list = []
-        wait_for(lambda: bool(out.extend(source.poll())) or bool(out))
+        out: list[RankRecord] = []
+        wait_for(lambda: bool(taken(out, source.poll())))
         old = TcpSink(f"127.0.0.1:{source.port}", rank=0, run="r", attempt=0)
         old.emit(proc_record(0, 2))
         old.close()
-        wait_for(lambda: source.listener.peers.get(("r", 0, 0, 0)) is not None
-                 and source.listener.peers[("r", 0, 0, 0)].sent == 1, what="the old attempt's stats")
-        assert [r.record.t_mono_ns for r in out + source.poll()] == [1]
+        wait_for(
+            lambda: (
+                source.listener.peers.get(("r", 0, 0, 0)) is not None
+                and source.listener.peers[("r", 0, 0, 0)].sent == 1
+            ),
+            what="the old attempt's stats",
+        )
+        assert [mono(r.record) for r in out + source.poll()] == [1]
     finally:
         source.close()
 
@@ -130,7 +149,7 @@ def test_receiver_down_never_blocks_and_counts_drops_then_reconnects() -> None:
     port = free_port()  # nobody listens here yet
     file = MemorySink()
     tee = stream_tee(file, f"127.0.0.1:{port}", rank=0, run="r")
-    tcp = tee.secondary  # type: ignore[attr-defined]
+    tcp = _sender_of(tee)
     tcp.max_pending = 1000
     t0 = time.perf_counter()
     for i in range(5000):
@@ -141,7 +160,7 @@ def test_receiver_down_never_blocks_and_counts_drops_then_reconnects() -> None:
     lis = StreamListener("127.0.0.1", port)
     try:
         got = collect(lis, 1000, timeout=20)  # backoff reconnect, then the queued records
-        assert [g.record.t_mono_ns for g in got] == list(range(1000))
+        assert [mono(g.record) for g in got] == list(range(1000))
         wait_for(lambda: lis.dropped() == 4000, what="the sender's drop count to reach the listener")
         tee.close()
         # the local file says how much the stream lost (a stream_drops record: running total)
@@ -200,7 +219,7 @@ def test_with_a_token_a_wrong_or_missing_token_is_refused() -> None:
         good = TcpSink(f"127.0.0.1:{lis.port}", rank=0, token=TOKEN)
         good.emit(proc_record(0, 2))
         good.close()
-        assert [g.record.t_mono_ns for g in collect(lis, 1)] == [2]
+        assert [mono(g.record) for g in collect(lis, 1)] == [2]
     finally:
         lis.close()
 
@@ -212,12 +231,19 @@ def test_garbage_is_counted_and_skipped_and_a_bad_hello_is_refused(listener: Str
     junk.close()
     sock = raw_client(listener.port)
     try:
-        sock.sendall(hello() + b"not json\n" + b"\xde\xad\xbe\xef\n" + b'{"kind":"nope","rank":0}\n' + b"[[[[[[\n"
-                     + b'{"ddpdoctor":"stats","dropped":"lots"}\n' + encode(proc_record(0, 5)))
+        sock.sendall(
+            hello()
+            + b"not json\n"
+            + b"\xde\xad\xbe\xef\n"
+            + b'{"kind":"nope","rank":0}\n'
+            + b"[[[[[[\n"
+            + b'{"ddpdoctor":"stats","dropped":"lots"}\n'
+            + encode(proc_record(0, 5))
+        )
         got = collect(listener, 1)
     finally:
         sock.close()
-    assert [g.record.t_mono_ns for g in got] == [5]  # the good line after the garbage still arrives
+    assert [mono(g.record) for g in got] == [5]  # the good line after the garbage still arrives
     # five bad lines, each counted once (JSON of an unknown shape as unknown, the rest as corrupt)
     assert listener.corrupt_lines + listener.unknown_lines == 5 and listener.corrupt_lines >= 3
     assert listener.rejected == 1
@@ -281,15 +307,14 @@ def test_slow_and_half_open_clients_do_not_stall_others() -> None:
         for i in range(200):
             sink.emit(proc_record(0, i))
             if i < len(line):
-                trickle.sendall(line[i:i + 1])  # one byte at a time
+                trickle.sendall(line[i : i + 1])  # one byte at a time
         sink.close()
         got = collect(lis, 200)
-        assert [g.record.t_mono_ns for g in got if g.peer.rank == 0] == list(range(200))
+        assert [mono(g.record) for g in got if g.peer.rank == 0] == list(range(200))
         assert closed_by_peer(silent, timeout=10)  # no hello within hello_timeout: closed
         assert lis.timed_out >= 1
         assert len(line) < 200  # trickled whole, one byte per record of the fast sender
-        wait_for(lambda: bool(got.extend(lis.take())) or any(g.peer.rank == 2 for g in got),
-                 what="the trickled record")
+        wait_for(lambda: any(g.peer.rank == 2 for g in taken(got, lis.take())), what="the trickled record")
         partial.close()  # a torn last line is dropped, never passed on
         wait_for(lambda: lis.connections <= 1)
         assert lis.take() == []
@@ -396,8 +421,9 @@ _EMFILE_CHILD = textwrap.dedent("""
 
 
 def test_out_of_file_descriptors_the_listener_pauses_instead_of_spinning() -> None:
-    child = subprocess.Popen([sys.executable, "-c", _EMFILE_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _EMFILE_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     clients = []
     try:
         assert child.stdout is not None and child.stdin is not None

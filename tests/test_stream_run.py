@@ -15,16 +15,35 @@ from tests.test_run_cmd import EXAMPLES, _env, _torchrun, ddpdoctor_run
 
 
 def test_streamed_run_collected_then_reported(tmp_path: Path) -> None:
-    collector = subprocess.Popen([sys.executable, "-m", "ddpdoctor", "collect", "--listen", "127.0.0.1:0",
-                                  "--run-dir", str(tmp_path / "collected")],
-                                 env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    collector = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddpdoctor",
+            "collect",
+            "--listen",
+            "127.0.0.1:0",
+            "--run-dir",
+            str(tmp_path / "collected"),
+        ],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert collector.stdout is not None
         first = collector.stdout.readline()
         assert first.startswith("ddpdoctor collect: listening on 127.0.0.1:"), first
         port = int(first.split("listening on 127.0.0.1:")[1].split(",")[0])
-        proc = ddpdoctor_run(tmp_path, _torchrun(str(EXAMPLES / "torchrun_train.py"), "--steps", "6"),
-                             "--run-dir", "local", "--endpoint", f"127.0.0.1:{port}")
+        proc = ddpdoctor_run(
+            tmp_path,
+            _torchrun(str(EXAMPLES / "torchrun_train.py"), "--steps", "6"),
+            "--run-dir",
+            "local",
+            "--endpoint",
+            f"127.0.0.1:{port}",
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         collector.send_signal(signal.SIGINT)
         out, err = collector.communicate(timeout=30)
@@ -41,15 +60,25 @@ def test_streamed_run_collected_then_reported(tmp_path: Path) -> None:
         assert (collected / name).read_bytes() == (local / name).read_bytes()
     run = ddpdoctor.load_run(collected)
     assert all(len(log.steps) == 6 and log.end is not None for log in run.ranks.values())
-    report = subprocess.run([sys.executable, "-m", "ddpdoctor", "report", str(collected), "--format", "json"],
-                            capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "report", str(collected), "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert report.returncode == 0 and '"findings"' in report.stdout
 
 
 def test_receiver_down_training_unaffected_drops_logged_locally(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there
-    proc = ddpdoctor_run(tmp_path, _torchrun(str(EXAMPLES / "torchrun_train.py"), "--steps", "5"),
-                         "--run-dir", "local", "--endpoint", f"127.0.0.1:{port}")
+    proc = ddpdoctor_run(
+        tmp_path,
+        _torchrun(str(EXAMPLES / "torchrun_train.py"), "--steps", "5"),
+        "--run-dir",
+        "local",
+        "--endpoint",
+        f"127.0.0.1:{port}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final loss" in proc.stdout
     run = ddpdoctor.load_run(tmp_path / "local")
@@ -59,8 +88,12 @@ def test_receiver_down_training_unaffected_drops_logged_locally(tmp_path: Path) 
         assert log.stream_dropped >= len(log.steps) + 2
         assert not log.probes_off  # no probe of the training was switched off
     # the report says what the stream lost, and that it read everything from the files
-    report = subprocess.run([sys.executable, "-m", "ddpdoctor", "report", str(tmp_path / "local")],
-                            capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "report", str(tmp_path / "local")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert report.returncode == 0, report.stderr[-2000:]
     total = sum(log.stream_dropped for log in run.ranks.values())
     assert f"the live stream dropped {total} records (by rank 0: " in report.stdout

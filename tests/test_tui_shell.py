@@ -6,7 +6,6 @@ from pathlib import Path
 
 from ddpdoctor_tui import WatchApp
 from ddpdoctor_tui.run_header import RunHeader
-
 from tests.test_tui_watch import wait_for
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ddpdoctor_tui import WatchApp
 from rich.console import Console
 from textual.app import App
 
 from ddpdoctor.runlog import DirSource
+from ddpdoctor_tui import WatchApp
 from tests.test_live_run import write_run
 from tests.test_tui_watch import SIZE, at_step, wait_for
 
@@ -29,8 +29,15 @@ UPDATE = os.environ.get("DDPDOCTOR_UPDATE_SNAPSHOTS") == "1"
 
 def _screen(app: App[Any]) -> tuple[str, str]:
     width, height = app.size
-    console = Console(width=width, height=height, file=io.StringIO(), record=True, force_terminal=True,
-                      color_system="truecolor", legacy_windows=False)
+    console = Console(
+        width=width,
+        height=height,
+        file=io.StringIO(),
+        record=True,
+        force_terminal=True,
+        color_system="truecolor",
+        legacy_windows=False,
+    )
     console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
     return console.export_text(clear=False), console.export_text(styles=True)
 

@@ -29,12 +29,23 @@ class Terminal:
     def __init__(self, command: str, width: int = 120, height: int = 40) -> None:
         self.socket = f"ddpdoctor-test-{uuid.uuid4().hex[:8]}"
         env = {**os.environ, "TERM": "xterm-256color", "PYTHONPATH": str(ROOT)}
-        self._tmux("new-session", "-d", "-s", "t", "-x", str(width), "-y", str(height),
-                   f"cd {shlex.quote(str(ROOT))} && {command}; echo EXITED rc=$?; sleep 600", env=env)
+        self._tmux(
+            "new-session",
+            "-d",
+            "-s",
+            "t",
+            "-x",
+            str(width),
+            "-y",
+            str(height),
+            f"cd {shlex.quote(str(ROOT))} && {command}; echo EXITED rc=$?; sleep 600",
+            env=env,
+        )
 
     def _tmux(self, *args: str, env: dict[str, str] | None = None) -> str:
-        return subprocess.run(["tmux", "-L", self.socket, *args], check=True, capture_output=True, text=True,
-                              timeout=20, env=env).stdout
+        return subprocess.run(
+            ["tmux", "-L", self.socket, *args], check=True, capture_output=True, text=True, timeout=20, env=env
+        ).stdout
 
     def screen(self) -> str:
         return self._tmux("capture-pane", "-p", "-t", "t")
@@ -50,7 +61,9 @@ class Terminal:
             screen = self.screen()
             if (text in screen) != gone:
                 return screen
-            assert time.monotonic() < deadline, f"{text!r} never {'went' if gone else 'appeared'}; the screen:\n{screen}"
+            assert time.monotonic() < deadline, (
+                f"{text!r} never {'went' if gone else 'appeared'}; the screen:\n{screen}"
+            )
             tick.wait(0.2)
 
     def close(self) -> None:
@@ -90,8 +103,10 @@ def test_watch_in_a_real_terminal(tmp_path: Path, terminal: list[Terminal]) -> N
 @pytest.mark.slow
 def test_demo_opens_the_live_view_and_prints_the_report_on_quit(tmp_path: Path, terminal: list[Terminal]) -> None:
     run_dir = tmp_path / "demo"
-    term = Terminal(f"{shlex.quote(sys.executable)} -m ddpdoctor demo --scenario straggler --steps 400 --pace 0.02 "
-                    f"--run-dir {shlex.quote(str(run_dir))}")
+    term = Terminal(
+        f"{shlex.quote(sys.executable)} -m ddpdoctor demo --scenario straggler --steps 400 --pace 0.02 "
+        f"--run-dir {shlex.quote(str(run_dir))}"
+    )
     terminal.append(term)
     screen = term.wait_for("arrives late at the step's collectives", timeout=120)
     assert "ranks 2/2" in screen and "straggler" in screen
@@ -105,8 +120,9 @@ def test_demo_opens_the_live_view_and_prints_the_report_on_quit(tmp_path: Path, 
 @pytest.mark.slow
 def test_demo_view_stays_open_on_the_finished_run(tmp_path: Path, terminal: list[Terminal]) -> None:
     run_dir = tmp_path / "demo"
-    term = Terminal(f"{shlex.quote(sys.executable)} -m ddpdoctor demo --steps 15 --pace 0 "
-                    f"--run-dir {shlex.quote(str(run_dir))}")
+    term = Terminal(
+        f"{shlex.quote(sys.executable)} -m ddpdoctor demo --steps 15 --pace 0 --run-dir {shlex.quote(str(run_dir))}"
+    )
     terminal.append(term)
     screen = term.wait_for("[finished]", timeout=120)
     # header + each rank (the health word may be WARNING: on a loaded machine a rank can really lag)

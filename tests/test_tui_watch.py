@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+from rich.console import Console
+from rich.text import Text
+from textual.app import App
+from textual.pilot import Pilot
+from textual.widgets import Sparkline, Static
+
+from ddpdoctor.events import Record, encode
+from ddpdoctor.events.layout import rank_file_name
+from ddpdoctor.runlog import DirSource
 from ddpdoctor_tui import WatchApp
 from ddpdoctor_tui.bucket_heatmap import BucketHeatmap
 from ddpdoctor_tui.findings_panel import FindingsPanel
@@ -14,31 +24,30 @@ from ddpdoctor_tui.help_screen import HelpScreen
 from ddpdoctor_tui.rank_detail import RankDetail
 from ddpdoctor_tui.ranks_table import RanksTable
 from ddpdoctor_tui.run_header import RunHeader
-from rich.console import Console
-from textual.app import App
-from textual.pilot import Pilot
-from textual.widgets import Sparkline
-
-from ddpdoctor.events import encode
-from ddpdoctor.events.layout import rank_file_name
-from ddpdoctor.runlog import DirSource
 from tests.test_live_run import synthetic_records, write_run
 
 SIZE = (120, 40)
 
 
-def screen_text(app: App[object]) -> str:
+def screen_text(app: App[Any]) -> str:
     """What the terminal shows, as plain text."""
     width, height = app.size
-    console = Console(width=width, height=height, file=io.StringIO(), record=True, force_terminal=True,
-                      color_system="truecolor", legacy_windows=False)
+    console = Console(
+        width=width,
+        height=height,
+        file=io.StringIO(),
+        record=True,
+        force_terminal=True,
+        color_system="truecolor",
+        legacy_windows=False,
+    )
     console.print(app.screen._compositor.render_update(full=True))
     return console.export_text()
 
 
-def widget_text(widget: object) -> str:
+def widget_text(widget: Static) -> str:
     """The plain text of what a Static holds."""
-    content = widget.content  # type: ignore[attr-defined]
+    content = widget.content
     if isinstance(content, str):
         return content
     console = Console(width=200, file=io.StringIO(), record=True)
@@ -46,13 +55,19 @@ def widget_text(widget: object) -> str:
     return console.export_text()
 
 
-async def wait_for(pilot: Pilot[object], condition: Callable[[], bool], timeout: float = 15.0) -> None:
+async def wait_for(pilot: Pilot[Any], condition: Callable[[], bool], timeout: float = 15.0) -> None:
     """Let the app run until ``condition`` holds (the watcher thread delivers asynchronously)."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await pilot.pause(0.02)
     await pilot.pause()
+
+
+def cell(table: RanksTable, row: str, column: str) -> Text:
+    """A ranks-table cell as rich Text (plain strings too)."""
+    value = table.get_cell(row, column)
+    return value if isinstance(value, Text) else Text(str(value))
 
 
 def at_step(app: WatchApp, step: int) -> Callable[[], bool]:
@@ -68,20 +83,26 @@ async def test_panels_show_a_straggler_run(tmp_path: Path) -> None:
         assert "step 29" in header and "[live]" in header
         table = app.query_one(RanksTable)
         assert table.row_count == 4
-        status = table.get_cell("2", "status")
+        status = cell(table, "2", "status")
         assert status.plain.strip() == "straggler" and "dark_orange" in str(status.style)
-        assert table.get_cell("0", "status").plain.strip() == "running"
-        assert table.get_cell("2", "late") .plain == "40.0" and table.get_cell("0", "wait") == "40.0"
+        assert cell(table, "0", "status").plain.strip() == "running"
+        assert cell(table, "2", "late").plain == "40.0" and cell(table, "0", "wait").plain == "40.0"
         heatmap = app.query_one(BucketHeatmap)
         assert heatmap.border_subtitle == "latest: rank 2 at b0, +40.0 ms"
         lines = heatmap.text_lines()
-        assert lines[0].split() == ["rank", "b0", "b1", "b2", "b3"] and lines[3].split() == ["2", "40", "40", "40", "40"]
+        assert lines[0].split() == ["rank", "b0", "b1", "b2", "b3"] and lines[3].split() == [
+            "2",
+            "40",
+            "40",
+            "40",
+            "40",
+        ]
         assert lines[1].split() == ["0", ".", ".", ".", "."]
         assert "latest: rank 2 at b0" in screen_text(app)
         assert len(app.query_one("#chart-max", Sparkline).data or []) == 30
-        findings = widget_text(app.query_one("#findings-text"))
+        findings = widget_text(app.query_one("#findings-text", Static))
         assert "straggler" in findings and "fix:" in findings
-        detail = widget_text(app.query_one("#detail-text"))
+        detail = widget_text(app.query_one("#detail-text", Static))
         assert "rank 0" in detail and "ready ms" in detail
 
 
@@ -91,11 +112,11 @@ async def test_select_rank_moves_the_detail_and_the_heatmap_marker(tmp_path: Pat
         await wait_for(pilot, at_step(app, 19))
         await pilot.press("down", "down")
         assert app.query_one(RanksTable).selected_rank() == 2
-        detail = widget_text(app.query_one("#detail-text"))
+        detail = widget_text(app.query_one("#detail-text", Static))
         assert detail.startswith("rank 2") and "40.0" in detail
         assert app.query_one(RankDetail).border_title == "rank 2"
         await pilot.press("up")
-        assert widget_text(app.query_one("#detail-text")).startswith("rank 1")
+        assert widget_text(app.query_one("#detail-text", Static)).startswith("rank 1")
 
 
 async def test_pause_step_back_forward_and_follow(tmp_path: Path) -> None:
@@ -106,7 +127,7 @@ async def test_pause_step_back_forward_and_follow(tmp_path: Path) -> None:
         assert app.paused and "PAUSED" in widget_text(app.query_one(RunHeader))
         await pilot.press("left", "left", "comma")
         await wait_for(pilot, at_step(app, 21))
-        assert {r.step for r in app.snapshot.ranks} == {21}  # type: ignore[union-attr]
+        assert app.snapshot is not None and {r.step for r in app.snapshot.ranks} == {21}
         assert "step 21" in widget_text(app.query_one(RunHeader))
         await pilot.press("right")
         await wait_for(pilot, at_step(app, 22))
@@ -126,12 +147,12 @@ async def test_filter_findings_by_severity(tmp_path: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, at_step(app, 19))
         panel = app.query_one(FindingsPanel)
-        assert "straggler" in widget_text(app.query_one("#findings-text"))
+        assert "straggler" in widget_text(app.query_one("#findings-text", Static))
         await pilot.press("f")
-        assert panel.min_severity == "warning" and "straggler" in widget_text(app.query_one("#findings-text"))
+        assert panel.min_severity == "warning" and "straggler" in widget_text(app.query_one("#findings-text", Static))
         await pilot.press("f")
         assert panel.min_severity == "error"
-        assert "no findings at this severity" in widget_text(app.query_one("#findings-text"))
+        assert "no findings at this severity" in widget_text(app.query_one("#findings-text", Static))
         assert "1 hidden" in str(panel.border_title)
         await pilot.press("f")
         assert panel.min_severity == "info"
@@ -142,13 +163,13 @@ async def test_hung_ranks_show_their_stack(tmp_path: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.health == "error")
         table = app.query_one(RanksTable)
-        assert [table.get_cell(str(r), "status").plain.strip() for r in range(3)] == ["hung"] * 3
+        assert [cell(table, str(r), "status").plain.strip() for r in range(3)] == ["hung"] * 3
         assert "ERROR" in widget_text(app.query_one(RunHeader))
         await pilot.press("down", "down")
-        detail = widget_text(app.query_one("#detail-text"))
+        detail = widget_text(app.query_one("#detail-text", Static))
         assert "no progress for 30 s in between steps of step 12" in detail
         assert "train.py:12 in evaluate" in detail
-        assert "hang" in widget_text(app.query_one("#findings-text"))
+        assert "hang" in widget_text(app.query_one("#findings-text", Static))
 
 
 async def test_help_opens_and_closes_and_q_quits(tmp_path: Path) -> None:
@@ -168,9 +189,9 @@ async def test_tails_a_growing_run_through_garbage_truncation_and_late_ranks(tmp
     d.mkdir()
     recs = {r: synthetic_records(r, 3, range(40), end=None) for r in range(3)}
 
-    def append(rank: int, records: list[object], junk: bytes = b"") -> None:
-        with open(d / f"rank-{rank:05d}.jsonl", "ab") as f:
-            f.writelines(encode(rec) + junk for rec in records)  # type: ignore[arg-type]
+    def append(rank: int, records: Sequence[Record], junk: bytes = b"") -> None:
+        with open(d / rank_file_name(rank), "ab") as f:
+            f.writelines(encode(rec) + junk for rec in records)
 
     app = WatchApp(d, interval=0.05)
     async with app.run_test(size=SIZE) as pilot:
@@ -194,8 +215,8 @@ async def test_tails_a_growing_run_through_garbage_truncation_and_late_ranks(tmp
 
 
 async def test_a_streamed_run_looks_the_same(tmp_path: Path) -> None:
-    from ddpdoctor.stream.source import StreamSource
     from ddpdoctor.stream.sender import TcpSink
+    from ddpdoctor.stream.source import StreamSource
 
     source = StreamSource("127.0.0.1", 0)
     app = WatchApp(source, interval=0.05)
@@ -208,9 +229,9 @@ async def test_a_streamed_run_looks_the_same(tmp_path: Path) -> None:
                     sink.emit(rec)
                 sink.flush()
             await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.finished)
-            assert app.snapshot.view_step == 19  # type: ignore[union-attr]
-            assert app.query_one(RanksTable).get_cell("1", "late").plain == "40.0"
-            assert "straggler" in widget_text(app.query_one("#findings-text"))
+            assert app.snapshot is not None and app.snapshot.view_step == 19
+            assert cell(app.query_one(RanksTable), "1", "late").plain == "40.0"
+            assert "straggler" in widget_text(app.query_one("#findings-text", Static))
     finally:
         for sink in sinks:
             sink.close()
@@ -222,7 +243,7 @@ async def test_an_elastic_restart_moves_the_view_to_the_new_attempt(tmp_path: Pa
     app = WatchApp(run, interval=0.05)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, at_step(app, 11))
-        assert [f.code for f in app.snapshot.findings] == ["straggler"]  # type: ignore[union-attr]
+        assert app.snapshot is not None and [f.code for f in app.snapshot.findings] == ["straggler"]
         assert "attempt" not in widget_text(app.query_one(RunHeader)).split("\n")[0]
         write_run(run / "attempt-1", world=2, steps=5)  # torchrun restarted every worker
         await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.attempt == 1)

@@ -15,9 +15,9 @@ from typing import Any
 
 from ddpdoctor.analysis.bucket_sim import (
     CANDIDATE_CAPS_MB,
+    HookCost,
     Prediction,
     current_prediction,
-    HookCost,
     hook_cost,
     predict,
     samples_of,
@@ -75,15 +75,27 @@ class WhatIf:
     def to_dict(self) -> dict[str, Any]:
         return {
             "measured_step_ms": round(self.measured_step_ms, 3),
-            "current": {"bucket_cap_mb": self.current.cap_mb, "buckets": self.current.buckets,
-                        "predicted_step_ms": round(self.current.step_ms, 3)},
-            "candidates": [{"bucket_cap_mb": p.cap_mb, "buckets": p.buckets, "predicted_step_ms": round(p.step_ms, 3)}
-                           for p in self.candidates],
-            "comm_model": {"latency_us": round(self.model.latency_us, 1),
-                           "bandwidth_GBps": round(self.model.bandwidth_gbps, 3), "samples": self.model.samples,
-                           "bucket_sizes": self.model.sizes, "r2": round(self.model.r2, 3),
-                           "median_abs_error_pct": round(self.model.median_abs_error_pct, 1)},
-            "hook_cost": {"fixed_us": round(self.hook.fixed_us, 1), "us_per_MiB": round(self.hook.us_per_byte * 2**20, 1)},
+            "current": {
+                "bucket_cap_mb": self.current.cap_mb,
+                "buckets": self.current.buckets,
+                "predicted_step_ms": round(self.current.step_ms, 3),
+            },
+            "candidates": [
+                {"bucket_cap_mb": p.cap_mb, "buckets": p.buckets, "predicted_step_ms": round(p.step_ms, 3)}
+                for p in self.candidates
+            ],
+            "comm_model": {
+                "latency_us": round(self.model.latency_us, 1),
+                "bandwidth_GBps": round(self.model.bandwidth_gbps, 3),
+                "samples": self.model.samples,
+                "bucket_sizes": self.model.sizes,
+                "r2": round(self.model.r2, 3),
+                "median_abs_error_pct": round(self.model.median_abs_error_pct, 1),
+            },
+            "hook_cost": {
+                "fixed_us": round(self.hook.fixed_us, 1),
+                "us_per_MiB": round(self.hook.us_per_byte * 2**20, 1),
+            },
             "sampled_steps": self.samples,
             "calibration_error_pct": round(self.calibration_error_pct, 1),
             "confidence": self.confidence,
@@ -124,8 +136,15 @@ def what_if(ranks: Mapping[int, RankBackward], caps_mb: tuple[float, ...] = CAND
         current = current_prediction(header, samples, model, hook)
     caps = sorted(set(caps_mb) | {round(current.cap_mb, 3)})
     candidates = predict(header, samples, model, hook, caps)
-    return WhatIf(model=model, hook=hook, measured_step_ms=measured, current=current, candidates=candidates,
-                  samples=len(samples), calibration_error_pct=error_pct)
+    return WhatIf(
+        model=model,
+        hook=hook,
+        measured_step_ms=measured,
+        current=current,
+        candidates=candidates,
+        samples=len(samples),
+        calibration_error_pct=error_pct,
+    )
 
 
 def bucket_size(ranks: Mapping[int, RankBackward]) -> list[Finding]:
@@ -140,19 +159,33 @@ def bucket_size(ranks: Mapping[int, RankBackward]) -> list[Finding]:
         return []
     warn = share >= WARN_GAIN_SHARE and gain_ms >= WARN_GAIN_MS and w.confidence == "high"
     predicted_ms = w.measured_step_ms * (1.0 - share)
-    return [Finding(
-        code="bucket-size", severity="warning" if warn else "info", ranks=sorted(ranks), step=None,
-        title=(f"bucket_cap_mb={best.cap_mb:g} is predicted to make the step {share:.0%} faster "
-               f"({w.measured_step_ms:.1f} -> {predicted_ms:.1f} ms; {w.confidence} confidence)"),
-        detail=(f"Replaying the measured backward ({w.samples} sampled steps) with a communication model fitted "
+    return [
+        Finding(
+            code="bucket-size",
+            severity="warning" if warn else "info",
+            ranks=sorted(ranks),
+            step=None,
+            title=(
+                f"bucket_cap_mb={best.cap_mb:g} is predicted to make the step {share:.0%} faster "
+                f"({w.measured_step_ms:.1f} -> {predicted_ms:.1f} ms; {w.confidence} confidence)"
+            ),
+            detail=(
+                f"Replaying the measured backward ({w.samples} sampled steps) with a communication model fitted "
                 f"to this run's all-reduces (latency {w.model.latency_us:.0f} µs, {w.model.bandwidth_gbps:.2f} GB/s) "
                 f"predicts {best.step_ms:.1f} ms per step with {best.buckets} buckets of up to {best.cap_mb:g} MiB, "
                 f"against {w.current.step_ms:.1f} ms with the current {w.current.buckets} buckets "
                 f"(cap {w.current.cap_mb:g} MiB). Before calibration the model predicted the current configuration "
                 f"within {w.calibration_error_pct:.0f}% of the measured {w.measured_step_ms:.1f} ms; the rest was "
-                "charged to each all-reduce's fixed cost."),
-        evidence={"recommended_bucket_cap_mb": best.cap_mb, "predicted_gain_ms": round(gain_ms, 3),
-                  "predicted_gain_share": round(share, 4), "predicted_step_ms": round(predicted_ms, 3),
-                  **w.to_dict()},
-        fix=f"DistributedDataParallel(model, bucket_cap_mb={best.cap_mb:g}), then compare the step time in the report.",
-    )]
+                "charged to each all-reduce's fixed cost."
+            ),
+            evidence={
+                "recommended_bucket_cap_mb": best.cap_mb,
+                "predicted_gain_ms": round(gain_ms, 3),
+                "predicted_gain_share": round(share, 4),
+                "predicted_step_ms": round(predicted_ms, 3),
+                **w.to_dict(),
+            },
+            fix=f"DistributedDataParallel(model, bucket_cap_mb={best.cap_mb:g}), then compare the step time "
+            "in the report.",
+        )
+    ]

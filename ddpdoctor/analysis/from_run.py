@@ -17,8 +17,12 @@ from ddpdoctor.runlog import RankLog, Run
 
 def rank_tail(log: RankLog) -> RankTail:
     """The latest records of one rank's log."""
-    return RankTail(header=log.header, last_step=log.steps[-1] if log.steps else None,
-                    last_proc=log.procs[-1] if log.procs else None, end=log.end)
+    return RankTail(
+        header=log.header,
+        last_step=log.steps[-1] if log.steps else None,
+        last_proc=log.procs[-1] if log.procs else None,
+        end=log.end,
+    )
 
 
 def rank_backward(log: RankLog) -> RankBackward:
@@ -40,8 +44,13 @@ def hangs_in_run(run: Run) -> list[Finding]:
     ended = {r: log.end.reason for r, log in run.ranks.items() if log.end is not None}
     waiting = any(h.state == "stalled" and h.phase in COLLECTIVE_PHASES for h in latest.values())
     bare = {r: log.bare_steps for r, log in run.ranks.items()}
-    return hang_findings(latest, last_step, run.world_size, ended=ended,
-                         no_allreduce_steps=steps_without_allreduce(bare, last_step, latest) if waiting else None)
+    return hang_findings(
+        latest,
+        last_step,
+        run.world_size,
+        ended=ended,
+        no_allreduce_steps=steps_without_allreduce(bare, last_step, latest) if waiting else None,
+    )
 
 
 def bucket_size_in_run(run: Run) -> list[Finding]:

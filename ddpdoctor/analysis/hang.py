@@ -41,9 +41,14 @@ def _stack_tail(h: Hang, frames: int = 3) -> str:
     return "\n".join("    " + line for line in shown)
 
 
-def hang_findings(latest: dict[int, Hang], last_step: dict[int, int | None], world_size: int, *,
-                  ended: dict[int, str] | None = None,
-                  no_allreduce_steps: dict[int, list[int]] | None = None) -> list[Finding]:
+def hang_findings(
+    latest: dict[int, Hang],
+    last_step: dict[int, int | None],
+    world_size: int,
+    *,
+    ended: dict[int, str] | None = None,
+    no_allreduce_steps: dict[int, list[int]] | None = None,
+) -> list[Finding]:
     """The ``hang`` finding from each rank's latest watchdog record.
 
     Args:
@@ -60,14 +65,20 @@ def hang_findings(latest: dict[int, Hang], last_step: dict[int, int | None], wor
     out: list[Finding] = []
     for rank, h in sorted(latest.items()):
         if h.state == "resumed":
-            out.append(Finding(
-                code="hang", severity="info", ranks=[rank], step=h.step,
-                title=f"rank {rank} made no progress for {h.waited_s:.0f} s ({h.phase}, step {h.step}), then resumed",
-                detail="A stall longer than the hang timeout that ended by itself (a slow checkpoint, evaluation, "
-                       "or a rank that was late).",
-                evidence={"phase": h.phase, "waited_s": h.waited_s},
-                fix="If this is expected work between steps, raise hang_timeout (DDPDOCTOR_HANG_TIMEOUT).",
-            ))
+            out.append(
+                Finding(
+                    code="hang",
+                    severity="info",
+                    ranks=[rank],
+                    step=h.step,
+                    title=f"rank {rank} made no progress for {h.waited_s:.0f} s ({h.phase}, step {h.step}), "
+                    "then resumed",
+                    detail="A stall longer than the hang timeout that ended by itself (a slow checkpoint, evaluation, "
+                    "or a rank that was late).",
+                    evidence={"phase": h.phase, "waited_s": h.waited_s},
+                    fix="If this is expected work between steps, raise hang_timeout (DDPDOCTOR_HANG_TIMEOUT).",
+                )
+            )
     if not waiting:
         return out
     # the collective the job is stuck in: the earliest one a rank waits in (a rank that skipped a
@@ -77,58 +88,82 @@ def hang_findings(latest: dict[int, Hang], last_step: dict[int, int | None], wor
     at = _where(stuck)
     waiters = sorted(r for r, h in waiting.items() if _where(h) == at)
     missing = [r for r in range(max(world_size, max(latest) + 1)) if r not in waiters]
-    waits = f"rank{'s' if len(waiters) > 1 else ''} {', '.join(map(str, waiters))} wait{'' if len(waiters) > 1 else 's'} in {at}"
+    plural = len(waiters) > 1
+    waits = f"rank{'s' if plural else ''} {', '.join(map(str, waiters))} wait{'' if plural else 's'} in {at}"
     lines, missing_info, skipped = [], {}, no_allreduce_steps or {}
     for r in missing:
-        h = stalled.get(r)
+        rec = stalled.get(r)
         info: dict[str, Any] = {"last_step": last_step.get(r)}
         if r in ended:
             text = f"rank {r} has left training: its log ended ({ended[r]}) after step {last_step.get(r)}"
             info["ended"] = ended[r]
-        elif h is not None:
-            ahead = " (it is ahead: it skipped the collective the others wait in)" if h.step > stuck.step else ""
-            text = (f"rank {r} is stalled in {_where(h)}{ahead} for {h.waited_s:.0f} s; its stack:\n"
-                    f"{_stack_tail(h)}")
-            info.update(phase=h.phase, step=h.step, stack=h.stack)
+        elif rec is not None:
+            ahead = " (it is ahead: it skipped the collective the others wait in)" if rec.step > stuck.step else ""
+            text = (
+                f"rank {r} is stalled in {_where(rec)}{ahead} for {rec.waited_s:.0f} s; its stack:\n{_stack_tail(rec)}"
+            )
+            info.update(phase=rec.phase, step=rec.step, stack=rec.stack)
         elif r not in latest and last_step.get(r) is None:
             text = f"rank {r} has logged nothing"
         else:
-            text = (f"rank {r} last logged step {last_step.get(r)} and recorded no stall: it is still busy outside "
-                    "DDP's steps, or it died without a word (see rank-lost)")
+            text = (
+                f"rank {r} last logged step {last_step.get(r)} and recorded no stall: it is still busy outside "
+                "DDP's steps, or it died without a word (see rank-lost)"
+            )
         if skipped.get(r):
-            text += (f"\n    rank {r} logged step{'s' if len(skipped[r]) > 1 else ''} "
-                     f"{', '.join(map(str, skipped[r][:5]))} without any gradient all-reduce while the others "
-                     "all-reduced: from there on its collectives paired with the wrong ones, one step apart")
+            text += (
+                f"\n    rank {r} logged step{'s' if len(skipped[r]) > 1 else ''} "
+                f"{', '.join(map(str, skipped[r][:5]))} without any gradient all-reduce while the others "
+                "all-reduced: from there on its collectives paired with the wrong ones, one step apart"
+            )
             info["steps_without_allreduce"] = skipped[r][:20]
         lines.append(text)
         missing_info[r] = info
     first = stuck.step
     if any(skipped.get(r) for r in missing):
-        fix = ("Every rank must run the same collectives in the same order: the missing rank skipped a backward "
-               "(or ran one more). Look for data-dependent control flow around loss.backward() (skipping a "
-               "batch on a NaN loss or an empty batch on one rank only); skip on all ranks together (agree "
-               "with an all_reduce of a flag) or run the backward with a zero loss instead.")
+        fix = (
+            "Every rank must run the same collectives in the same order: the missing rank skipped a backward "
+            "(or ran one more). Look for data-dependent control flow around loss.backward() (skipping a "
+            "batch on a NaN loss or an empty batch on one rank only); skip on all ranks together (agree "
+            "with an all_reduce of a flag) or run the backward with a zero loss instead."
+        )
     else:
-        fix = ("Look at the missing rank's stack: it is where that rank is instead of the collective. Usual "
-               "causes: an uneven last batch (use DistributedSampler(drop_last=True) or the Join context "
-               "manager), evaluation or checkpointing on one rank only, an exception swallowed on one rank, "
-               "a collective inside data-dependent control flow.")
-    out.append(Finding(
-        code="hang", severity="error", ranks=missing, step=first,
-        title=f"{waits}; missing: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}",
-        detail=f"{waits[0].upper()}{waits[1:]} (no progress for {max(h.waited_s for h in waiting.values()):.0f} s).\n"
-               + "\n".join(lines),
-        evidence={"waiting": {r: {"phase": waiting[r].phase, "step": waiting[r].step,
-                                  "pending_bucket": waiting[r].pending_bucket, "waited_s": waiting[r].waited_s}
-                              for r in waiters},
-                  "missing": missing_info},
-        fix=fix,
-    ))
+        fix = (
+            "Look at the missing rank's stack: it is where that rank is instead of the collective. Usual "
+            "causes: an uneven last batch (use DistributedSampler(drop_last=True) or the Join context "
+            "manager), evaluation or checkpointing on one rank only, an exception swallowed on one rank, "
+            "a collective inside data-dependent control flow."
+        )
+    out.append(
+        Finding(
+            code="hang",
+            severity="error",
+            ranks=missing,
+            step=first,
+            title=f"{waits}; missing: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}",
+            detail=f"{waits[0].upper()}{waits[1:]} "
+            f"(no progress for {max(h.waited_s for h in waiting.values()):.0f} s).\n" + "\n".join(lines),
+            evidence={
+                "waiting": {
+                    r: {
+                        "phase": waiting[r].phase,
+                        "step": waiting[r].step,
+                        "pending_bucket": waiting[r].pending_bucket,
+                        "waited_s": waiting[r].waited_s,
+                    }
+                    for r in waiters
+                },
+                "missing": missing_info,
+            },
+            fix=fix,
+        )
+    )
     return out
 
 
-def steps_without_allreduce(bare_steps: dict[int, list[int]], last_step: dict[int, int | None],
-                            latest: dict[int, Hang]) -> dict[int, list[int]]:
+def steps_without_allreduce(
+    bare_steps: dict[int, list[int]], last_step: dict[int, int | None], latest: dict[int, Hang]
+) -> dict[int, list[int]]:
     """Per rank, its bare steps (logged without any bucket all-reduce) in which another rank did
     all-reduce: it reached that step, logged buckets in it or is stuck in it with buckets ready.
 

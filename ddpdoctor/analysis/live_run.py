@@ -52,6 +52,7 @@ WHATIF_EVERY, WHATIF_RANKS, WHATIF_SAMPLES = 100, 8, 16
 #: the job is among a rank's last steps), for the hang finding to name.
 BARE_STEPS = 64
 
+
 class FindingKey(NamedTuple):
     """Which live finding an entry is: a newer finding of the same key replaces the older one.
 
@@ -99,8 +100,9 @@ class LiveRun:
     Not thread-safe: one thread feeds and snapshots (the UI's watcher thread).
     """
 
-    def __init__(self, label: str = "", history: int = HISTORY, window: int = WINDOW,
-                 attempt: int | None = None) -> None:
+    def __init__(
+        self, label: str = "", history: int = HISTORY, window: int = WINDOW, attempt: int | None = None
+    ) -> None:
         self.label = label
         self.attempt = attempt  # one elastic attempt per LiveRun: a restart starts a new one
         self.history = max(history, window + 1)
@@ -187,9 +189,16 @@ class LiveRun:
             if old is None:
                 # the runtime writes one of the three severities; an unknown one reads as info
                 severity = cast(Severity, rec.severity if rec.severity in SEVERITY_ORDER else "info")
-                self._findings[key] = Finding(code=rec.code, severity=severity, title=rec.title,
-                                              detail=rec.detail, fix=rec.fix, ranks=ranks, step=rec.step,
-                                              evidence=dict(rec.evidence))
+                self._findings[key] = Finding(
+                    code=rec.code,
+                    severity=severity,
+                    title=rec.title,
+                    detail=rec.detail,
+                    fix=rec.fix,
+                    ranks=ranks,
+                    step=rec.step,
+                    evidence=dict(rec.evidence),
+                )
             elif ranks != old.ranks:
                 self._findings[key] = dataclasses.replace(old, ranks=ranks)
 
@@ -242,8 +251,12 @@ class LiveRun:
         by_rank = self._steps_at(step)
         if len(by_rank) < len(self._ranks):
             return
-        if self._clocks is None or self._clock_age >= CLOCK_EVERY or any(r not in self._clocks.offset_us for r in by_rank):
-            recent = {r: list(st.steps)[-self.window:] for r, st in self._ranks.items()}
+        if (
+            self._clocks is None
+            or self._clock_age >= CLOCK_EVERY
+            or any(r not in self._clocks.offset_us for r in by_rank)
+        ):
+            recent = {r: list(st.steps)[-self.window :] for r, st in self._ranks.items()}
             self._clocks, self._clock_age = estimate_offsets(recent), 0
         self._clock_age += 1
         found = arrivals({r: [s] for r, s in by_rank.items()}, self._clocks)
@@ -262,24 +275,31 @@ class LiveRun:
         if not self._complete or self._complete[-1] == self._checked_upto or len(self._ranks) < 2:
             return
         # the check costs O(ranks x window): on large runs, every other step (still named within the window)
-        if len(self._ranks) >= LARGE_RUN and self._checked_upto is not None and self._complete[-1] < self._checked_upto + 2:
+        if (
+            len(self._ranks) >= LARGE_RUN
+            and self._checked_upto is not None
+            and self._complete[-1] < self._checked_upto + 2
+        ):
             return
         self._checked_upto = self._complete[-1]
-        recent = [s for s in list(self._complete)[-self.window:] if s in self._arrivals]
+        recent = [s for s in list(self._complete)[-self.window :] if s in self._arrivals]
         if len(recent) < 3:
             return
         wanted = set(recent) | {s - 1 for s in recent}  # the step before: the data-loading gap
         tail = self.window + 2
-        steps_by_rank = {r: [s for s in list(islice(reversed(st.steps), tail))[::-1] if s.step in wanted]
-                         for r, st in self._ranks.items()}
+        steps_by_rank = {
+            r: [s for s in list(islice(reversed(st.steps), tail))[::-1] if s.step in wanted]
+            for r, st in self._ranks.items()
+        }
         found = stragglers(steps_by_rank, [self._arrivals[s] for s in recent])
         self._stragglers = {r for f in found for r in f.ranks}
         for f in found:
             key = _crossed("straggler", (f.ranks[0],))
             old = self._findings.get(key)
             seen = old.evidence["live_seen_at_step"] if old else self._checked_upto
-            self._findings[key] = dataclasses.replace(f, step=old.step if old else f.step,
-                                                      evidence={**f.evidence, "live_seen_at_step": seen})
+            self._findings[key] = dataclasses.replace(
+                f, step=old.step if old else f.step, evidence={**f.evidence, "live_seen_at_step": seen}
+            )
 
     def _check_bucket_size(self) -> None:
         """The report's bucket-size finding over the recent window, now and then (it replays backward passes)."""
@@ -291,9 +311,14 @@ class LiveRun:
         if not (due or (finished and not self._whatif_final)):
             return
         self._whatif_at, self._whatif_final = last, finished
-        ranks = {rank: RankBackward(header=self._ranks[rank].header, steps=list(self._ranks[rank].steps),
-                                    unused=list(self._ranks[rank].sampled))
-                 for rank in sorted(self._ranks)[:WHATIF_RANKS]}
+        ranks = {
+            rank: RankBackward(
+                header=self._ranks[rank].header,
+                steps=list(self._ranks[rank].steps),
+                unused=list(self._ranks[rank].sampled),
+            )
+            for rank in sorted(self._ranks)[:WHATIF_RANKS]
+        }
         try:
             found = bucket_size(ranks)
         except (ValueError, ZeroDivisionError, KeyError):  # a window too thin to replay: try again later
@@ -306,9 +331,14 @@ class LiveRun:
         """Ranks whose log stopped while others went on (their finding is kept once seen)."""
         if len(self._ranks) < 2:
             return set()
-        found = lost_ranks({rank: RankTail(header=st.header, last_step=st.steps[-1] if st.steps else None,
-                                           last_proc=st.proc, end=st.end)
-                            for rank, st in self._ranks.items()})
+        found = lost_ranks(
+            {
+                rank: RankTail(
+                    header=st.header, last_step=st.steps[-1] if st.steps else None, last_proc=st.proc, end=st.end
+                )
+                for rank, st in self._ranks.items()
+            }
+        )
         for f in found:
             self._findings.setdefault(_crossed("rank-lost", (f.ranks[0],)), f)
         return {r for f in found for r in f.ranks}
@@ -353,15 +383,25 @@ class LiveRun:
         rows = []
         for rank in sorted(self._ranks):
             st = self._ranks[rank]
-            if at_step is None:  # following: each rank's own latest step
-                s = st.steps[-1] if st.steps else None
-            else:
-                s = self._find(st, at_step)
+            # following: each rank's own latest step
+            s = (st.steps[-1] if st.steps else None) if at_step is None else self._find(st, at_step)
             lat = arr.lateness_us.get(rank) if arr is not None and (s is None or s.step == view) else None
-            status = live_view.rank_status(rank, st.end, st.hang is not None, lost=self._lost, hung=self._hung,
-                                           stragglers=self._stragglers)
-            rows.append(live_view.rank_row(rank, header=st.header, step=s, proc=st.proc, end=st.end, hang=st.hang,
-                                           status=status, arrivals=arr, lateness=lat))
+            status = live_view.rank_status(
+                rank, st.end, st.hang is not None, lost=self._lost, hung=self._hung, stragglers=self._stragglers
+            )
+            rows.append(
+                live_view.rank_row(
+                    rank,
+                    header=st.header,
+                    step=s,
+                    proc=st.proc,
+                    end=st.end,
+                    hang=st.hang,
+                    status=status,
+                    arrivals=arr,
+                    lateness=lat,
+                )
+            )
         heat = None
         if arr is not None:
             has_bcast = any(s.bcast_start_us is not None for s in self._steps_at(arr.step).values())
@@ -371,13 +411,26 @@ class LiveRun:
         findings = self._shown_findings()
         latest = max((st.steps[-1].step for st in self._ranks.values() if st.steps), default=None)
         return LiveSnapshot(
-            label=self.label, run_id=h0.run_id if h0 else "", world_size=self._expected(),
-            backend=h0.backend if h0 else "", device=h0.device if h0 else "", ranks=tuple(rows), steps=complete,
-            view_step=view, latest_step=latest, heatmap=heat, step_times=tuple(self._step_times),
-            findings=findings, health=live_view.run_health(rows, findings), steps_per_s=self._rate(),
-            finished=bool(self._ranks) and all(st.end is not None for st in self._ranks.values())
+            label=self.label,
+            run_id=h0.run_id if h0 else "",
+            world_size=self._expected(),
+            backend=h0.backend if h0 else "",
+            device=h0.device if h0 else "",
+            ranks=tuple(rows),
+            steps=complete,
+            view_step=view,
+            latest_step=latest,
+            heatmap=heat,
+            step_times=tuple(self._step_times),
+            findings=findings,
+            health=live_view.run_health(rows, findings),
+            steps_per_s=self._rate(),
+            finished=bool(self._ranks)
+            and all(st.end is not None for st in self._ranks.values())
             and len(self._ranks) >= self._world_size,
-            source=self._source, records=self._records, attempt=self.attempt,
+            source=self._source,
+            records=self._records,
+            attempt=self.attempt,
         )
 
     def _shown_findings(self) -> tuple[Finding, ...]:
@@ -387,8 +440,9 @@ class LiveRun:
         return tuple(f for key, f in self._findings.items() if not (key.origin == "logged" and key.code in crossed))
 
     def _rate(self) -> float | None:
-        lead = max((st for st in self._ranks.values() if len(st.steps) >= 2), key=lambda st: st.steps[-1].step,
-                   default=None)
+        lead = max(
+            (st for st in self._ranks.values() if len(st.steps) >= 2), key=lambda st: st.steps[-1].step, default=None
+        )
         if lead is None:
             return None
         recent = list(lead.steps)[-20:]

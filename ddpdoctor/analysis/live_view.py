@@ -112,8 +112,9 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else v / 1000.0
 
 
-def rank_status(rank: int, end: End | None, stalled: bool, *, lost: set[int], hung: set[int],
-                stragglers: set[int]) -> str:
+def rank_status(
+    rank: int, end: End | None, stalled: bool, *, lost: set[int], hung: set[int], stragglers: set[int]
+) -> str:
     """One of ``STATUSES``: the end record first, then lost, hung, stalled (its watchdog fired), straggler."""
     if end is not None:
         reason = end.reason
@@ -133,8 +134,15 @@ def bucket_views(s: Step, lateness: Sequence[float] | None) -> tuple[BucketView,
     has_bcast = s.bcast_start_us is not None
     if has_bcast:
         start = s.bcast_start_us or 0.0
-        out.append(BucketView("bcast", _ms(start), _ms(start + (s.bcast_us or 0.0)), s.bcast_bytes,
-                              lateness[0] / 1000.0 if lateness else None))
+        out.append(
+            BucketView(
+                "bcast",
+                _ms(start),
+                _ms(start + (s.bcast_us or 0.0)),
+                s.bcast_bytes,
+                lateness[0] / 1000.0 if lateness else None,
+            )
+        )
     off = 1 if has_bcast else 0
     for i, ready in enumerate(s.b_ready_us):
         done = s.b_done_us[i] if i < len(s.b_done_us) else None
@@ -144,20 +152,39 @@ def bucket_views(s: Step, lateness: Sequence[float] | None) -> tuple[BucketView,
     return tuple(out)
 
 
-def rank_row(rank: int, *, header: Header | None, step: Step | None, proc: ProcSample | None, end: End | None,
-             hang: Hang | None, status: str, arrivals: StepArrivals | None,
-             lateness: Sequence[float] | None) -> RankView:
+def rank_row(
+    rank: int,
+    *,
+    header: Header | None,
+    step: Step | None,
+    proc: ProcSample | None,
+    end: End | None,
+    hang: Hang | None,
+    status: str,
+    arrivals: StepArrivals | None,
+    lateness: Sequence[float] | None,
+) -> RankView:
     """The ranks table's row of one rank at one step (``step`` None: it has logged none there)."""
     s = step
-    bwd = s.bwd_end_us - s.fwd_end_us if s is not None and s.bwd_end_us is not None and s.fwd_end_us is not None else None
+    bwd = (
+        s.bwd_end_us - s.fwd_end_us if s is not None and s.bwd_end_us is not None and s.fwd_end_us is not None else None
+    )
     wait = arrivals.wait_us.get(rank) if arrivals is not None and lateness is not None else None
     return RankView(
-        rank=rank, host=header.host if header else "", step=s.step if s else None,
-        step_ms=_ms(s.end_us) if s else None, fwd_ms=_ms(s.fwd_us) if s else None, bwd_ms=_ms(bwd),
-        wait_ms=_ms(wait), bcast_ms=_ms(s.bcast_us) if s else None,
+        rank=rank,
+        host=header.host if header else "",
+        step=s.step if s else None,
+        step_ms=_ms(s.end_us) if s else None,
+        fwd_ms=_ms(s.fwd_us) if s else None,
+        bwd_ms=_ms(bwd),
+        wait_ms=_ms(wait),
+        bcast_ms=_ms(s.bcast_us) if s else None,
         late_ms=max(lateness) / 1000.0 if lateness else None,
-        cpu_pct=proc.cpu_pct if proc else None, rss_bytes=proc.rss_bytes if proc else None,
-        status=status, hang=hang, buckets=bucket_views(s, lateness) if s is not None else (),
+        cpu_pct=proc.cpu_pct if proc else None,
+        rss_bytes=proc.rss_bytes if proc else None,
+        status=status,
+        hang=hang,
+        buckets=bucket_views(s, lateness) if s is not None else (),
         end_reason=end.reason if end else None,
     )
 
@@ -166,8 +193,11 @@ def heatmap(arrivals: StepArrivals, has_bcast: bool) -> Heatmap:
     """The step's arrivals as a ranks x collectives grid of ms late."""
     n = len(next(iter(arrivals.lateness_us.values()), []))
     names = (["bcast"] if has_bcast else []) + [f"b{i}" for i in range(n - (1 if has_bcast else 0))]
-    return Heatmap(step=arrivals.step, collectives=tuple(names),
-                   late_ms={r: tuple(v / 1000.0 for v in lat) for r, lat in sorted(arrivals.lateness_us.items())})
+    return Heatmap(
+        step=arrivals.step,
+        collectives=tuple(names),
+        late_ms={r: tuple(v / 1000.0 for v in lat) for r, lat in sorted(arrivals.lateness_us.items())},
+    )
 
 
 def run_health(rows: Sequence[RankView], findings: Iterable[Finding]) -> str:

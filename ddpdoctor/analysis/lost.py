@@ -64,17 +64,31 @@ def lost_ranks(tails: Mapping[int, RankTail]) -> list[Finding]:
             t = min(known.values())
         last_step = log.last_step.step if log.last_step is not None else None
         others = [r for r in known if r != rank]
-        out.append(Finding(
-            code="rank-lost", severity="error", ranks=[rank], step=last_step,
-            title=f"rank {rank} stopped logging after step {last_step} while the others went on",
-            detail=(f"Rank {rank}'s log ends without an end record (killed: SIGKILL, out of memory, a crash in "
+        out.append(
+            Finding(
+                code="rank-lost",
+                severity="error",
+                ranks=[rank],
+                step=last_step,
+                title=f"rank {rank} stopped logging after step {last_step} while the others went on",
+                detail=(
+                    f"Rank {rank}'s log ends without an end record (killed: SIGKILL, out of memory, a crash in "
                     f"native code) while ranks {sorted(closed - {rank}) or others} went on "
                     f"({(latest - t) / 1e9:.1f} s more of their records). Its "
-                    "records up to then are intact; the other ranks' collectives waited for it from there on."),
-            evidence={"last_step": last_step, "last_record_wall_ns": t, "seconds_before_others_ended": (latest - t) / 1e9,
-                      "host": log.header.host if log.header else None, "pid": log.header.pid if log.header else None},
-            fix=(f"Look at rank {rank}'s stderr and the kernel log on its host (dmesg: the OOM killer) "
-                 f"for pid {log.header.pid if log.header else '?'}; torchrun's --max-restarts restarts a job whose "
-                 "rank died."),
-        ))
+                    "records up to then are intact; the other ranks' collectives waited for it from there on."
+                ),
+                evidence={
+                    "last_step": last_step,
+                    "last_record_wall_ns": t,
+                    "seconds_before_others_ended": (latest - t) / 1e9,
+                    "host": log.header.host if log.header else None,
+                    "pid": log.header.pid if log.header else None,
+                },
+                fix=(
+                    f"Look at rank {rank}'s stderr and the kernel log on its host (dmesg: the OOM killer) "
+                    f"for pid {log.header.pid if log.header else '?'}; torchrun's --max-restarts restarts a job whose "
+                    "rank died."
+                ),
+            )
+        )
     return out

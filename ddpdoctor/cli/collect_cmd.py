@@ -24,12 +24,19 @@ from ddpdoctor.stream.listener import Peer, StreamLine, StreamListener
 WRITE_INTERVAL_S = 0.2
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("collect", help="receive streamed ranks and write them as a run dir",
-                       description="Receive the streams of `ddpdoctor run --endpoint HOST:PORT` and write the usual "
-                                   "run-dir layout, for `ddpdoctor report` later. Stops on SIGINT/SIGTERM.")
-    p.add_argument("--listen", required=True, metavar="HOST:PORT",
-                   help="address to listen on (loopback unless a token is set; port 0 picks a free one)")
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "collect",
+        help="receive streamed ranks and write them as a run dir",
+        description="Receive the streams of `ddpdoctor run --endpoint HOST:PORT` and write the usual "
+        "run-dir layout, for `ddpdoctor report` later. Stops on SIGINT/SIGTERM.",
+    )
+    p.add_argument(
+        "--listen",
+        required=True,
+        metavar="HOST:PORT",
+        help="address to listen on (loopback unless a token is set; port 0 picks a free one)",
+    )
     p.add_argument("--run-dir", type=Path, required=True, help="where the rank files are written")
     p.add_argument("--token", default=None, help=f"shared secret the senders must present (default: ${TOKEN_ENV})")
     p.set_defaults(func=run)
@@ -56,8 +63,11 @@ class Collector:
                 self.run_name = peer.run
             elif peer.run != self.run_name:  # one collector, one run: never mix two runs' ranks
                 if self.other_runs == 0:
-                    print(f"ddpdoctor collect: ignoring run {peer.run!r} (collecting {self.run_name!r})",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"ddpdoctor collect: ignoring run {peer.run!r} (collecting {self.run_name!r})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 self.other_runs += 1
                 continue
             key = (peer.attempt, peer.rank, peer.ddp)
@@ -100,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     ranks = len({(p.rank, p.ddp) for p in listener.peers.values()})
-    print(f"ddpdoctor collect: {collector.records} records from {ranks} rank streams in {args.run_dir}; "
-          f"dropped by senders or here: {listener.dropped()}; rejected connections: {listener.rejected}",
-          flush=True)
+    print(
+        f"ddpdoctor collect: {collector.records} records from {ranks} rank streams in {args.run_dir}; "
+        f"dropped by senders or here: {listener.dropped()}; rejected connections: {listener.rejected}",
+        flush=True,
+    )
     return 0

@@ -15,13 +15,17 @@ from ddpdoctor.runlog.source import DirSource, RecordSource
 POLL_BYTES = 1 << 20
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("watch", help="live terminal view of a run dir or a streamed run")
     p.add_argument("run_dir", type=Path, nargs="?", help="the run dir to watch (being written, or finished)")
     p.add_argument("--listen", metavar="HOST:PORT", help="receive a streamed run (ddpdoctor run --endpoint HOST:PORT)")
     p.add_argument("--token", help="shared secret the senders must present (stream only)")
-    p.add_argument("--history", type=int, default=HISTORY,
-                   help=f"steps kept per rank, to step back over (default {HISTORY}; memory grows with it)")
+    p.add_argument(
+        "--history",
+        type=int,
+        default=HISTORY,
+        help=f"steps kept per rank, to step back over (default {HISTORY}; memory grows with it)",
+    )
     p.set_defaults(func=run)
 
 

@@ -7,7 +7,7 @@ import msgspec
 from ddpdoctor.events.schema import Record
 
 _encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(Record)
+_decoder: msgspec.json.Decoder[Record] = msgspec.json.Decoder(Record)
 
 
 class CorruptLine(ValueError):

@@ -11,7 +11,7 @@ Adding a field with a default keeps old logs readable; renaming or removing one 
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -230,7 +230,31 @@ class StreamDrops(_Record, tag="stream_drops", kw_only=True):
     dropped: int
 
 
-Record = Union[Header, Layout, Step, ProcSample, ProbeOff, End, GradFlags, Fingerprint, Unused, FindingRecord, Hang,
-               StreamDrops]
-RECORD_TYPES: tuple[type, ...] = (Header, Layout, Step, ProcSample, ProbeOff, End, GradFlags, Fingerprint, Unused,
-                                  FindingRecord, Hang, StreamDrops)
+Record = (
+    Header
+    | Layout
+    | Step
+    | ProcSample
+    | ProbeOff
+    | End
+    | GradFlags
+    | Fingerprint
+    | Unused
+    | FindingRecord
+    | Hang
+    | StreamDrops
+)
+RECORD_TYPES: tuple[type, ...] = (
+    Header,
+    Layout,
+    Step,
+    ProcSample,
+    ProbeOff,
+    End,
+    GradFlags,
+    Fingerprint,
+    Unused,
+    FindingRecord,
+    Hang,
+    StreamDrops,
+)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+
 import msgspec
 
 #: Version of the hello and control lines; a listener refuses a hello of another version.
@@ -42,10 +43,22 @@ class Hello:
 
 def encode_hello(hello: Hello) -> bytes:
     """The hello line (newline included)."""
-    return _encoder.encode({
-        "ddpdoctor": "hello", "v": PROTOCOL, "token": hello.token, "rank": hello.rank, "ddp": hello.ddp,
-        "run": hello.run, "attempt": hello.attempt, "host": hello.host, "pid": hello.pid,
-    }) + b"\n"
+    return (
+        _encoder.encode(
+            {
+                "ddpdoctor": "hello",
+                "v": PROTOCOL,
+                "token": hello.token,
+                "rank": hello.rank,
+                "ddp": hello.ddp,
+                "run": hello.run,
+                "attempt": hello.attempt,
+                "host": hello.host,
+                "pid": hello.pid,
+            }
+        )
+        + b"\n"
+    )
 
 
 def decode_hello(line: bytes) -> Hello | None:
@@ -57,13 +70,26 @@ def decode_hello(line: bytes) -> Hello | None:
     if not (isinstance(msg, dict) and msg.get("ddpdoctor") == "hello" and msg.get("v") == PROTOCOL):
         return None
     rank, ddp, run, attempt = msg.get("rank"), msg.get("ddp", 0), msg.get("run", ""), msg.get("attempt")
-    if not (isinstance(rank, int) and rank >= 0 and isinstance(ddp, int) and ddp >= 0 and isinstance(run, str)
-            and (attempt is None or (isinstance(attempt, int) and attempt >= 0))):
+    if not (
+        isinstance(rank, int)
+        and rank >= 0
+        and isinstance(ddp, int)
+        and ddp >= 0
+        and isinstance(run, str)
+        and (attempt is None or (isinstance(attempt, int) and attempt >= 0))
+    ):
         return None
     token = msg.get("token")
     pid = msg.get("pid", 0)
-    return Hello(rank=rank, ddp=ddp, run=run, attempt=attempt, token=token if isinstance(token, str) else None,
-                 host=str(msg.get("host", ""))[:256], pid=pid if isinstance(pid, int) else 0)
+    return Hello(
+        rank=rank,
+        ddp=ddp,
+        run=run,
+        attempt=attempt,
+        token=token if isinstance(token, str) else None,
+        host=str(msg.get("host", ""))[:256],
+        pid=pid if isinstance(pid, int) else 0,
+    )
 
 
 def encode_stats(sent: int, dropped: int) -> bytes:

@@ -217,16 +217,20 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
     while len(step_rows) > stride * max_steps:
         stride *= 2
     tail = set(step_rows[-TAIL_STEPS:])
-    keep = [i for i, p in enumerate(peeks)
-            if p is None or p.kind != "step" or p.step is None or p.step % stride == 0 or i in tail]
+    keep = [
+        i
+        for i, p in enumerate(peeks)
+        if p is None or p.kind != "step" or p.step is None or p.step % stride == 0 or i in tail
+    ]
     for i in keep:
         record = decode_counted(lines[i], log)
         if record is not None:
             log.add(record)
     log.steps_total = len(step_rows)
     log.step_stride = stride
-    log.bare_steps = [p.step for i in step_rows if (p := peeks[i]) is not None and len(p.b_ready_us) == 0
-                      and p.step is not None][:MAX_BARE_STEPS]
+    log.bare_steps = [
+        p.step for i in step_rows if (p := peeks[i]) is not None and len(p.b_ready_us) == 0 and p.step is not None
+    ][:MAX_BARE_STEPS]
     return log
 
 

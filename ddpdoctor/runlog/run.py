@@ -102,8 +102,9 @@ STEP_BUDGET = 250_000
 MIN_STEPS_PER_RANK, MAX_STEPS_PER_RANK = 512, 8192
 
 
-def load_run(directory: str | os.PathLike[str], attempt: int | None = None,
-             max_steps: int | Literal["auto"] | None = None) -> Run:
+def load_run(
+    directory: str | os.PathLike[str], attempt: int | None = None, max_steps: int | Literal["auto"] | None = None
+) -> Run:
     """Read every rank file of a run dir (finished or still being written).
 
     Corrupt lines and a torn last line are skipped and counted per rank (``corrupt_lines``),

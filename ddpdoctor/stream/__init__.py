@@ -20,8 +20,13 @@ if TYPE_CHECKING:
     from ddpdoctor.stream.source import StreamSource
 
 _HOME = {
-    "TcpSink": "sender", "TeeSink": "sender", "stream_tee": "sender",
-    "Peer": "listener", "StreamError": "listener", "StreamLine": "listener", "StreamListener": "listener",
+    "TcpSink": "sender",
+    "TeeSink": "sender",
+    "stream_tee": "sender",
+    "Peer": "listener",
+    "StreamError": "listener",
+    "StreamLine": "listener",
+    "StreamListener": "listener",
     "StreamSource": "source",
 }
 

@@ -99,7 +99,7 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None)
     except OSError:
         return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
 
 
 class StreamListener:
@@ -128,8 +128,10 @@ class StreamListener:
     ) -> None:
         token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
         if not is_loopback(host) and not token:
-            raise StreamError(f"listening on {host or 'all interfaces'} (not loopback) needs a shared token: "
-                              f"set {TOKEN_ENV} here and for the senders (or listen on 127.0.0.1)")
+            raise StreamError(
+                f"listening on {host or 'all interfaces'} (not loopback) needs a shared token: "
+                f"set {TOKEN_ENV} here and for the senders (or listen on 127.0.0.1)"
+            )
         self._token = token.encode() if token else None
         self.max_connections = max_connections
         self.max_line = max_line
@@ -254,7 +256,7 @@ class StreamListener:
                 self.oversized += 1
                 self._drop(conn)
                 return
-            if not self._line(conn, bytes(buf[start:end + 1])):
+            if not self._line(conn, bytes(buf[start : end + 1])):
                 self._drop(conn)
                 return
             start = end + 1

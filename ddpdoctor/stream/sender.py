@@ -67,8 +67,9 @@ class TcpSink(BackgroundSink):
         self.connects = 0
         self._interval = send_interval
         token = token if token is not None else os.environ.get(TOKEN_ENV)
-        self._hello = encode_hello(Hello(rank=rank, ddp=ddp, run=run, attempt=attempt, token=token,
-                                         host=socket.gethostname(), pid=os.getpid()))
+        self._hello = encode_hello(
+            Hello(rank=rank, ddp=ddp, run=run, attempt=attempt, token=token, host=socket.gethostname(), pid=os.getpid())
+        )
         self._init_queue(max_queue)  # receiver slow or down: training does not wait
         self._sock: socket.socket | None = None
         self._backoff = BACKOFF_MIN_S
@@ -93,7 +94,7 @@ class TcpSink(BackgroundSink):
             ok = False
             try:
                 ok = self._send_pending(final=stop)
-            except Exception as exc:  # a bug here must cost the stream, never the training
+            except Exception as exc:  # noqa: BLE001 - a bug here must cost the stream, never the training
                 self._disconnect()
                 self._warn(f"streaming to {self.endpoint} failed: {type(exc).__name__}: {exc}")
             if stop:
@@ -200,7 +201,7 @@ class TcpSink(BackgroundSink):
         self._logged_drops = self.dropped
         try:
             self.on_drops(self.dropped)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the owner's callback must not stop the sender
             self._warn(f"could not log the stream's drop count: {exc}")
 
     _warned = False
@@ -208,9 +209,9 @@ class TcpSink(BackgroundSink):
     def _warn(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(f"ddpdoctor: {message}; training goes on, the local log is complete", LogWriteWarning,
-                          stacklevel=1)
-
+            warnings.warn(
+                f"ddpdoctor: {message}; training goes on, the local log is complete", LogWriteWarning, stacklevel=1
+            )
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the sender within ``timeout``: a send already blocked is cut off at the deadline.
@@ -255,8 +256,7 @@ class TeeSink(Sink):
     ``before_primary_close`` runs in between (the stream's final drop count goes into the file).
     """
 
-    def __init__(self, primary: Sink, secondary: Sink,
-                 before_primary_close: Callable[[], None] | None = None) -> None:
+    def __init__(self, primary: Sink, secondary: Sink, before_primary_close: Callable[[], None] | None = None) -> None:
         self.primary = primary
         self.secondary = secondary
         self.before_primary_close = before_primary_close
@@ -265,14 +265,14 @@ class TeeSink(Sink):
         self.primary.emit(record)
         try:
             self.secondary.emit(record)
-        except Exception:  # noqa: BLE001 - the copy must never cost the original
+        except Exception:  # noqa: BLE001, S110 - the copy must never cost the original
             pass
 
     def flush(self, timeout: float = 5.0) -> bool:
         ok = self.primary.flush(timeout)
         try:
             self.secondary.flush(0.0)  # asked, not awaited
-        except Exception:  # noqa: BLE001 - the copy must never cost the original
+        except Exception:  # noqa: BLE001, S110 - the copy must never cost the original
             pass
         return ok
 
@@ -312,12 +312,21 @@ class _DropLog:
 
     def _emit(self, total: int) -> None:
         self.logged = total
-        self.primary.emit(StreamDrops(rank=self.rank, ddp=self.ddp, t_wall_ns=time.time_ns(),
-                                      endpoint=self.endpoint, dropped=total))
+        self.primary.emit(
+            StreamDrops(rank=self.rank, ddp=self.ddp, t_wall_ns=time.time_ns(), endpoint=self.endpoint, dropped=total)
+        )
 
 
-def stream_tee(primary: Sink, endpoint: str, *, rank: int, ddp: int = 0, run: str = "",
-               attempt: int | None = None, token: str | None = None) -> Sink:
+def stream_tee(
+    primary: Sink,
+    endpoint: str,
+    *,
+    rank: int,
+    ddp: int = 0,
+    run: str = "",
+    attempt: int | None = None,
+    token: str | None = None,
+) -> Sink:
     """``primary`` teed with a ``TcpSink`` to ``endpoint``; drops are logged to ``primary``.
 
     The drop count goes into the local log as a ``stream_drops`` record (running total; the
@@ -327,8 +336,9 @@ def stream_tee(primary: Sink, endpoint: str, *, rank: int, ddp: int = 0, run: st
     try:
         host, port = parse_endpoint(endpoint)
     except ValueError as exc:
-        warnings.warn(f"ddpdoctor: not streaming ({exc}); the local log is written as usual", LogWriteWarning,
-                      stacklevel=3)
+        warnings.warn(
+            f"ddpdoctor: not streaming ({exc}); the local log is written as usual", LogWriteWarning, stacklevel=3
+        )
         return primary
     drops = _DropLog(primary, rank, ddp, f"{host}:{port}")
     sink = TcpSink(endpoint, rank=rank, ddp=ddp, run=run, attempt=attempt, token=token, on_drops=drops)

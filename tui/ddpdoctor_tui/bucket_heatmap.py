@@ -78,7 +78,9 @@ class BucketHeatmap(ScrollView):
         if heat is None:
             return Strip([Segment("waiting for a step that every rank logged", _DIM)]) if y == 0 else Strip.blank(0)
         if y == 0:
-            return Strip([Segment("rank  " + "".join(f"{name[:CELL - 1]:>{CELL - 1}} " for name in heat.collectives), _DIM)])
+            return Strip(
+                [Segment("rank  " + "".join(f"{name[: CELL - 1]:>{CELL - 1}} " for name in heat.collectives), _DIM)]
+            )
         if y - 1 >= len(self._ranks):
             return Strip.blank(0)
         rank = self._ranks[y - 1]

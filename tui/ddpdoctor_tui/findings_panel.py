@@ -38,11 +38,14 @@ class FindingsPanel(VerticalScroll):
 
     def _render_findings(self) -> None:
         floor = SEVERITY_ORDER[self.min_severity]
-        shown = sorted((f for f in self._findings if SEVERITY_ORDER[f.severity] >= floor),
-                       key=lambda f: -SEVERITY_ORDER[f.severity])
+        shown = sorted(
+            (f for f in self._findings if SEVERITY_ORDER[f.severity] >= floor),
+            key=lambda f: -SEVERITY_ORDER[f.severity],
+        )
         hidden = len(self._findings) - len(shown)
         self.border_title = f"findings ({len(shown)}, {self.min_severity} and worse" + (
-            f", {hidden} hidden)" if hidden else ")")
+            f", {hidden} hidden)" if hidden else ")"
+        )
         out = Text()
         if not shown:
             out.append("no findings" + (" at this severity" if hidden else " so far"), style="dim")

@@ -18,8 +18,12 @@ STATUS_STYLE: dict[str, str] = {
 
 SEVERITY_STYLE: dict[str, str] = {"info": "cyan", "warning": "bold dark_orange", "error": "bold red"}
 
-HEALTH_STYLE: dict[str, str] = {"waiting": "dim", "ok": "bold green", "warning": "bold dark_orange",
-                                "error": "bold white on red"}
+HEALTH_STYLE: dict[str, str] = {
+    "waiting": "dim",
+    "ok": "bold green",
+    "warning": "bold dark_orange",
+    "error": "bold white on red",
+}
 
 
 def ms(value: float | None, digits: int = 1) -> str:

@@ -35,7 +35,11 @@ STATUSES: tuple[tuple[str, str], ...] = (
 class HelpScreen(ModalScreen[None]):
     """Key bindings and what the statuses mean; any of escape, ? or q closes it."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [("escape", "dismiss", "Close"), ("question_mark", "dismiss", "Close"), ("q", "dismiss", "Close")]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        ("escape", "dismiss", "Close"),
+        ("question_mark", "dismiss", "Close"),
+        ("q", "dismiss", "Close"),
+    ]
 
     def compose(self) -> ComposeResult:
         keys = Table(title="keys", box=None, show_header=False)

@@ -34,9 +34,13 @@ class RankDetail(VerticalScroll):
             if view.hang is not None:
                 h = view.hang
                 pending = "" if h.pending_bucket is None else f", waiting for bucket {h.pending_bucket}"
-                parts.append(Text(f"no progress for {h.waited_s:.0f} s in {h.phase} of step {h.step}{pending} "
-                                  f"({h.buckets_ready}/{h.buckets} buckets ready, {h.buckets_done} done)",
-                                  style="bold yellow"))
+                parts.append(
+                    Text(
+                        f"no progress for {h.waited_s:.0f} s in {h.phase} of step {h.step}{pending} "
+                        f"({h.buckets_ready}/{h.buckets} buckets ready, {h.buckets_done} done)",
+                        style="bold yellow",
+                    )
+                )
                 parts.append(Text("stack (innermost last):\n" + "\n".join(h.stack[-20:]), style=""))
             if view.buckets:
                 table = Table(box=None, pad_edge=False, header_style="bold")
@@ -44,7 +48,12 @@ class RankDetail(VerticalScroll):
                     table.add_column(col, justify="right")
                 for b in view.buckets:
                     late = ms(b.late_ms)
-                    table.add_row(b.name, ms(b.ready_ms), ms(b.done_ms), f"{b.bytes / 1024:.0f}",
-                                  Text(late, style="bold red" if (b.late_ms or 0.0) >= 10.0 else ""))
+                    table.add_row(
+                        b.name,
+                        ms(b.ready_ms),
+                        ms(b.done_ms),
+                        f"{b.bytes / 1024:.0f}",
+                        Text(late, style="bold red" if (b.late_ms or 0.0) >= 10.0 else ""),
+                    )
                 parts.append(table)
         self.query_one("#detail-text", Static).update(Group(*parts))

@@ -4,22 +4,49 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.widgets import DataTable
+from textual.widgets.data_table import ColumnKey
 
 from ddpdoctor.analysis.live_view import LiveSnapshot, RankView
 from ddpdoctor_tui.formatting import mib, ms, status_text
 
 COLUMNS: tuple[tuple[str, str], ...] = (
-    ("rank", "rank"), ("host", "host"), ("step", "step"), ("step_ms", "step ms"), ("fwd", "fwd"), ("bwd", "bwd"),
-    ("wait", "ar wait"), ("bcast", "buf sync"), ("late", "late"), ("lost_for_others", "cost to others"),
-    ("cpu", "cpu%"), ("rss", "rss"), ("status", "status"),
+    ("rank", "rank"),
+    ("host", "host"),
+    ("step", "step"),
+    ("step_ms", "step ms"),
+    ("fwd", "fwd"),
+    ("bwd", "bwd"),
+    ("wait", "ar wait"),
+    ("bcast", "buf sync"),
+    ("late", "late"),
+    ("lost_for_others", "cost to others"),
+    ("cpu", "cpu%"),
+    ("rss", "rss"),
+    ("status", "status"),
 )
 
 
 def _cells(r: RankView) -> tuple[object, ...]:
     late = Text(ms(r.late_ms), style="bold dark_orange" if (r.late_ms or 0.0) >= 10.0 else "")
-    return (str(r.rank), r.host[:14], "-" if r.step is None else str(r.step), ms(r.step_ms), ms(r.fwd_ms),
-            ms(r.bwd_ms), ms(r.wait_ms), ms(r.bcast_ms, 2), late, ms(r.lost_for_others_ms),
-            "-" if r.cpu_pct is None else f"{r.cpu_pct:.0f}", mib(r.rss_bytes), status_text(r.status))
+    return (
+        str(r.rank),
+        r.host[:14],
+        "-" if r.step is None else str(r.step),
+        ms(r.step_ms),
+        ms(r.fwd_ms),
+        ms(r.bwd_ms),
+        ms(r.wait_ms),
+        ms(r.bcast_ms, 2),
+        late,
+        ms(r.lost_for_others_ms),
+        "-" if r.cpu_pct is None else f"{r.cpu_pct:.0f}",
+        mib(r.rss_bytes),
+        status_text(r.status),
+    )
+
+
+def _width(cell: object) -> int:
+    return cell.cell_len if isinstance(cell, Text) else len(str(cell))
 
 
 class RanksTable(DataTable[object]):
@@ -40,11 +67,13 @@ class RanksTable(DataTable[object]):
             if old is None:
                 self.add_row(*cells, key=str(r.rank))
             elif old != cells:
-                for (key, _), new, was in zip(COLUMNS, cells, old):
+                for (key, _), new, was in zip(COLUMNS, cells, old, strict=True):
                     if new != was:
                         # a column is as wide as its first rows were ("-" before the first step):
-                        # a longer value must widen it, not be cut ("15." for "15.3")
-                        self.update_cell(str(r.rank), key, new, update_width=True)
+                        # a wider value widens it instead of being cut ("15." for "15.3"). Only
+                        # then: Textual re-measures the whole column when asked to fit a value.
+                        wider = _width(new) > self.columns[ColumnKey(key)].content_width
+                        self.update_cell(str(r.rank), key, new, update_width=wider)
             self._shown[r.rank] = cells
 
     def selected_rank(self) -> int | None:

@@ -35,6 +35,8 @@ class RunHeader(Static):
             second.append(f" (latest {snap.latest_step}) [{mode}]")
         src = snap.source
         if src.corrupt_lines or src.unknown_lines or src.dropped:
-            second.append(f"  skipped: {src.corrupt_lines} corrupt, {src.unknown_lines} unknown, "
-                          f"{src.dropped} dropped", style="yellow")
+            second.append(
+                f"  skipped: {src.corrupt_lines} corrupt, {src.unknown_lines} unknown, {src.dropped} dropped",
+                style="yellow",
+            )
         self.update(Text("\n").join([line, second]))

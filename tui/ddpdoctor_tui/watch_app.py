@@ -42,12 +42,17 @@ class WatchApp(App[None]):
         Binding("question_mark", "help", "Help"),
     ]
 
-    def __init__(self, source: RecordSource | str | os.PathLike[str] | None = None, *, interval: float = 0.2,
-                 history: int = HISTORY) -> None:
+    def __init__(
+        self,
+        source: RecordSource | str | os.PathLike[str] | None = None,
+        *,
+        interval: float = 0.2,
+        history: int = HISTORY,
+    ) -> None:
         super().__init__()
-        if source is not None and not hasattr(source, "poll"):
-            source = DirSource(Path(source), max_bytes_per_poll=1 << 20)  # type: ignore[arg-type]
-        self.source: RecordSource | None = source  # type: ignore[assignment]
+        if isinstance(source, (str, os.PathLike)):
+            source = DirSource(Path(source), max_bytes_per_poll=1 << 20)
+        self.source: RecordSource | None = source
         self.interval = interval
         self.history = history
         self.snapshot: LiveSnapshot | None = None  # what the screen shows now

@@ -39,8 +39,9 @@ class Watcher(threading.Thread):
     snapshot come at once instead of at the next tick.
     """
 
-    def __init__(self, source: RecordSource, target: MessagePump, interval: float = 0.2,
-                 history: int = HISTORY) -> None:
+    def __init__(
+        self, source: RecordSource, target: MessagePump, interval: float = 0.2, history: int = HISTORY
+    ) -> None:
         super().__init__(name="ddpdoctor-watch", daemon=True)
         self.source = source
         self.target = target
