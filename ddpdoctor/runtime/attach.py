@@ -6,8 +6,8 @@ in ``STEPS`` order, each with its undo. If a step fails, the steps already made 
 reverse order and ``AttachError`` says which step failed: DDP is left exactly as it was (same
 hooks, still all-reducing through its own reducer), and nothing refers to it.
 
-The one change that cannot be undone is the comm hook (a reducer takes exactly one, for good),
-so it comes last but for bookkeeping. A comm hook the user registered *before* ``instrument``
+The changes that cannot be undone come last: the comm hook (a reducer takes exactly one, for
+good), and, when the reducer was rebuilt, removing the old reducer's autograd hooks. A comm hook the user registered *before* ``instrument``
 means a fresh reducer: it is built beside the old one (whose autograd hooks stay in place
 until the new reducer carries ddpdoctor's hook), and only then are the old reducer's hooks
 removed. After ``detach`` the timed hook stays registered and passes every bucket to the inner
@@ -30,8 +30,8 @@ from ddpdoctor.runtime import comm_hook, torch_compat
 from ddpdoctor.runtime.header import build_header
 
 #: Every step of the transaction, in order ("validate" and "build" change nothing).
-STEPS = ("validate", "build", "forward_hooks", "sync_buffers", "copy_state", "shadow_registration",
-         "rebuild_reducer", "comm_hook", "retire_old_reducer", "services", "register")
+STEPS = ("validate", "build", "forward_hooks", "sync_buffers", "copy_state", "shadow_registration", "services",
+         "register", "rebuild_reducer", "comm_hook", "retire_old_reducer")
 #: Test-only: the step to fail at (also read from this environment variable).
 FAIL_ENV = "DDPDOCTOR_TEST_FAIL_ATTACH"
 fail_at: str | None = None
@@ -141,14 +141,16 @@ class Attachment:
         ]
         if self.hook_state is not None:
             plan.append(("shadow_registration", self._shadow_registration))
+        for name, do, undo in extra:
+            plan.append((name, self._with_undo(name, do, undo)))
+        plan.append(("register", self._register))
+        # the irreversible ones last: nothing after them can fail and need them undone
+        if self.hook_state is not None:
             if self._existing is not None:
                 plan.append(("rebuild_reducer", self._rebuild_reducer))
             plan.append(("comm_hook", self._register_comm_hook))
             if self._existing is not None:
                 plan.append(("retire_old_reducer", self._retire_old_reducer))
-        for name, do, undo in extra:
-            plan.append((name, self._with_undo(name, do, undo)))
-        plan.append(("register", self._register))
         return plan
 
     def _with_undo(self, name: str, do: Callable[[], None], undo: Callable[[], None]) -> Callable[[], None]:
@@ -223,6 +225,7 @@ class Attachment:
 
     def _register(self) -> None:
         _attached[self.ddp] = self.monitor
+        self._undo.append(("register", lambda: _attached.pop(self.ddp, None)))
 
     def _rollback(self) -> None:
         while self._undo:

@@ -7,6 +7,8 @@ One process may monitor several DDP models; these exist once per process however
 - the process sampler thread (CPU %, RSS, device memory), started with the first monitor;
 - the hang watchdog thread, started with the first monitor that has a ``hang_timeout``.
 
+Both threads stop when the last monitor leaves: a process that stops monitoring keeps no thread.
+
 ``services()`` returns the process's instance; ``Services.shutdown()`` closes every monitor and
 stops everything it started (a fresh instance is made on the next use).
 """
@@ -14,6 +16,7 @@ stops everything it started (a fresh instance is made on the next use).
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 from ddpdoctor.runtime.exit_flush import ExitFlush
@@ -31,11 +34,13 @@ class Services:
         self._sampler: ProcSampler | None = None
         self._watchdog: Watchdog | None = None
         self._lock = threading.Lock()
+        self._members: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def join(self, monitor: Any, proc_interval: float, hang_timeout: float) -> None:
         """Everything ``monitor`` gets from the process: optimizer timing, samples, exit, watchdog."""
         self.optimizer_hooks.watch(monitor)
         with self._lock:
+            self._members.add(monitor)
             if self._sampler is None:
                 self._sampler = ProcSampler(proc_interval)
             self._sampler.interval = min(self._sampler.interval, proc_interval)
@@ -56,6 +61,15 @@ class Services:
             self._sampler.remove(monitor)
         self.optimizer_hooks.unwatch(monitor)
         self.exit_flush.unregister(monitor)
+        with self._lock:
+            self._members.discard(monitor)
+            if len(self._members):
+                return
+            sampler, dog = self._sampler, self._watchdog
+            self._sampler = self._watchdog = None
+        for service in (sampler, dog):
+            if service is not None:
+                service.stop(timeout=0.5)
 
     @property
     def threads(self) -> list[threading.Thread]:
