@@ -302,3 +302,91 @@ def whatif_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             loss.backward()
             opt.step()
     return {"rank": rank}
+
+
+def _param_sums(model: torch.nn.Module) -> list[float]:
+    return [float(p.detach().double().sum()) for p in model.parameters()]
+
+
+def _ddp_surface(ddp: DDP) -> dict[str, Any]:
+    """What must be exactly as before after a failed attach."""
+    return {"dict": sorted(ddp.__dict__), "pre": list(ddp._forward_pre_hooks), "post": list(ddp._forward_hooks),
+            "module_pre": list(ddp.module._forward_pre_hooks), "reducer": id(ddp.reducer),
+            "comm_hooks": len(getattr(ddp, "_comm_hooks", []))}
+
+
+def attach_fault_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Fail ``instrument`` at every attach step, with and without a comm hook registered first;
+    after each, DDP must be as it was and still average gradients across the ranks."""
+    import threading
+
+    from ddpdoctor.runtime import attach
+
+    root = Path(tmp)
+    data = batches(rank, 3)  # different data per rank: only averaged gradients keep replicas equal
+    out: dict[str, Any] = {}
+    # a first monitor, closed: the process-wide parts that outlive monitors exist from here on
+    with ddpdoctor.instrument(fresh_ddp(), run_dir=root / "warm"):
+        pass
+
+    def run(hook_first: bool, fail: str | None) -> dict[str, Any]:
+        ddp = fresh_ddp()
+        if hook_first:
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        before = _ddp_surface(ddp)
+        threads = {t.ident for t in threading.enumerate()}
+        attach.fail_at = fail
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                monitor = ddpdoctor.instrument(ddp, run_dir=root / f"{hook_first}-{fail}")
+        finally:
+            attach.fail_at = None
+        result: dict[str, Any] = {
+            "disabled": not hasattr(monitor, "recorder"),
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, ddpdoctor.DDPDoctorWarning)],
+            "surface_same": _ddp_surface(ddp) == before,
+            "registered": attach.monitor_of(ddp) is not None,
+            "new_threads": sorted(t.name for t in threading.enumerate() if t.ident not in threads),
+        }
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        sums = []
+        for x, y in data:
+            loss = ((ddp(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sums.append(_param_sums(ddp.module))
+        monitor.close()
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, sums)
+        result["replicas_equal"] = all(g == gathered[0] for g in gathered)
+        result["sums"] = sums
+        return result
+
+    for hook_first in (False, True):
+        out[f"plain-{hook_first}"] = run(hook_first, None)  # attach succeeds: the reference
+        for step in attach.STEPS:
+            out[f"{step}-{hook_first}"] = run(hook_first, step)
+    return out
+
+
+def rewrap_typo_check(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """``rewrap(model, find_unused_paramters=True)`` raises; the old model trains on, averaged."""
+    ddp = ddpdoctor.DistributedDataParallel(make_model(), bucket_cap_mb=BUCKET_CAP_MB, ddpdoctor_run_dir=Path(tmp))
+    try:
+        ddpdoctor.rewrap(ddp, find_unused_paramters=True)
+        error = ""
+    except TypeError as exc:
+        error = str(exc)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for x, y in batches(rank, 3):
+        loss = ((ddp(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    still = not ddp.ddpdoctor.closed and ddp.ddpdoctor.steps == 2
+    ddp.ddpdoctor.close()
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, _param_sums(ddp.module))
+    return {"error": error, "replicas_equal": all(g == gathered[0] for g in gathered), "still_monitored": still}

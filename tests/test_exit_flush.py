@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -96,3 +97,25 @@ def test_report_works_on_a_run_still_being_written(tmp_path: Path, capsys: objec
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_close_that_fails_at_exit_is_said_on_stderr(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import os, torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        import ddpdoctor
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        ddp = DDP(torch.nn.Linear(4, 4))
+        monitor = ddpdoctor.instrument(ddp, run_dir={str(tmp_path)!r})
+        ddp(torch.randn(2, 4)).sum().backward()
+        def broken_close(reason="close", timeout=5.0):
+            raise OSError("disk gone")
+        monitor.close = broken_close
+        print("trained", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert "trained" in proc.stdout, proc.stderr[-2000:]
+    assert proc.returncode == 0
+    assert "closing a log at exit failed (OSError: disk gone)" in proc.stderr
+    assert "LogWriteWarning" in proc.stderr

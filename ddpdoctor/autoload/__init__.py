@@ -104,7 +104,8 @@ def _built_by_ddpdoctor(ddp: Any, caller: Any) -> bool:
 def _after_init(ddp: Any, caller: Any) -> None:
     if _built_by_ddpdoctor(ddp, caller):
         return
-    from ddpdoctor.runtime.monitor import instrument, monitor_of
+    from ddpdoctor.runtime.attach import monitor_of
+    from ddpdoctor.runtime.monitor import instrument
 
     if monitor_of(ddp) is not None:
         return

@@ -5,7 +5,8 @@ the *inner* hook: the user's, or one doing what DDP does by default (divide by w
 all-reduce; bit-identical results). A user hook registered after ``instrument`` is routed to the
 inner slot by shadowing ``register_comm_hook`` on the instance. A hook registered before is
 found in ``ddp._comm_hooks``; since the reducer will not take a second one, the reducer is
-rebuilt the way DDP itself rebuilds it when unpickled, with the same parameters.
+rebuilt the way DDP itself rebuilds it when unpickled, with the same parameters
+(``runtime/attach.py`` does that, as one step of its transaction).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddpdoctor.events import BucketInfo
+from ddpdoctor.runtime import torch_compat
 
 if TYPE_CHECKING:
-    from ddpdoctor.runtime.monitor import Monitor
+    from ddpdoctor.runtime.protocols import BucketObserver
 
 _ONCE_MSG = "register_comm_hook or register_builtin_comm_hook can only be called once."
 
@@ -36,18 +38,18 @@ class HookUnsupported(RuntimeError):
 
 
 class HookState:
-    """State of ``timed_hook``: the monitor (weak: the hook outlives it) and the inner hook."""
+    """State of ``timed_hook``: the observer (weak: the hook outlives it) and the inner hook."""
 
     __slots__ = ("_monitor", "inner_hook", "inner_state", "user_hook_name", "__weakref__")
 
-    def __init__(self, monitor: Monitor, inner_hook: Callable[..., Any], inner_state: object) -> None:
+    def __init__(self, monitor: BucketObserver, inner_hook: Callable[..., Any], inner_state: object) -> None:
         self._monitor = weakref.ref(monitor)
         self.inner_hook = inner_hook
         self.inner_state = inner_state
         self.user_hook_name: str | None = None
 
     @property
-    def monitor(self) -> Monitor | None:
+    def monitor(self) -> BucketObserver | None:
         return self._monitor()
 
     def detach(self) -> None:
@@ -116,21 +118,32 @@ def bucket_info(bucket: dist.GradBucket, names: dict[int, str]) -> BucketInfo:
     )
 
 
-def attach(ddp: torch.nn.parallel.DistributedDataParallel, monitor: Monitor) -> HookState:
-    """Register ``timed_hook`` on ``ddp`` and route past and future user hooks through it."""
+def check_supported(ddp: Any) -> tuple[Callable[..., Any], object, str] | None:
+    """The user's hook already registered on ``ddp`` (None: none), or ``HookUnsupported``.
+
+    Changes nothing: the attach transaction calls it before its first step.
+    """
+    if not torch_compat.available("comm_hook"):
+        raise HookUnsupported(f"torch {torch_compat.TORCH_VERSION}: {torch_compat.problem('comm_hook')}")
     if getattr(ddp, "_use_python_reducer", False) or getattr(ddp, "_delay_all_reduce_all_params", False):
         raise HookUnsupported("this DDP runs without a C++ reducer (compiled DDP or all parameters delayed)")
     existing = _registered_hook(ddp)
-    state = HookState(monitor, mean_allreduce, ddp.process_group)
-    if existing is not None:
-        hook, hook_state, name = existing
-        _rebuild_reducer(ddp)
-        state.inner_hook, state.inner_state, state.user_hook_name = hook, hook_state, name
-    dist._register_comm_hook(ddp.reducer, state, timed_hook)
-    if existing is not None and ddp.logger is not None:
-        ddp.logger._set_comm_hook_name(existing[2])
-    _shadow_registration(ddp, state)
-    return state
+    if existing is None:
+        return None
+    if not torch_compat.available("reducer_rebuild"):
+        raise HookUnsupported(f"a comm hook registered before instrument cannot be timed on torch "
+                              f"{torch_compat.TORCH_VERSION}: {torch_compat.problem('reducer_rebuild')}")
+    if getattr(ddp, "mixed_precision", None) is not None:
+        raise HookUnsupported("DDP's native mixed precision registers its own comm hook")
+    old_count, new_count = torch_compat.reducer_parameter_count(ddp)
+    if old_count is not None and old_count != new_count:
+        # requires_grad changed since DDP was built: a new reducer would silently change what is
+        # synchronized, which is training's business, not ours.
+        raise HookUnsupported(
+            "requires_grad changed since DDP was built; call ddpdoctor.instrument before registering "
+            "the comm hook"
+        )
+    return existing
 
 
 def _registered_hook(ddp: Any) -> tuple[Callable[..., Any], object, str] | None:
@@ -139,7 +152,7 @@ def _registered_hook(ddp: Any) -> tuple[Callable[..., Any], object, str] | None:
         hook, hook_state = hooks[-1]
         return hook, hook_state, getattr(hook, "__qualname__", repr(hook))
     try:
-        name = str(ddp._get_ddp_logging_data().get("comm_hook", "") or "")
+        name = str(torch_compat.logging_data(ddp).get("comm_hook", "") or "")
     except Exception:
         name = ""
     if name.startswith("BuiltinCommHookType."):
@@ -152,29 +165,10 @@ def _registered_hook(ddp: Any) -> tuple[Callable[..., Any], object, str] | None:
     return None
 
 
-def _rebuild_reducer(ddp: Any) -> None:
-    """Build a fresh reducer over the same parameters, as DDP's own ``__setstate__`` does."""
-    if getattr(ddp, "mixed_precision", None) is not None:
-        raise HookUnsupported("DDP's native mixed precision registers its own comm hook")
-    old_count = ddp._get_ddp_logging_data().get("num_parameter_tensors")
-    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
-    if old_count is not None and int(old_count) != len(parameters):
-        # requires_grad changed since DDP was built: a new reducer would silently change what is
-        # synchronized, which is training's business, not ours.
-        raise HookUnsupported(
-            "requires_grad changed since DDP was built; call ddpdoctor.instrument before registering "
-            "the comm hook"
-        )
-    ddp._remove_autograd_hooks()
-    mapping = ddp._build_debug_param_to_name_mapping(parameters)
-    ddp._ddp_init_helper(parameters, expect_sparse_gradient, mapping, ddp.static_graph)
-    if ddp.static_graph:
-        ddp.reducer._set_static_graph()
-        ddp.logger._set_static_graph()
-    ddp._has_rebuilt_buckets = False
+SHADOWS = ("register_comm_hook", "_register_builtin_comm_hook")
 
 
-def _shadow_registration(ddp: Any, state: HookState) -> None:
+def shadow_registration(ddp: Any, state: HookState) -> None:
     """Make later ``register_comm_hook`` calls fill the inner slot instead of failing."""
     ddp_ref = weakref.ref(ddp)  # these functions live in ddp.__dict__: no cycle back to it
 

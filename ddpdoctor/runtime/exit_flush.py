@@ -1,11 +1,23 @@
-"""Flush every live monitor at interpreter exit and on SIGTERM, without delaying the exit.
+"""Logs complete at the end of a process, without changing how the process reacts to signals.
 
-A Python-level SIGTERM handler only runs when the main thread returns to the interpreter; a
-rank blocked inside a collective (the very hang ddpdoctor diagnoses) would then ignore SIGTERM.
-So the handler is backed by a wakeup fd read on a daemon thread: that thread flushes at once
-if the main thread has not run the handler within a moment (it is blocked), flushes and, if
-the process had the default disposition, restores the default disposition and re-raises SIGTERM itself. The process dies
-from SIGTERM exactly as it would have without ddpdoctor, only with its log flushed.
+The contract (issue 13): a signal does to the process exactly what it does without ddpdoctor.
+
+- At interpreter exit every live monitor is closed (``End`` record, reason ``exit``).
+- SIGTERM with the *default* disposition (the process dies): ddpdoctor installs a handler that
+  closes every monitor (reason ``signal``), restores the default and re-raises SIGTERM, so the
+  process still dies by SIGTERM, with its log complete.
+- A user's handler, installed before ``instrument`` or after it, runs exactly as it would
+  without ddpdoctor: ddpdoctor installs nothing over it, and if it replaces ddpdoctor's, ours is
+  gone. ddpdoctor only *flushes* when SIGTERM arrives (from a thread), so a job that trains
+  through its grace period stays monitored; it closes at exit as usual. A handler that chains to
+  ``signal.getsignal`` read while ddpdoctor's was installed calls ours: it then only flushes,
+  since without ddpdoctor that handler would have seen ``SIG_DFL`` and not died there.
+- A Python handler runs only when the main thread returns to the interpreter: a rank blocked in a
+  collective (the hang ddpdoctor diagnoses) would never run it. A daemon thread reads the
+  signal wakeup fd and flushes at once; if ddpdoctor's own handler is still the installed one
+  (``signal.getsignal`` at that moment) and has not run within ``MAIN_THREAD_WAIT_S``, it closes,
+  restores ``SIG_DFL`` at the C level and re-raises: the process dies as it would have.
+- SIGINT, SIGUSR1 and every other signal are never touched.
 """
 
 from __future__ import annotations
@@ -16,100 +28,158 @@ import os
 import signal
 import socket
 import threading
+import warnings
 import weakref
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ddpdoctor.categories import LogWriteWarning
 
 if TYPE_CHECKING:
-    from ddpdoctor.runtime.monitor import Monitor
+    from ddpdoctor.runtime.protocols import Closable
 
 GRACE_S = 2.0
-#: How long the main thread gets to run the Python-level handler before the watcher acts.
+#: How long the main thread gets to run ddpdoctor's handler before the watcher acts.
 MAIN_THREAD_WAIT_S = 0.3
-_monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
-_lock = threading.Lock()
-_installed = False
-_previous: Any = signal.SIG_DFL
-_handled = threading.Event()
 
 
-def register(monitor: Monitor) -> None:
-    """Have ``monitor`` closed at exit and on SIGTERM."""
-    global _installed
-    with _lock:
-        _monitors.add(monitor)
-        if _installed:
+class ExitFlush:
+    """Closes registered monitors at exit and flushes them on SIGTERM (one per process)."""
+
+    def __init__(self) -> None:
+        self._monitors: weakref.WeakSet[Closable] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._installed = False
+        self._handled = threading.Event()
+        self._handler_installed = False
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+
+    def register(self, monitor: Closable) -> None:
+        """Have ``monitor`` closed at exit and flushed on SIGTERM."""
+        with self._lock:
+            self._monitors.add(monitor)
+            if self._installed:
+                return
+            self._installed = True
+        atexit.register(self.close_all, "exit")
+        if threading.current_thread() is threading.main_thread():
+            self._install_sigterm()
+
+    def unregister(self, monitor: Closable) -> None:
+        self._monitors.discard(monitor)
+
+    def close_all(self, reason: str) -> None:
+        """Close every live monitor (flushing its sink) with ``reason`` in its End record.
+
+        A close that fails is said on stderr (a ``LogWriteWarning``): the log then lacks its end.
+        """
+        for monitor in list(self._monitors):
+            try:
+                monitor.close(reason=reason, timeout=GRACE_S)
+            except BaseException as exc:  # at exit or in a signal handler: say it, never raise
+                _say(f"ddpdoctor: closing a log at {reason} failed ({type(exc).__name__}: {exc}); "
+                     "the log may end without its end record")
+
+    def flush_all(self) -> None:
+        """Flush every live monitor's sink (any thread); nothing is closed."""
+        for monitor in list(self._monitors):
+            try:
+                if not monitor.closed:
+                    monitor.flush(timeout=GRACE_S)
+            except BaseException as exc:
+                _say(f"ddpdoctor: flushing a log on SIGTERM failed ({type(exc).__name__}: {exc})")
+
+    # -- SIGTERM -------------------------------------------------------------------------
+
+    def _install_sigterm(self) -> None:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            # only over the default disposition: a user's handler (or SIG_IGN, or one set from C)
+            # decides what SIGTERM does, and ddpdoctor only flushes beside it
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._handler_installed = True
+        self._start_wakeup_watcher()
+
+    def owns_sigterm(self) -> bool:
+        """ddpdoctor's handler is the one installed right now."""
+        return self._handler_installed and signal.getsignal(signal.SIGTERM) == self._on_sigterm
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if not self.owns_sigterm():
+            # called by a handler installed after ours that chains to it: without ddpdoctor that
+            # handler would have found SIG_DFL and not called anything, so the process goes on
+            self.flush_all()
             return
-        _installed = True
-    atexit.register(close_all, "exit")
-    if threading.current_thread() is threading.main_thread():
-        _install_sigterm()
-
-
-def close_all(reason: str) -> None:
-    """Close every live monitor (flushing its sink) with ``reason`` in its End record."""
-    for monitor in list(_monitors):
-        try:
-            monitor.close(reason=reason, timeout=GRACE_S)
-        except Exception:
-            pass
-
-
-def _install_sigterm() -> None:
-    global _previous
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous is signal.SIG_IGN or previous is None:
-        return  # ignored, or set from C: not ours to touch
-    _previous = previous
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    if previous is signal.SIG_DFL:
-        _start_wakeup_watcher()
-
-
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    _handled.set()
-    close_all("signal")
-    if callable(_previous):
-        _previous(signum, frame)
-        return
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _start_wakeup_watcher() -> None:
-    reader, writer = socket.socketpair()
-    writer.setblocking(False)
-    try:
-        old = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    except (ValueError, OSError):
-        return
-    if old != -1:  # someone (an event loop) owns the wakeup fd: leave it to them
-        signal.set_wakeup_fd(old)
-        reader.close()
-        writer.close()
-        return
-    _keep_alive.extend((reader, writer))
-    threading.Thread(target=_watch, args=(reader,), name="ddpdoctor-sigterm", daemon=True).start()
-
-
-_keep_alive: list[socket.socket] = []
-
-
-def _watch(reader: socket.socket) -> None:
-    while True:
-        try:
-            data = reader.recv(64)
-        except OSError:
-            return
-        if not data:
-            return
-        if signal.SIGTERM not in data:
-            continue
-        if _handled.wait(MAIN_THREAD_WAIT_S):
-            return  # the main thread's handler runs: it flushes and re-raises
-        # The main thread is stuck in native code: flush from here, then die by SIGTERM as the
-        # process would have without ddpdoctor.
-        close_all("signal")
-        libc = ctypes.CDLL(None)
-        libc.signal(int(signal.SIGTERM), 0)  # SIG_DFL, settable from any thread at the C level
+        self._handled.set()
+        self.close_all("signal")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
+
+    def _start_wakeup_watcher(self) -> None:
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        try:
+            old = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            reader.close()
+            writer.close()
+            return
+        if old != -1:  # someone (an event loop) owns the wakeup fd: leave it to them
+            signal.set_wakeup_fd(old)
+            reader.close()
+            writer.close()
+            return
+        self._wakeup = (reader, writer)
+        threading.Thread(target=self._watch, args=(reader,), name="ddpdoctor-sigterm", daemon=True).start()
+
+    def _watch(self, reader: socket.socket) -> None:
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM not in data:
+                continue
+            if not self.owns_sigterm():
+                self.flush_all()  # the user's handler decides; the log is on disk meanwhile
+                continue
+            if self._handled.wait(MAIN_THREAD_WAIT_S) or not self.owns_sigterm():
+                continue  # ours ran on the main thread (the process is on its way out), or a user's took over
+            # The main thread is stuck in native code: close from here, then die by SIGTERM as the
+            # process would have without ddpdoctor.
+            self.close_all("signal")
+            libc = ctypes.CDLL(None)
+            libc.signal(int(signal.SIGTERM), 0)  # SIG_DFL, settable from any thread at the C level
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def shutdown(self) -> None:
+        """Undo what ``register`` did where it is still ours (tests, embedding applications)."""
+        atexit.unregister(self.close_all)
+        if threading.current_thread() is threading.main_thread():
+            if self.owns_sigterm():
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if self._wakeup is not None:
+                reader, writer = self._wakeup
+                try:
+                    current = signal.set_wakeup_fd(-1)
+                    if current not in (-1, writer.fileno()):
+                        signal.set_wakeup_fd(current)  # someone replaced ours since: theirs stays
+                except (ValueError, OSError):
+                    pass
+                writer.close()
+                reader.close()
+                self._wakeup = None
+        self._handler_installed = False
+        self._installed = False
+        self._monitors = weakref.WeakSet()
+
+
+def _say(message: str) -> None:
+    try:
+        warnings.warn(message, LogWriteWarning, stacklevel=2)
+    except BaseException:  # warnings turned into errors: stderr is the last resort
+        try:
+            os.write(2, (message + "\n").encode())
+        except OSError:
+            pass

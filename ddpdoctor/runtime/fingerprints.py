@@ -28,7 +28,7 @@ class Fingerprinter:
 
     def __init__(self, deliver: Callable[[Any, list[float], list[float]], None]) -> None:
         self._deliver = deliver
-        self._pending: list[tuple[torch.Tensor, Any, Any]] = []
+        self._pending: list[tuple[torch.Tensor, Any, Any]] = []  # bounded by the checks in flight (a few)
 
     def take(self, tensors: list[torch.Tensor], meta: Any) -> None:
         with torch.no_grad():
@@ -46,4 +46,11 @@ class Fingerprinter:
         """Deliver every fingerprint whose copy has finished (never waits)."""
         while self._pending and self._pending[0][1].query():
             host, _, meta = self._pending.pop(0)
+            self._deliver(meta, host[:, 0].tolist(), host[:, 1].tolist())
+
+    def drain(self) -> None:
+        """Deliver every pending fingerprint, waiting for the device (end of run only)."""
+        while self._pending:
+            host, event, meta = self._pending.pop(0)
+            event.synchronize()
             self._deliver(meta, host[:, 0].tolist(), host[:, 1].tolist())

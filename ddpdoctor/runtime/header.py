@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ddpdoctor.events import SCHEMA_VERSION, BufferInfo, Header, ParamInfo
+from ddpdoctor.runtime import torch_compat
 from ddpdoctor.runtime.clocks import mono_ns, wall_ns
 
 
@@ -19,9 +20,7 @@ def ddp_options(ddp: Any) -> dict[str, Any]:
     """DDP's constructor options as the instance holds them (both spellings of buffer sync)."""
     config = getattr(ddp, "_bucket_config", None)
     cap_bytes = getattr(ddp, "bucket_bytes_cap", None)
-    forward_sync = getattr(ddp, "forward_sync_buffers", None)
-    if forward_sync is None:  # torch before the rename
-        forward_sync = getattr(ddp, "broadcast_buffers", None)
+    forward_sync = torch_compat.buffer_sync(ddp)  # both spellings (2.13 renamed it)
     options: dict[str, Any] = {
         "bucket_cap_mb": cap_bytes / 2**20 if cap_bytes else None,
         "bucket_bytes_cap": cap_bytes,
@@ -40,7 +39,7 @@ def ddp_options(ddp: Any) -> dict[str, Any]:
         "join_enabled": bool(getattr(getattr(ddp, "_join_config", None), "enable", False)),
     }
     try:
-        logged = ddp._get_ddp_logging_data()
+        logged = torch_compat.logging_data(ddp)
         options["comm_hook"] = logged.get("comm_hook") or None
         options["gloo_num_threads"] = logged.get("gloo_num_threads")
     except Exception:
@@ -71,7 +70,7 @@ def build_header(ddp: Any, rank: int, ddp_index: int, run_id: str, clock: str, r
         for n, p in ddp.module.named_parameters()
     ]
     broadcast_ids = {id(b) for b in getattr(ddp, "modules_buffers", [])}
-    will_sync = bool(getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", False)))
+    will_sync = torch_compat.buffer_sync(ddp)
     buffers = []
     with torch.no_grad():
         for n, b in ddp.module.named_buffers():

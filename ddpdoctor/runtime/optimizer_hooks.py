@@ -2,7 +2,7 @@
 
 The hooks are process-wide: with several optimizers in one process, a monitor's optimizer time
 is that of whichever optimizer steps after its backward. They are removed when the last monitor
-closes, so a process that stops monitoring pays nothing for them.
+leaves, so a process that stops monitoring pays nothing for them.
 """
 
 from __future__ import annotations
@@ -12,42 +12,52 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ddpdoctor.runtime.monitor import Monitor
-
-_monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
-_lock = threading.Lock()
-_handles: list[Any] = []
+    from ddpdoctor.runtime.protocols import OptimizerObserver
 
 
-def watch(monitor: Monitor) -> None:
-    """Time every ``optimizer.step()`` in this process for ``monitor``."""
-    with _lock:
-        _monitors.add(monitor)
-        if _handles:
-            return
-        from torch.optim.optimizer import (
-            register_optimizer_step_post_hook,
-            register_optimizer_step_pre_hook,
-        )
+class OptimizerHooks:
+    """torch's global optimizer step pre/post hooks, shared by every monitor of the process."""
 
-        _handles.extend((register_optimizer_step_pre_hook(_pre), register_optimizer_step_post_hook(_post)))
+    def __init__(self) -> None:
+        self._observers: weakref.WeakSet[OptimizerObserver] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._handles: list[Any] = []
 
+    def watch(self, observer: OptimizerObserver) -> None:
+        """Time every ``optimizer.step()`` in this process for ``observer``."""
+        with self._lock:
+            self._observers.add(observer)
+            if self._handles:
+                return
+            from torch.optim.optimizer import (
+                register_optimizer_step_post_hook,
+                register_optimizer_step_pre_hook,
+            )
 
-def unwatch(monitor: Monitor) -> None:
-    """Stop timing for ``monitor``; the hooks go when no monitor is left."""
-    with _lock:
-        _monitors.discard(monitor)
-        if not _monitors:
-            for handle in _handles:
-                handle.remove()
-            _handles.clear()
+            self._handles.extend((register_optimizer_step_pre_hook(self._pre),
+                                  register_optimizer_step_post_hook(self._post)))
 
+    def unwatch(self, observer: OptimizerObserver) -> None:
+        """Stop timing for ``observer``; the hooks go when no observer is left."""
+        with self._lock:
+            self._observers.discard(observer)
+            if not self._observers:
+                self._remove()
 
-def _pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-    for monitor in list(_monitors):
-        monitor.on_optimizer(start=True)
+    def shutdown(self) -> None:
+        with self._lock:
+            self._observers = weakref.WeakSet()
+            self._remove()
 
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
-def _post(optimizer: Any, args: Any, kwargs: Any) -> None:
-    for monitor in list(_monitors):
-        monitor.on_optimizer(start=False)
+    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for observer in list(self._observers):
+            observer.on_optimizer(start=True)
+
+    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for observer in list(self._observers):
+            observer.on_optimizer(start=False)

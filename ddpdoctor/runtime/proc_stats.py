@@ -12,7 +12,7 @@ from ddpdoctor.events import ProcSample
 from ddpdoctor.runtime.clocks import mono_ns, wall_ns
 
 if TYPE_CHECKING:
-    from ddpdoctor.runtime.monitor import Monitor
+    from ddpdoctor.runtime.protocols import ProcSource
 
 
 class ProcSampler:
@@ -20,48 +20,47 @@ class ProcSampler:
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
-        self._monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
+        self._sources: weakref.WeakSet[ProcSource] = weakref.WeakSet()
         self._process = psutil.Process()
         self._process.cpu_percent(None)  # the first call only primes the counter
         self._wake = threading.Event()
+        self._stop = False
         self._thread = threading.Thread(target=self._run, name="ddpdoctor-proc", daemon=True)
         self._thread.start()
 
-    def add(self, monitor: Monitor) -> None:
-        self._monitors.add(monitor)
+    def add(self, source: ProcSource) -> None:
+        self._sources.add(source)
         self._wake.set()  # a first sample at once, so every rank file has one
 
-    def sample(self, monitor: Monitor) -> ProcSample:
+    def remove(self, source: ProcSource) -> None:
+        self._sources.discard(source)
+
+    def sample(self, source: ProcSource) -> ProcSample:
         mem = self._process.memory_info()
-        dev, dev_max = monitor.device_memory()
+        dev, dev_max = source.device_memory()
         return ProcSample(
-            rank=monitor.rank, ddp=monitor.ddp_index, t_mono_ns=mono_ns(), t_wall_ns=wall_ns(),
+            rank=source.rank, ddp=source.ddp_index, t_mono_ns=mono_ns(), t_wall_ns=wall_ns(),
             cpu_pct=self._process.cpu_percent(None), rss_bytes=mem.rss,
             dev_mem_bytes=dev, dev_max_mem_bytes=dev_max,
         )
 
+    def stop(self, timeout: float = 2.0) -> None:
+        """End the thread (``Services.shutdown``)."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
     def _run(self) -> None:
-        while True:
+        while not self._stop:
             self._wake.wait(self.interval)
             self._wake.clear()
-            for monitor in list(self._monitors):
-                if monitor.closed or not monitor.probes.on["proc"]:
+            if self._stop:
+                return
+            for source in list(self._sources):
+                if source.closed or not source.probes.on["proc"]:
                     continue
                 try:
-                    monitor.emit(self.sample(monitor))
+                    source.emit(self.sample(source))
                 except Exception as exc:
-                    monitor.probes.failed("proc", exc)
-
-
-_sampler: ProcSampler | None = None
-_lock = threading.Lock()
-
-
-def sampler(interval: float) -> ProcSampler:
-    """The process-wide sampler (one thread, however many models are monitored)."""
-    global _sampler
-    with _lock:
-        if _sampler is None:
-            _sampler = ProcSampler(interval)
-        _sampler.interval = min(_sampler.interval, interval)
-        return _sampler
+                    source.probes.failed("proc", exc)

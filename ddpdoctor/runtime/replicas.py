@@ -13,7 +13,8 @@ from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.events import BufferInfo, Fingerprint, Header, ParamInfo
 from ddpdoctor.runtime.fingerprints import tensor_values
 from ddpdoctor.runtime.live_findings import warn_finding
-from ddpdoctor.runtime.monitor import monitor_of
+from ddpdoctor.runtime import torch_compat
+from ddpdoctor.runtime.attach import monitor_of
 
 
 def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True) -> list[Finding]:
@@ -35,7 +36,7 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
         group = ddp.process_group
     params = list(module.named_parameters())
     buffers = list(module.named_buffers())
-    broadcast = {id(b) for b in getattr(ddp, "modules_buffers", [])} if ddp is not None and ddp.forward_sync_buffers else set()
+    broadcast = {id(b) for b in getattr(ddp, "modules_buffers", [])} if ddp is not None and torch_compat.buffer_sync(ddp) else set()
     with torch.no_grad():
         values = tensor_values([p for _, p in params] + [b for _, b in buffers]).cpu()
     norms, sums = values[:, 0].tolist(), values[:, 1].tolist()

@@ -8,7 +8,8 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from ddpdoctor.runtime.monitor import monitor_of
+from ddpdoctor.runtime import torch_compat
+from ddpdoctor.runtime.attach import monitor_of
 
 
 def constructor_options(ddp: TorchDDP) -> dict[str, Any]:
@@ -16,7 +17,6 @@ def constructor_options(ddp: TorchDDP) -> dict[str, Any]:
     accepted = set(inspect.signature(TorchDDP.__init__).parameters)
     # from the exact byte cap (the config's own bucket_cap_mb is rounded to whole MiB)
     cap_mb = ddp.bucket_bytes_cap / 2**20 if getattr(ddp, "bucket_bytes_cap", None) else None
-    forward_sync = bool(getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True)))
     options: dict[str, Any] = {
         "device_ids": ddp.device_ids,
         "output_device": ddp.output_device,
@@ -29,12 +29,9 @@ def constructor_options(ddp: TorchDDP) -> dict[str, Any]:
         "mixed_precision": getattr(ddp, "mixed_precision", None),
         "skip_all_reduce_unused_params": getattr(ddp, "skip_all_reduce_unused_params", False),
     }
-    if forward_sync and "forward_sync_buffers" in accepted:
-        options["forward_sync_buffers"] = True
-    else:
-        # broadcast_buffers=False also skips the buffer sync at construction: rank-local buffers
-        # must stay rank-local through a rewrap.
-        options["broadcast_buffers"] = forward_sync
+    # broadcast_buffers=False also skips the buffer sync at construction: rank-local buffers
+    # must stay rank-local through a rewrap (torch_compat spells it for this torch)
+    options |= torch_compat.buffer_sync_kwargs(torch_compat.buffer_sync(ddp))
     return {k: v for k, v in options.items() if k in accepted}
 
 
@@ -57,19 +54,32 @@ def rewrap(ddp_model: TorchDDP, **overrides: Any) -> TorchDDP:
     step numbers go on), and detaches the old one. Parameters are the same tensors, so an existing
     optimizer keeps working. Like DDP's constructor it broadcasts parameters from rank 0.
 
+    The old model is touched only once the new one is built: a mistyped override, or a
+    constructor that raises, leaves ``ddp_model`` exactly as it was (still training).
+
     Returns:
         The new ``DistributedDataParallel`` (``ddpdoctor.DistributedDataParallel`` if that is what
         was passed in): use it in place of the old one.
     """
     if not isinstance(ddp_model, TorchDDP):
         raise TypeError(f"rewrap expects a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    accepted = set(inspect.signature(TorchDDP.__init__).parameters) - {"self", "module"}
+    unknown = sorted(set(overrides) - accepted)
+    if unknown:
+        raise TypeError(f"rewrap: DistributedDataParallel (torch {torch_compat.TORCH_VERSION}) takes no "
+                        f"option(s) {', '.join(unknown)}")
     options = constructor_options(ddp_model) | overrides
+    if "forward_sync_buffers" in overrides:
+        options.pop("broadcast_buffers", None)
+    elif "broadcast_buffers" in overrides:
+        options.pop("forward_sync_buffers", None)
     hook = _user_hook(ddp_model)
     monitor = monitor_of(ddp_model)
-    ddp_model._remove_autograd_hooks()  # the old reducer must not see the coming backwards
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-        new = TorchDDP(ddp_model.module, **options)
+        new = TorchDDP(ddp_model.module, **options)  # the old model still has its hooks if this raises
+    # from here on the new model is built: the old reducer must not see the coming backwards
+    ddp_model._remove_autograd_hooks()
     if monitor is not None:
         monitor.reattach(new)
     if hook is not None:
@@ -78,7 +88,7 @@ def rewrap(ddp_model: TorchDDP, **overrides: Any) -> TorchDDP:
 
     if isinstance(ddp_model, DistributedDataParallel):
         new.__class__ = DistributedDataParallel  # adds no state but the monitor attribute
-        new.ddpdoctor = monitor if monitor is not None else ddp_model.ddpdoctor
+        new.ddpdoctor = monitor if monitor is not None and not monitor.closed else ddp_model.ddpdoctor
     return new
 
 

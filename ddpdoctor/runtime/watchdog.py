@@ -25,7 +25,7 @@ from ddpdoctor.events.layout import HANG_TIMEOUT_ENV
 from ddpdoctor.runtime.clocks import mono_ns, wall_ns
 
 if TYPE_CHECKING:
-    from ddpdoctor.runtime.monitor import Monitor
+    from ddpdoctor.runtime.protocols import Watched
     from ddpdoctor.runtime.step_recorder import StepRecorder
 
 #: Default seconds without progress before a rank counts as stalled: far below the process
@@ -104,7 +104,7 @@ class _Watch:
 
     __slots__ = ("monitor", "timeout", "last", "since", "stalled_at", "thread_id")
 
-    def __init__(self, monitor: Monitor, timeout: float, thread_id: int) -> None:
+    def __init__(self, monitor: Watched, timeout: float, thread_id: int) -> None:
         self.monitor = monitor
         self.timeout = timeout
         self.last: tuple[Any, ...] | None = None
@@ -120,15 +120,23 @@ class Watchdog:
         self._watches: dict[int, _Watch] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._stop = False
         self._thread = threading.Thread(target=self._run, name="ddpdoctor-watchdog", daemon=True)
         self._thread.start()
 
-    def add(self, monitor: Monitor, timeout: float) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
+        """End the thread (``Services.shutdown``)."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def add(self, monitor: Watched, timeout: float) -> None:
         with self._lock:
             self._watches[id(monitor)] = _Watch(monitor, timeout, threading.get_ident())
         self._wake.set()
 
-    def remove(self, monitor: Monitor) -> None:
+    def remove(self, monitor: Watched) -> None:
         with self._lock:
             self._watches.pop(id(monitor), None)
 
@@ -138,9 +146,11 @@ class Watchdog:
         return max(0.05, min([1.0] + [t / 8.0 for t in timeouts]))
 
     def _run(self) -> None:
-        while True:
+        while not self._stop:
             self._wake.wait(self._interval())
             self._wake.clear()
+            if self._stop:
+                return
             with self._lock:
                 watches = list(self._watches.values())
             for watch in watches:
@@ -191,24 +201,3 @@ class Watchdog:
                                                  "pending_bucket": record.pending_bucket}))
             warnings.warn(f"ddpdoctor: {title}. {fix}", HangWarning, stacklevel=1)
         monitor.sink.flush(timeout=2.0)
-
-
-_watchdog: Watchdog | None = None
-_lock = threading.Lock()
-
-
-def watch(monitor: Monitor, timeout: float) -> None:
-    """Watch ``monitor`` for stalls of ``timeout`` seconds (0: not at all)."""
-    global _watchdog
-    if timeout <= 0:
-        return
-    with _lock:
-        if _watchdog is None:
-            _watchdog = Watchdog()
-        dog = _watchdog
-    dog.add(monitor, timeout)
-
-
-def unwatch(monitor: Monitor) -> None:
-    if _watchdog is not None:
-        _watchdog.remove(monitor)

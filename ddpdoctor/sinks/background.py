@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 from ddpdoctor.events import Record
@@ -69,4 +70,7 @@ class BackgroundSink(Sink):
             return
         self._closed = True
         if self._thread.is_alive():
-            self._request(True, timeout)
+            deadline = time.monotonic() + timeout
+            if self._request(True, timeout) and self._thread is not threading.current_thread():
+                # the thread answers, then returns: no thread of ours outlives a close
+                self._thread.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,292 @@
+"""ddpdoctor's changes to a DDP instance, made as one transaction, undone by ``detach()``.
+
+``Attachment.open`` either makes every change or none: it validates and builds everything first
+(the header, the hook state, the functions it will put on the instance), then makes the changes
+in ``STEPS`` order, each with its undo. If a step fails, the steps already made are undone in
+reverse order and ``AttachError`` says which step failed: DDP is left exactly as it was (same
+hooks, still all-reducing through its own reducer), and nothing refers to it.
+
+The changes that cannot be undone come last: the comm hook (a reducer takes exactly one, for
+good), and, when the reducer was rebuilt, removing the old reducer's autograd hooks. A comm hook the user registered *before* ``instrument``
+means a fresh reducer: it is built beside the old one (whose autograd hooks stay in place
+until the new reducer carries ddpdoctor's hook), and only then are the old reducer's hooks
+removed. After ``detach`` the timed hook stays registered and passes every bucket to the inner
+(the user's, or DDP's own) hook without timing anything, and later ``register_comm_hook``
+calls still fill that inner slot, under DDP's own "only once" rule.
+
+Fault injection (tests): ``fail_at`` (or ``$DDPDOCTOR_TEST_FAIL_ATTACH``) names a step of
+``STEPS`` to fail at.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ddpdoctor.events import Header
+from ddpdoctor.runtime import comm_hook, torch_compat
+from ddpdoctor.runtime.header import build_header
+
+#: Every step of the transaction, in order ("validate" and "build" change nothing).
+STEPS = ("validate", "build", "forward_hooks", "sync_buffers", "copy_state", "shadow_registration", "services",
+         "register", "rebuild_reducer", "comm_hook", "retire_old_reducer")
+#: Test-only: the step to fail at (also read from this environment variable).
+FAIL_ENV = "DDPDOCTOR_TEST_FAIL_ATTACH"
+fail_at: str | None = None
+
+#: What ddpdoctor puts in a DDP instance's ``__dict__`` (removed from copies and pickles).
+SHADOWED = ("_sync_buffers", "_post_forward", "__getstate__", *comm_hook.SHADOWS)
+
+#: The monitor attached to each DDP instance.
+_attached: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+class AttachError(RuntimeError):
+    """Attaching failed at ``step``; DDP was left as it was."""
+
+    def __init__(self, step: str, cause: BaseException) -> None:
+        super().__init__(f"attach step '{step}' failed ({type(cause).__name__}: {cause}); "
+                         "the DDP model was left exactly as it was")
+        self.step = step
+        self.cause = cause
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the fault injection of the tests."""
+
+
+def monitor_of(ddp: Any) -> Any:
+    """The live monitor attached to ``ddp``, if any."""
+    monitor = _attached.get(ddp)
+    return monitor if monitor is not None and not monitor.closed else None
+
+
+def _maybe_fail(step: str) -> None:
+    if step in (fail_at, os.environ.get(FAIL_ENV)):
+        raise InjectedFault(f"injected failure at attach step '{step}'")
+
+
+class Attachment:
+    """ddpdoctor's changes to one DDP instance for one monitor (``open``, then ``detach``)."""
+
+    def __init__(self, ddp: Any, monitor: Any) -> None:
+        self.ddp = ddp
+        self.monitor = monitor
+        self.header: Header | None = None
+        self.hook_state: comm_hook.HookState | None = None
+        #: Why per-bucket timing is off on this instance (None: it is on).
+        self.timing_off: str | None = None
+        self._undo: list[tuple[str, Callable[[], None]]] = []
+        self._handles: list[Any] = []
+        self._existing: tuple[Callable[..., Any], object, str] | None = None
+
+    @classmethod
+    def open(cls, ddp: Any, monitor: Any, header: Callable[[Any], Header],
+             extra: tuple[tuple[str, Callable[[], None], Callable[[], None]], ...] = ()) -> Attachment:
+        """Attach ``monitor`` to ``ddp``: every change, or none (``AttachError``).
+
+        ``header(ddp)`` builds the header (emitted by the caller once this succeeds); ``extra``
+        are (name, do, undo) steps of the caller's, run before the final registration.
+        """
+        self = cls(ddp, monitor)
+        step = "validate"
+        try:
+            _maybe_fail(step)
+            self._validate()
+            step = "build"
+            _maybe_fail(step)
+            self.header = header(ddp)
+            self._build()
+            for step, do in self._plan(extra):
+                _maybe_fail(step)
+                do()
+        except BaseException as exc:
+            self._rollback()
+            raise AttachError(step, exc) from exc
+        return self
+
+    # -- validate and build: nothing changes -------------------------------------------
+
+    def _validate(self) -> None:
+        try:
+            self._existing = comm_hook.check_supported(self.ddp)
+        except comm_hook.HookUnsupported as exc:
+            self.timing_off = str(exc)
+        if self.ddp in _attached and monitor_of(self.ddp) is not None:
+            raise RuntimeError("this DDP instance is already instrumented")
+
+    def _build(self) -> None:
+        monitor, ddp = self.monitor, self.ddp
+        if self.timing_off is None:
+            state = comm_hook.HookState(monitor, comm_hook.mean_allreduce, ddp.process_group)
+            if self._existing is not None:
+                state.inner_hook, state.inner_state, state.user_hook_name = self._existing
+            self.hook_state = state
+        original_sync = ddp._sync_buffers if torch_compat.available("buffer_timing") else None
+
+        def sync_buffers() -> None:
+            return monitor.on_sync_buffers(original_sync)
+
+        self._sync_buffers = sync_buffers if original_sync is not None else None
+        self._getstate = _state_without_ddpdoctor(ddp)
+
+    def _plan(self, extra: tuple[tuple[str, Callable[[], None], Callable[[], None]], ...]
+              ) -> list[tuple[str, Callable[[], None]]]:
+        plan: list[tuple[str, Callable[[], None]]] = [
+            ("forward_hooks", self._add_forward_hooks),
+            ("sync_buffers", self._shadow_sync_buffers),
+            ("copy_state", self._shadow_getstate),
+        ]
+        if self.hook_state is not None:
+            plan.append(("shadow_registration", self._shadow_registration))
+        for name, do, undo in extra:
+            plan.append((name, self._with_undo(name, do, undo)))
+        plan.append(("register", self._register))
+        # the irreversible ones last: nothing after them can fail and need them undone
+        if self.hook_state is not None:
+            if self._existing is not None:
+                plan.append(("rebuild_reducer", self._rebuild_reducer))
+            plan.append(("comm_hook", self._register_comm_hook))
+            if self._existing is not None:
+                plan.append(("retire_old_reducer", self._retire_old_reducer))
+        return plan
+
+    def _with_undo(self, name: str, do: Callable[[], None], undo: Callable[[], None]) -> Callable[[], None]:
+        def step() -> None:
+            do()
+            self._undo.append((name, undo))
+        return step
+
+    # -- the changes, each with its undo -------------------------------------------------
+
+    def _add_forward_hooks(self) -> None:
+        ddp, monitor = self.ddp, self.monitor
+        self._handles.append(ddp.register_forward_pre_hook(monitor.on_forward_pre, prepend=True))
+        self._undo.append(("forward_hooks", self._remove_forward_hooks))
+        self._handles.append(ddp.register_forward_hook(monitor.on_forward_post, always_call=True))
+
+    def _remove_forward_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _shadow_sync_buffers(self) -> None:
+        if self._sync_buffers is None:
+            return
+        self.ddp.__dict__["_sync_buffers"] = self._sync_buffers
+        self._undo.append(("sync_buffers", lambda: self.ddp.__dict__.pop("_sync_buffers", None)))
+
+    def _shadow_getstate(self) -> None:
+        if "__getstate__" in self.ddp.__dict__:
+            return  # attached before (a closed monitor's): the same function serves
+        self.ddp.__dict__["__getstate__"] = self._getstate
+        self._undo.append(("copy_state", lambda: self.ddp.__dict__.pop("__getstate__", None)))
+
+    def _shadow_registration(self) -> None:
+        saved = {name: self.ddp.__dict__[name] for name in comm_hook.SHADOWS if name in self.ddp.__dict__}
+        assert self.hook_state is not None
+        comm_hook.shadow_registration(self.ddp, self.hook_state)
+
+        def undo() -> None:
+            for name in comm_hook.SHADOWS:
+                self.ddp.__dict__.pop(name, None)
+            self.ddp.__dict__.update(saved)
+
+        self._undo.append(("shadow_registration", undo))
+
+    def _rebuild_reducer(self) -> None:
+        ddp = self.ddp
+        snapshot = dict(ddp.__dict__)
+        self._old_reducer = old = ddp.reducer
+
+        def undo() -> None:
+            new = ddp.__dict__.get("reducer")
+            if new is not None and new is not old:
+                torch_compat.remove_reducer_hooks(new)
+            ddp.__dict__.clear()
+            ddp.__dict__.update(snapshot)
+
+        self._undo.append(("rebuild_reducer", undo))
+        # the new reducer registers its autograd hooks beside the old one's; the old ones go last
+        torch_compat.build_reducer(ddp)
+
+    def _register_comm_hook(self) -> None:
+        ddp, state = self.ddp, self.hook_state
+        assert state is not None
+        torch_compat.register_comm_hook(ddp.reducer, state, comm_hook.timed_hook)
+        if self._existing is not None and ddp.logger is not None:
+            ddp.logger._set_comm_hook_name(self._existing[2])
+
+    def _retire_old_reducer(self) -> None:
+        torch_compat.remove_reducer_hooks(self._old_reducer)
+        self._old_reducer = None
+
+    def _register(self) -> None:
+        _attached[self.ddp] = self.monitor
+        self._undo.append(("register", lambda: _attached.pop(self.ddp, None)))
+
+    def _rollback(self) -> None:
+        while self._undo:
+            _, undo = self._undo.pop()
+            try:
+                undo()
+            except Exception:  # undo the rest regardless; the caller reports the failed step
+                pass
+        if self.hook_state is not None:
+            self.hook_state.detach()
+
+    # -- after a successful open ---------------------------------------------------------
+
+    def detach(self) -> None:
+        """Undo what can be undone; the comm hook stays and passes through without timing."""
+        if self.ddp is None:
+            return
+        ddp = self.ddp
+        self._remove_forward_hooks()
+        ddp.__dict__.pop("_sync_buffers", None)
+        ddp.__dict__.pop("_post_forward", None)
+        if _attached.get(ddp) is self.monitor:
+            del _attached[ddp]
+        if self.hook_state is not None:
+            self.hook_state.detach()
+        self._undo = []
+        self.ddp = None
+
+
+def _state_without_ddpdoctor(ddp: Any) -> Callable[[], dict[str, Any]]:
+    """An instance ``__getstate__``: DDP's own, less everything ddpdoctor added.
+
+    ``copy.deepcopy`` and ``torch.save`` of an instrumented DDP then give what they give for a
+    plain DDP: an uninstrumented copy (DDP's ``__setstate__`` builds it a reducer of its own,
+    without any comm hook, as for any copy); the original keeps its monitor.
+    """
+    ddp_ref = weakref.ref(ddp)
+
+    def __getstate__() -> dict[str, Any]:
+        ddp = ddp_ref()
+        monitor = monitor_of(ddp)
+        if monitor is not None:
+            monitor.quiesce()  # a sample in progress holds hooks on the parameters: end it
+        state = type(ddp).__getstate__(ddp)
+        for name in SHADOWED:
+            state.pop(name, None)
+        if "ddpdoctor" in state:  # the drop-in class's attribute: a copy is not monitored
+            from ddpdoctor.runtime.monitor import DisabledMonitor
+
+            state["ddpdoctor"] = DisabledMonitor()
+        own = _own_hooks(monitor)
+        for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called",
+                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs"):
+            hooks = state.get(name)
+            if hooks and own:
+                state[name] = type(hooks)((k, v) for k, v in hooks.items() if k not in own)
+        return state
+
+    return __getstate__
+
+
+def _own_hooks(monitor: Any) -> set[int]:
+    attachment = getattr(monitor, "attachment", None) if monitor is not None else None
+    return {h.id for h in attachment._handles} if attachment is not None else set()

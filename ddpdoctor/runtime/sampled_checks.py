@@ -1,0 +1,180 @@
+"""The checks beside the timings: requires_grad on every forward, the rest on sampled steps.
+
+Every training forward: ``requires_grad`` of all parameters, read in one ``map`` and compared
+with what DDP was built with; a change emits a ``grad_flags`` record.
+
+Sampled steps (``schedule``: dense early, then every ``check_every``): post-accumulate-grad hooks
+on the reduced parameters (which got no gradient: ``unused``, and when each was ready), a one-shot
+forward pre-hook on the *wrapped* module (after DDP's buffer broadcast) that takes fingerprints,
+and a one-shot timing of DDP's ``_post_forward`` (the graph search ``find_unused_parameters``
+costs). ``final`` takes one more fingerprint at the end of the run, so replicas are compared at
+the end of a run of any length.
+
+What a check keeps is bounded: one sample in progress at a time, and the hooks it adds are
+removed when it ends.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from typing import Any
+
+import torch
+
+from ddpdoctor.events import Fingerprint, GradFlags, Header, Unused
+from ddpdoctor.runtime import torch_compat
+from ddpdoctor.runtime.clocks import HostClock
+from ddpdoctor.runtime.fingerprints import Fingerprinter
+
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+#: The dense start always reaches this step (0, 1, 3), however short ``check_every`` is.
+DENSE_AT_LEAST = 4
+
+
+def is_sampled(step: int, check_every: int) -> bool:
+    """Steps 0, 1, 3, 7, 15, ... (2**k - 1) below ``check_every`` (and always 0, 1, 3), and every
+    ``check_every``-th step.
+
+    A short run is compared often (a divergence planted after step 5 of 30 is seen at 7 and 15),
+    a long one costs one check per ``check_every`` steps.
+    """
+    if step % check_every == 0:
+        return True
+    return step < max(check_every, DENSE_AT_LEAST) and (step + 1) & step == 0
+
+
+class _Sample:
+    """A sampled step in progress: which reduced parameters received a gradient, and when."""
+
+    __slots__ = ("step", "seen", "t0_mono_ns", "hooked", "handles", "post_forward_us")
+
+    def __init__(self, step: int, t0_mono_ns: int) -> None:
+        self.step = step
+        self.seen: dict[int, int] = {}  # parameter index -> monotonic ns its gradient was accumulated
+        self.t0_mono_ns = t0_mono_ns
+        self.hooked: list[tuple[int, str]] = []
+        self.handles: list[Any] = []
+        self.post_forward_us: float | None = None
+
+
+class SampledChecks:
+    """The checks of one monitor on one DDP instance (a new one after ``rewrap``)."""
+
+    def __init__(self, ddp: Any, header: Header, check_every: int, emit: Any, rank: int, ddp_index: int) -> None:
+        self.ddp = ddp
+        self.check_every = max(1, int(check_every))
+        self._emit = emit
+        self.rank = rank
+        self.ddp_index = ddp_index
+        named = list(ddp.module.named_parameters())
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.reduced = [p.reduced for p in header.params]
+        self.ignored = [p.ignored for p in header.params]
+        self.flags = [p.requires_grad for p in header.params]
+        self.sample: _Sample | None = None
+        self.bcast_in_forward = False  # set by the monitor when DDP broadcast buffers in this forward
+        self.fingerprinter = Fingerprinter(self._deliver_fingerprint)
+        self._grad_ready = torch_compat.available("grad_ready")
+        self._post_forward = torch_compat.available("post_forward_timing", warn=False)
+
+    # -- every forward -------------------------------------------------------------------
+
+    def on_step_start(self, step: int, t0_mono_ns: int, sync: bool, new_step: bool) -> None:
+        """A training forward begins (``new_step``: the first of its step)."""
+        if new_step:
+            self.end_sample()
+            self.fingerprinter.poll()
+        self.check_grad_flags(step)
+        if sync and self.sample is None and is_sampled(step, self.check_every):
+            self.begin_sample(step, t0_mono_ns)
+
+    def check_grad_flags(self, step: int) -> None:
+        """Compare requires_grad with what DDP was built with: every forward, one C-level pass."""
+        flags = list(map(_requires_grad, self.params))
+        if flags == self.flags:
+            return
+        self.flags = flags
+        frozen = [n for n, r, f in zip(self.names, self.reduced, flags) if r and not f]
+        unfrozen = [n for n, r, f, i in zip(self.names, self.reduced, flags, self.ignored) if f and not r and not i]
+        self._emit(GradFlags(rank=self.rank, ddp=self.ddp_index, step=step, frozen=frozen, unfrozen=unfrozen))
+
+    # -- sampled steps --------------------------------------------------------------------
+
+    def begin_sample(self, step: int, t0_mono_ns: int) -> None:
+        sample = self.sample = _Sample(step, t0_mono_ns)
+        seen = sample.seen
+        now = time.monotonic_ns
+        if self._grad_ready:
+            for i, (p, reduced) in enumerate(zip(self.params, self.reduced)):
+                if reduced and p.requires_grad:
+                    sample.hooked.append((i, self.names[i]))
+                    sample.handles.append(p.register_post_accumulate_grad_hook(
+                        lambda _p, i=i: seen.__setitem__(i, now())))
+        # after DDP's own pre-forward (buffer broadcast), right before the wrapped module runs
+        sample.handles.append(self.ddp.module.register_forward_pre_hook(self._on_module_pre))
+        if not self._post_forward:
+            return
+        ddp = self.ddp
+        original = ddp._post_forward
+        clock = HostClock()
+
+        def timed_post_forward(output: Any) -> Any:
+            ddp.__dict__.pop("_post_forward", None)
+            start = clock.now()
+            try:
+                return original(output)
+            finally:
+                sample.post_forward_us = clock.us(start, clock.now())
+
+        ddp.__dict__["_post_forward"] = timed_post_forward
+
+    def _on_module_pre(self, module: Any, args: Any) -> None:
+        sample = self.sample
+        if sample is None:
+            return
+        handle = sample.handles.pop()  # this hook: once per sample
+        handle.remove()
+        self.fingerprint(sample.step, self.bcast_in_forward)
+
+    def fingerprint(self, step: int, after_broadcast: bool) -> None:
+        """Fingerprint every parameter and buffer now, as of ``step``."""
+        buffers = [b for _, b in self.ddp.module.named_buffers()]
+        meta = (step, len(self.params), [int(b._version) for b in buffers], after_broadcast)
+        self.fingerprinter.take(self.params + buffers, meta)
+
+    def final(self, step: int) -> None:
+        """The fingerprint at the end of the run (``close`` or a clean exit), delivered now.
+
+        DDP broadcasts buffers at the *next* forward, so when it does, broadcast buffers are not
+        compared (as for a fingerprint taken after a broadcast); parameters always are.
+        """
+        self.end_sample()
+        self.fingerprint(step, torch_compat.buffer_sync(self.ddp))
+        self.fingerprinter.drain()
+
+    def _deliver_fingerprint(self, meta: Any, norms: list[float], sums: list[float]) -> None:
+        step, n, versions, after_broadcast = meta
+        self._emit(Fingerprint(rank=self.rank, ddp=self.ddp_index, step=step, param_norms=norms[:n],
+                               param_sums=sums[:n], buffer_norms=norms[n:], buffer_sums=sums[n:],
+                               buffer_versions=versions, after_broadcast=after_broadcast))
+
+    def end_sample(self) -> None:
+        """Remove the sample's hooks and emit what it saw (idempotent)."""
+        sample, self.sample = self.sample, None
+        if sample is None:
+            return
+        for handle in sample.handles:
+            handle.remove()
+        if self.ddp is not None:
+            self.ddp.__dict__.pop("_post_forward", None)
+        if not self._grad_ready:
+            return
+        names = [name for i, name in sample.hooked if i not in sample.seen]
+        t0, seen = sample.t0_mono_ns, sample.seen
+        ready = [round((seen[i] - t0) / 1000.0, 1) if i in seen else None for i in range(len(self.params))]
+        self._emit(Unused(rank=self.rank, ddp=self.ddp_index, step=sample.step, names=names,
+                          post_forward_us=sample.post_forward_us, param_ready_us=ready))

@@ -1,0 +1,214 @@
+"""Every private torch API ddpdoctor uses, reached through one place and probed once.
+
+torch's DDP internals move between releases (``broadcast_buffers`` became ``forward_sync_buffers``
+in 2.13; private helpers change signatures). Each feature that needs a private API has a probe,
+run once per process on the installed torch. A failed probe turns that feature off, with one
+warning naming the torch version and what is missing; training is never touched, since every
+use site asks ``available(feature)`` before it changes anything.
+
+Features and what they need:
+
+- ``comm_hook``: ``dist._register_comm_hook`` and ``GradBucket`` (per-bucket timing);
+- ``reducer_rebuild``: DDP's ``_build_params_for_reducer``, ``_build_debug_param_to_name_mapping``,
+  ``_ddp_init_helper(parameters, expect_sparse_gradient, param_to_name_mapping, static_graph)``
+  and ``Reducer._remove_autograd_hooks`` (timing a comm hook registered before ``instrument``);
+- ``buffer_timing``: DDP's ``_sync_buffers`` method (buffer broadcast timed apart from forward);
+- ``post_forward_timing``: DDP's ``_post_forward`` (the cost of ``find_unused_parameters``);
+- ``backward_end``: autograd's ``queue_callback`` (the end of backward compute);
+- ``logging_data``: DDP's ``_get_ddp_logging_data`` (bucket layout, a hook's name);
+- ``grad_ready``: ``Tensor.register_post_accumulate_grad_hook`` (unused parameters);
+- ``default_store``: ``distributed_c10d._get_default_store`` (agreeing on a run dir).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from ddpdoctor.categories import ProbeDisabledWarning
+
+TORCH_VERSION = str(torch.__version__).split("+")[0]
+
+_INIT_HELPER_PARAMS = ["parameters", "expect_sparse_gradient", "param_to_name_mapping", "static_graph"]
+
+
+def _need(owner: Any, *names: str) -> None:
+    for name in names:
+        if not callable(getattr(owner, name, None)):
+            raise AttributeError(f"{getattr(owner, '__name__', owner)}.{name} is missing")
+
+
+def _probe_comm_hook() -> None:
+    _need(dist, "_register_comm_hook")
+    _need(dist.GradBucket, "index", "buffer", "parameters")
+
+
+def _probe_reducer_rebuild() -> None:
+    _need(TorchDDP, "_build_params_for_reducer", "_build_debug_param_to_name_mapping", "_ddp_init_helper",
+          "_remove_autograd_hooks")
+    _need(dist.Reducer, "_remove_autograd_hooks")
+    params = list(inspect.signature(TorchDDP._ddp_init_helper).parameters)[1:]
+    if params != _INIT_HELPER_PARAMS:
+        raise TypeError(f"DDP._ddp_init_helper takes ({', '.join(params)}), not ({', '.join(_INIT_HELPER_PARAMS)})")
+
+
+def _probe_buffer_timing() -> None:
+    _need(TorchDDP, "_sync_buffers")
+
+
+def _probe_post_forward() -> None:
+    _need(TorchDDP, "_post_forward")
+
+
+def _probe_backward_end() -> None:
+    _need(torch.autograd.Variable._execution_engine, "queue_callback")
+
+
+def _probe_logging_data() -> None:
+    _need(TorchDDP, "_get_ddp_logging_data")
+
+
+def _probe_grad_ready() -> None:
+    _need(torch.Tensor, "register_post_accumulate_grad_hook")
+
+
+def _probe_default_store() -> None:
+    _need(dist.distributed_c10d, "_get_default_store")
+
+
+PROBES: dict[str, tuple[Callable[[], None], str]] = {
+    "comm_hook": (_probe_comm_hook, "per-bucket timing"),
+    "reducer_rebuild": (_probe_reducer_rebuild, "timing a comm hook registered before instrument"),
+    "buffer_timing": (_probe_buffer_timing, "buffer broadcast timing"),
+    "post_forward_timing": (_probe_post_forward, "the cost of find_unused_parameters"),
+    "backward_end": (_probe_backward_end, "the end of backward compute"),
+    "logging_data": (_probe_logging_data, "DDP's logging data (bucket layout, hook names)"),
+    "grad_ready": (_probe_grad_ready, "unused-parameter checks"),
+    "default_store": (_probe_default_store, "a run dir agreed through the rendezvous store"),
+}
+
+_results: dict[str, str | None] = {}  # feature -> None (works) or why not
+_warned: set[str] = set()
+_lock = threading.Lock()
+
+
+def problem(feature: str) -> str | None:
+    """Why ``feature`` is off on this torch (None: it works). Probed once per process."""
+    with _lock:
+        if feature not in _results:
+            probe, _ = PROBES[feature]
+            try:
+                probe()
+                _results[feature] = None
+            except Exception as exc:
+                _results[feature] = f"{type(exc).__name__}: {exc}"
+        return _results[feature]
+
+
+def available(feature: str, warn: bool = True) -> bool:
+    """Whether ``feature`` works on this torch; the first time it does not, warn (once)."""
+    why = problem(feature)
+    if why is None:
+        return True
+    if warn:
+        with _lock:
+            first = feature not in _warned
+            _warned.add(feature)
+        if first:
+            warnings.warn(f"ddpdoctor: {PROBES[feature][1]} is off on torch {TORCH_VERSION}: {why}. "
+                          "Training is not affected.", ProbeDisabledWarning, stacklevel=3)
+    return False
+
+
+def report() -> dict[str, str | None]:
+    """Every feature's probe result (for diagnostics and tests)."""
+    return {feature: problem(feature) for feature in PROBES}
+
+
+# -- DDP options that changed names --------------------------------------------------------
+
+
+def buffer_sync(ddp: Any) -> bool:
+    """Whether DDP syncs buffers at every forward (``forward_sync_buffers`` from torch 2.13,
+    ``broadcast_buffers`` before; 2.13 keeps the old name as a property)."""
+    value = ddp.__dict__.get("forward_sync_buffers")
+    if value is None:
+        value = getattr(ddp, "forward_sync_buffers", None)
+    if value is None:
+        value = getattr(ddp, "broadcast_buffers", True)
+    return bool(value)
+
+
+def constructor_accepts(name: str) -> bool:
+    """Whether DDP's constructor takes the keyword ``name`` on this torch."""
+    return name in inspect.signature(TorchDDP.__init__).parameters
+
+
+def buffer_sync_kwargs(enabled: bool) -> dict[str, bool]:
+    """Constructor keywords for buffer sync ``enabled``, in this torch's spelling.
+
+    ``broadcast_buffers=False`` also skips the buffer sync at construction (rank-local buffers
+    stay rank-local); ``forward_sync_buffers=False`` (2.13+) does not. So ``False`` is always
+    spelled ``broadcast_buffers``, which every supported torch accepts.
+    """
+    if enabled and constructor_accepts("forward_sync_buffers"):
+        return {"forward_sync_buffers": True}
+    return {"broadcast_buffers": enabled}
+
+
+# -- private calls, each behind its feature -----------------------------------------------
+
+
+def logging_data(ddp: Any) -> dict[str, Any]:
+    """DDP's logging data, or {} where torch has none."""
+    if not available("logging_data", warn=False):
+        return {}
+    return dict(ddp._get_ddp_logging_data())
+
+
+def default_store() -> Any:
+    """The default process group's store, or None."""
+    if not available("default_store", warn=False):
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def register_comm_hook(reducer: Any, state: object, hook: Callable[..., Any]) -> None:
+    dist._register_comm_hook(reducer, state, hook)
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def remove_reducer_hooks(reducer: Any) -> None:
+    reducer._remove_autograd_hooks()
+
+
+def build_reducer(ddp: Any) -> None:
+    """Build a fresh reducer over ``ddp``'s parameters, as DDP's own ``__setstate__`` does.
+
+    The old reducer keeps its autograd hooks (the caller removes them once the new one is in
+    place), so a failure here leaves the old one working.
+    """
+    parameters, expect_sparse_gradient = ddp._build_params_for_reducer()
+    mapping = ddp._build_debug_param_to_name_mapping(parameters)
+    ddp._ddp_init_helper(parameters, expect_sparse_gradient, mapping, ddp.static_graph)
+    if ddp.static_graph:
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
+    ddp._has_rebuilt_buckets = False
+
+
+def reducer_parameter_count(ddp: Any) -> tuple[int | None, int]:
+    """(parameters the reducer was built with, parameters a new one would take)."""
+    old = logging_data(ddp).get("num_parameter_tensors")
+    parameters, _ = ddp._build_params_for_reducer()
+    return (int(old) if old is not None else None), len(parameters)

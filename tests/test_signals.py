@@ -1,0 +1,75 @@
+"""ddpdoctor never changes how a process reacts to a signal: the preemption pattern under
+``ddpdoctor run`` on real torchrun, with the user's handler installed before and after DDP is built."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import ddpdoctor
+from tests.ddp_harness import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "preempt_train.py"
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("DDPDOCTOR_", "TORCHELASTIC_"))}
+
+
+def _kill_tree(proc: subprocess.Popen[str]) -> None:
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.Error:
+        tree = []
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    proc.wait(timeout=30)
+
+
+def _wait_for(paths: list[Path], proc: subprocess.Popen[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() and p.read_text() for p in paths):
+        assert proc.poll() is None, f"ddpdoctor run ended early ({proc.returncode})"
+        assert time.monotonic() < deadline, f"workers did not start training within {timeout} s"
+        time.sleep(0.05)  # polling files written by the workers, with a deadline
+
+
+@pytest.mark.parametrize(("when", "signame"), [("after", "TERM"), ("before", "TERM"), ("after", "INT")])
+def test_preemption_handler_runs_as_without_ddpdoctor(tmp_path: Path, when: str, signame: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT), str(tmp_path), when, signame]
+    argv = [sys.executable, "-m", "ddpdoctor", "run", "--run-dir", str(tmp_path / "run"), "--", *cmd]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        pids = [tmp_path / f"pid-{r}" for r in (0, 1)]
+        _wait_for(pids, proc, timeout=120)
+        for p in pids:  # as Slurm, Kubernetes and elastic scale-down do: each worker is signalled
+            os.kill(int(p.read_text()), getattr(signal, f"SIG{signame}"))
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert (tmp_path / "checkpoint.pt").stat().st_size > 0
+    trained = {int(r): int(n) for r, n in re.findall(r"rank (\d) steps (\d+)", out)}
+    assert sorted(trained) == [0, 1] and trained[0] == trained[1] >= 3
+    run = ddpdoctor.load_run(tmp_path / "run")
+    assert sorted(run.ranks) == [0, 1]
+    for rank, log in run.ranks.items():
+        # monitored through the grace period, every step, and the log ends cleanly
+        assert log.end is not None and log.end.reason in ("close", "exit"), log.end
+        assert log.end.steps == len(log.steps) == trained[rank]
+        assert log.corrupt_lines == 0 and not log.torn_tail
