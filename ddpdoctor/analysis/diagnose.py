@@ -21,7 +21,6 @@ from ddpdoctor.analysis.requires_grad import stale_requires_grad
 from ddpdoctor.analysis.straggler import (
     exposed_communication,
     exposed_floor_us,
-    straggler_periods,
     stragglers,
 )
 from ddpdoctor.analysis.unused import unused_parameters
@@ -97,8 +96,7 @@ def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Findin
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
     if arrived is None:
         arrived = arrivals(steps_by_rank, estimate_offsets(steps_by_rank))
-    whole_run = stragglers(steps_by_rank, arrived)
-    derived += whole_run + straggler_periods(steps_by_rank, arrived, {r for f in whole_run for r in f.ranks})
+    derived += stragglers(steps_by_rank, arrived)
     derived += lost_ranks(run)
     derived += hangs_in_run(run)
     derived += bucket_size(run)
