@@ -137,7 +137,9 @@ def blame(steps_by_rank: Mapping[int, Sequence[Step]], arrivals: Sequence[StepAr
     window = tuple(sa.step for sa in arrivals)
     known = [durations[s] for s in window if s in durations]
     step_ms = median(known) if known else 0.0
-    window_ms = sum(durations.get(s, step_ms) for s in window)
+    # a step without a duration (the last one: it ends at close) took a usual step plus its delay
+    window_ms = sum(durations[sa.step] if sa.step in durations
+                    else step_ms + max(max(v) for v in sa.lateness_us.values()) / 1000.0 for sa in arrivals)
     floor = max(NOISE_FLOOR_MS, NOISE_FLOOR_SHARE * step_ms)
     ranks = sorted({r for sa in arrivals for r in sa.lateness_us} | set(steps_by_rank))
     late: dict[int, list[tuple[int, float, int, float]]] = {r: [] for r in ranks}

@@ -23,7 +23,7 @@ from ddpdoctor.analysis.straggler import (
     exposed_floor_us,
     stragglers,
 )
-from ddpdoctor.analysis.unused import unused_parameters
+from ddpdoctor.analysis.unused import static_unused_set, unused_parameters
 from ddpdoctor.events import FindingRecord
 from ddpdoctor.runlog import RankLog, Run
 
@@ -43,6 +43,7 @@ def rank_findings(log: RankLog, bcast_cost_ms: float | None = None,
         unused = [u for u in log.unused if _in(u.step, first, nxt)]
         out += stale_requires_grad(header, flags, log.rank)
         out += unused_parameters(header, unused, steps, log.rank, frozen=any(f.frozen for f in flags))
+        out += static_unused_set(header, unused, steps, log.rank)
         out += constant_buffers(header, prints, steps, log.rank)
         out += buffer_broadcast_cost(header, steps, log.rank, bcast_cost_ms)
     out += sync_during_accumulation(log.steps, log.rank)
