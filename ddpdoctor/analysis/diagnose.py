@@ -7,11 +7,14 @@ from typing import Any
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
 from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
 from ddpdoctor.analysis.buffers import (
+    advise_broadcast,
+    broadcast_redundancy,
     buffer_broadcast_cost,
     constant_buffers,
     cross_rank_floor_ms,
 )
 from ddpdoctor.analysis.clock_align import estimate_offsets
+from ddpdoctor.analysis.comm_advice import advise_communication
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
 from ddpdoctor.analysis.bucket_size import bucket_size
 from ddpdoctor.analysis.hang import hangs_in_run
@@ -104,4 +107,8 @@ def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Findin
     codes = {f.code for f in derived}
     logged = [_from_record(r) for log in run.ranks.values() for r in log.findings
               if r.code in LOGGED_EVIDENCE_CODES and r.code not in codes]
-    return merge(derived + logged)
+    merged = merge(derived + logged)
+    verdict = broadcast_redundancy(header, {r: log.fingerprints for r, log in run.ranks.items()}) if header else None
+    advised = {"exposed-communication": lambda f: advise_communication(run, f),
+               "buffer-broadcast-cost": lambda f: advise_broadcast(f, verdict)}
+    return [advised[f.code](f) if f.code in advised else f for f in merged]

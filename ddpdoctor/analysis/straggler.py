@@ -192,7 +192,7 @@ def exposed_communication(steps: list[Step], rank: int, floor_us: dict[int, floa
                 f"{overlap:.0%} of the {comm_ms:.1f} ms of communication overlaps with backward (waiting for slower "
                 "ranks is not counted here: see straggler)."),
         evidence={"exposed_ms": exposed_ms, "allreduce_ms": comm_ms, "overlap_ratio": overlap, "share_of_step": share,
-                  "steps": len(exposed)},
+                  "step_ms": step_ms, "steps": len(exposed)},
         fix=("Start communication earlier and make the last bucket small: a smaller bucket_cap_mb "
              "(DistributedDataParallel(net, bucket_cap_mb=...)) lets all-reduces start while backward runs; "
              "if ranks wait for a straggler, fix that first."),
