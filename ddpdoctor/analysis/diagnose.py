@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
@@ -89,6 +90,18 @@ def _from_record(r: FindingRecord) -> Finding:
 LOGGED_EVIDENCE_CODES = {"replica-divergence", "buffer-divergence"}
 
 
+def _whole_run(f: Finding, run: Run, looked_at: int) -> Finding:
+    """A straggler judged on sampled steps (a large run is read at a stride): its cost over the whole run."""
+    stride = max((log.step_stride for log in run.ranks.values()), default=1)
+    total = max((log.steps_total for log in run.ranks.values()), default=0)
+    if stride <= 1 or not looked_at or total <= looked_at:
+        return f
+    estimate = f.evidence["time_lost_ms"] * total / looked_at
+    return replace(f, detail=f"{f.detail} The report read every {stride}th step: over all {total} steps, about "
+                             f"{estimate / 1000.0:.1f} s were lost.",
+                   evidence={**f.evidence, "steps_sampled_every": stride, "estimated_run_lost_ms": round(estimate, 1)})
+
+
 def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Finding]:
     """Every finding the logs support (``arrived``: the run's bucket arrivals, if at hand)."""
     cost = cross_rank_floor_ms({r: log.steps for r, log in run.ranks.items()})
@@ -100,7 +113,7 @@ def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Findin
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
     if arrived is None:
         arrived = arrivals(steps_by_rank, estimate_offsets(steps_by_rank))
-    derived += stragglers(steps_by_rank, arrived)
+    derived += [_whole_run(f, run, len(arrived)) for f in stragglers(steps_by_rank, arrived)]
     derived += lost_ranks(run)
     derived += hangs_in_run(run)
     derived += bucket_size(run)
