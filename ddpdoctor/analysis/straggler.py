@@ -141,8 +141,9 @@ def _finding(rb: RankBlame, b: Blame, steps_by_rank: dict[int, list[Step]], bcas
                f"({_human_ms(rb.lost_ms)} lost)"),
         detail=(f"The other ranks lost {_human_ms(rb.lost_ms)} waiting for rank {rb.rank} ({share:.0%} of the "
                 f"{_human_ms(b.window_ms)} the {n} steps took), late {pat.describe(k, n)} by a median "
-                f"{late_ms:.1f} ms over the next latest rank (a {b.step_ms:.1f} ms step). In those steps its "
-                f"{label} took {phase_ms:.1f} ms longer than on the other ranks. Margins under "
+                f"{late_ms:.1f} ms over the next latest rank (a {b.step_ms:.1f} ms step). In those steps "
+                f"{'the time between its steps' if label == BETWEEN else 'its ' + label} was {phase_ms:.1f} ms longer "
+                "than on the other ranks (median). Margins under "
                 f"{b.floor_ms:.1f} ms are jitter and not counted; the other ranks were blamed for "
                 f"{_human_ms(rb.noise_ms)} of jitter."),
         evidence=evidence,
