@@ -20,6 +20,7 @@ class StepArrivals:
     step: int
     lateness_us: dict[int, list[float]] = field(default_factory=dict)  # behind the earliest rank, per collective
     wait_us: dict[int, float] = field(default_factory=dict)  # this rank blocked for others (max over buckets)
+    bcast: bool = False  # the first collective is the buffer broadcast (at forward start), then the buckets
 
 
 def arrivals(steps_by_rank: dict[int, list[Step]], clocks: ClockOffsets) -> list[StepArrivals]:
@@ -27,6 +28,7 @@ def arrivals(steps_by_rank: dict[int, list[Step]], clocks: ClockOffsets) -> list
     if len(steps_by_rank) < 2:
         return []
     by_step: dict[int, dict[int, list[float]]] = {}
+    bcast_at: dict[int, dict[int, bool]] = {}
     for rank, steps in steps_by_rank.items():
         offset = clocks.offset_us.get(rank, 0.0)
         for s in steps:
@@ -38,6 +40,7 @@ def arrivals(steps_by_rank: dict[int, list[Step]], clocks: ClockOffsets) -> list
             # starts late is caught there, and the others wait inside it, before any bucket
             first = [s.bcast_start_us] if s.bcast_start_us is not None else []
             by_step.setdefault(s.step, {})[rank] = [base + t for t in first + ready]
+            bcast_at.setdefault(s.step, {})[rank] = bool(first)
     out = []
     ranks = set(steps_by_rank)
     for step in sorted(by_step):
@@ -47,7 +50,7 @@ def arrivals(steps_by_rank: dict[int, list[Step]], clocks: ClockOffsets) -> list
         n = len(next(iter(per_rank.values())))
         earliest = [min(per_rank[r][b] for r in per_rank) for b in range(n)]
         latest = [max(per_rank[r][b] for r in per_rank) for b in range(n)]
-        sa = StepArrivals(step=step)
+        sa = StepArrivals(step=step, bcast=all(bcast_at[step].values()))
         for r, times in per_rank.items():
             sa.lateness_us[r] = [t - e for t, e in zip(times, earliest)]
             sa.wait_us[r] = max(lt - t for t, lt in zip(times, latest))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from statistics import median
+from typing import Any
 
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.sizes import human_bytes, name_list
@@ -115,3 +116,71 @@ def buffer_broadcast_cost(header: Header, steps: list[Step], rank: int, cost_ms:
              "    # before eval / checkpoint:\n"
              "    for b in model.module.buffers(): torch.distributed.broadcast(b, src=0)"),
     )]
+
+
+def broadcast_redundancy(header: Header, prints: dict[int, list[Fingerprint]]) -> dict[str, Any] | None:
+    """Whether DDP's buffer broadcast does anything for the broadcast buffers that change.
+
+    Only fingerprints taken *outside* a broadcasting forward (``after_broadcast`` false: the final
+    fingerprint at close, or one taken between steps) show each rank's own copy after its own
+    updates. A changing buffer identical on every rank at every such step is updated the same way
+    everywhere (a step counter, a schedule): broadcasting it is redundant. One that differs would
+    drift apart without the broadcast (BatchNorm statistics of each rank's batches): turning the
+    broadcast off is unsafe. None when no such step or no changing broadcast buffer.
+    """
+    broadcast = [i for i, b in enumerate(header.buffers) if b.broadcast]
+    if len(prints) < 2 or not broadcast:
+        return None
+    by_step: dict[int, dict[int, Fingerprint]] = {}
+    for rank, records in prints.items():
+        for fp in records:
+            if not fp.after_broadcast and len(fp.buffer_sums) == len(fp.buffer_norms) == len(header.buffers):
+                by_step.setdefault(fp.step, {})[rank] = fp
+    steps = sorted(s for s, at in by_step.items() if set(at) == set(prints))
+    if not steps:
+        return None
+    changing, differing = [], []
+    for i in broadcast:
+        b = header.buffers[i]
+        seen = [fp for s in steps for fp in by_step[s].values()]
+        moved = any((fp.buffer_versions[i] if i < len(fp.buffer_versions) else b.version) != b.version
+                    or fp.buffer_sums[i] != b.checksum for fp in seen)
+        if not moved:
+            continue
+        changing.append(b.name)
+        if any(len({(fp.buffer_norms[i], fp.buffer_sums[i]) for fp in by_step[s].values()}) > 1 for s in steps):
+            differing.append(b.name)
+    if not changing:
+        return None
+    return {"changing": changing, "would_drift": differing, "redundant": not differing, "steps_compared": steps[:100]}
+
+
+def advise_broadcast(cost: Finding, verdict: dict[str, Any] | None) -> Finding:
+    """The ``buffer-broadcast-cost`` finding with what turning the broadcast off would do."""
+    if verdict is None:
+        return cost
+    steps = verdict["steps_compared"]
+    at = f"at {len(steps)} step(s) compared outside the broadcast ({', '.join(map(str, steps[:8]))})"
+    saving = cost.evidence.get("broadcast_ms")
+    if verdict["redundant"]:
+        detail = (f"{cost.detail} The buffers that change ({name_list(verdict['changing'])}) were identical on every "
+                  f"rank {at}: every rank computes the same update, so broadcasting them is redundant"
+                  f"{f' (saving about {saving:.2f} ms per step)' if saving is not None else ''}.")
+        fix = ("Every rank updates its buffers identically: stop the per-forward broadcast:\n"
+               "    model = DistributedDataParallel(net, broadcast_buffers=False)  # torch>=2.13: forward_sync_buffers=False\n"
+               "ddpdoctor's final fingerprint will tell if they ever drift apart (buffer-divergence).")
+    else:
+        detail = (f"{cost.detail} {name_list(verdict['would_drift'])} differ across ranks between broadcasts {at}: "
+                  "each rank updates its own copy, so without the broadcast they would drift apart. Turning "
+                  "broadcast_buffers off is unsafe for them.")
+        fix = ("Keep broadcast_buffers=True: without it these buffers drift apart. Turning it off is only safe if "
+               "nothing reads them during training (BatchNorm in train mode uses the batch's statistics) and you "
+               "broadcast them yourself before evaluation and checkpointing:\n"
+               "    for b in model.module.buffers(): torch.distributed.broadcast(b, src=0)\n"
+               "or synchronize them as they are computed (torch.nn.SyncBatchNorm.convert_sync_batchnorm(net) on GPU).")
+    return Finding(code=cost.code, severity=cost.severity, title=cost.title, detail=detail, fix=fix, ranks=cost.ranks,
+                   step=cost.step, evidence={**cost.evidence, "broadcast_redundant": verdict["redundant"],
+                                             "changing_buffers": verdict["changing"],
+                                             "would_drift": verdict["would_drift"],
+                                             "steps_compared_outside_broadcast": steps,
+                                             "predicted_saving_ms": saving if verdict["redundant"] else None})

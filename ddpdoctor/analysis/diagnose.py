@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
 from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
 from ddpdoctor.analysis.buffers import (
+    advise_broadcast,
+    broadcast_redundancy,
     buffer_broadcast_cost,
     constant_buffers,
     cross_rank_floor_ms,
 )
 from ddpdoctor.analysis.clock_align import estimate_offsets
+from ddpdoctor.analysis.comm_advice import advise_communication
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
 from ddpdoctor.analysis.from_run import bucket_size_in_run, hangs_in_run, lost_in_run
 from ddpdoctor.analysis.replicas import compare_fingerprints
@@ -19,10 +23,9 @@ from ddpdoctor.analysis.requires_grad import stale_requires_grad
 from ddpdoctor.analysis.straggler import (
     exposed_communication,
     exposed_floor_us,
-    straggler_periods,
     stragglers,
 )
-from ddpdoctor.analysis.unused import unused_parameters
+from ddpdoctor.analysis.unused import static_unused_set, unused_parameters
 from ddpdoctor.events import FindingRecord
 from ddpdoctor.runlog import RankLog, Run
 
@@ -42,6 +45,7 @@ def rank_findings(log: RankLog, bcast_cost_ms: float | None = None,
         unused = [u for u in log.unused if _in(u.step, first, nxt)]
         out += stale_requires_grad(header, flags, log.rank)
         out += unused_parameters(header, unused, steps, log.rank, frozen=any(f.frozen for f in flags))
+        out += static_unused_set(header, unused, steps, log.rank)
         out += constant_buffers(header, prints, steps, log.rank)
         out += buffer_broadcast_cost(header, steps, log.rank, bcast_cost_ms)
     out += sync_during_accumulation(log.steps, log.rank)
@@ -84,6 +88,18 @@ def _from_record(r: FindingRecord) -> Finding:
 LOGGED_EVIDENCE_CODES = {"replica-divergence", "buffer-divergence"}
 
 
+def _whole_run(f: Finding, run: Run, looked_at: int) -> Finding:
+    """A straggler judged on sampled steps (a large run is read at a stride): its cost over the whole run."""
+    stride = max((log.step_stride for log in run.ranks.values()), default=1)
+    total = max((log.steps_total for log in run.ranks.values()), default=0)
+    if stride <= 1 or not looked_at or total <= looked_at:
+        return f
+    estimate = f.evidence["time_lost_ms"] * total / looked_at
+    return replace(f, detail=f"{f.detail} The report read every {stride}th step: over all {total} steps, about "
+                             f"{estimate / 1000.0:.1f} s were lost.",
+                   evidence={**f.evidence, "steps_sampled_every": stride, "estimated_run_lost_ms": round(estimate, 1)})
+
+
 def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Finding]:
     """Every finding the logs support (``arrived``: the run's bucket arrivals, if at hand)."""
     cost = cross_rank_floor_ms({r: log.steps for r, log in run.ranks.items()})
@@ -95,12 +111,15 @@ def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Findin
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
     if arrived is None:
         arrived = arrivals(steps_by_rank, estimate_offsets(steps_by_rank))
-    whole_run = stragglers(steps_by_rank, arrived)
-    derived += whole_run + straggler_periods(steps_by_rank, arrived, {r for f in whole_run for r in f.ranks})
+    derived += [_whole_run(f, run, len(arrived)) for f in stragglers(steps_by_rank, arrived)]
     derived += lost_in_run(run)
     derived += hangs_in_run(run)
     derived += bucket_size_in_run(run)
     codes = {f.code for f in derived}
     logged = [_from_record(r) for log in run.ranks.values() for r in log.findings
               if r.code in LOGGED_EVIDENCE_CODES and r.code not in codes]
-    return merge(derived + logged)
+    merged = merge(derived + logged)
+    verdict = broadcast_redundancy(header, {r: log.fingerprints for r, log in run.ranks.items()}) if header else None
+    advised = {"exposed-communication": lambda f: advise_communication(run, f),
+               "buffer-broadcast-cost": lambda f: advise_broadcast(f, verdict)}
+    return [advised[f.code](f) if f.code in advised else f for f in merged]

@@ -39,6 +39,10 @@ def _rel_diff(values: list[float]) -> float:
     return (hi - lo) / scale
 
 
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 12 else f"{', '.join(map(str, steps[:10]))}, ... {steps[-1]}"
+
+
 def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -> list[Finding]:
     """Parameters and buffers that differ across ranks at a step every rank fingerprinted."""
     if len(prints) < 2:
@@ -51,10 +55,15 @@ def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -
     buffers = header.buffers
     bad_params: dict[str, tuple[int, list[int], float]] = {}
     bad_buffers: dict[str, tuple[int, list[int], float]] = {}
+    # DDP broadcasts these from rank 0 at every synchronizing forward: a copy taken between two
+    # forwards may differ (each rank updated its own), the next broadcast puts them back in step
+    broadcasting = any(fp.after_broadcast for records in prints.values() for fp in records)
+    compared: list[int] = []  # steps every rank fingerprinted, in order
     for step in sorted(by_step):
         at = by_step[step]
         if set(at) != set(prints):
             continue
+        compared.append(step)
         for i, name in enumerate(params):
             if name in bad_params:
                 continue
@@ -63,7 +72,7 @@ def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -
             if len(set(vals.values())) > 1:
                 bad_params[name] = (step, _odd_ranks(vals), _rel_diff([v[0] for v in vals.values()]))
         for i, buf in enumerate(buffers):
-            if buf.broadcast and all(fp.after_broadcast for fp in at.values()):
+            if buf.broadcast and broadcasting:
                 continue  # rank 0's copy is broadcast at every forward: differences do not last
             if buf.name in bad_buffers:
                 continue
@@ -81,13 +90,19 @@ def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -
         names = list(bad)
         first = min(v[0] for v in bad.values())
         ranks = sorted({r for v in bad.values() for r in v[1]})
+        before = [s for s in compared if s < first]
+        last_equal = before[-1] if before else None
+        since = (f"identical at step {last_equal} (the check before), different at step {first}"
+                 if last_equal is not None else f"different at step {first}, the first step compared")
         out.append(Finding(
             code=code, severity=severity, ranks=ranks, step=first,
-            title=f"{len(names)} {what}(s) differ across ranks",
-            detail=(f"{name_list(names)} are not identical on every rank from step {first} on "
+            title=f"{len(names)} {what}(s) differ across ranks from step {first}",
+            detail=(f"{name_list(names)} are not identical on every rank: {since} "
                     f"(ranks {ranks} differ from the others; largest relative difference "
-                    f"{max(v[2] for v in bad.values()):.2e})."),
-            evidence={"names": names, "first_step": first, "ranks_differing": ranks,
+                    f"{max(v[2] for v in bad.values()):.2e}; steps compared: {_steps_text(compared)}). "
+                    f"The cause ran between step {last_equal if last_equal is not None else 'the start'} and step {first}."),
+            evidence={"names": names, "first_step": first, "last_equal_step": last_equal,
+                      "compared_steps": compared[:100], "ranks_differing": ranks,
                       "max_relative_difference": max(v[2] for v in bad.values()),
                       "per_name": {n: {"step": v[0], "ranks": v[1]} for n, v in list(bad.items())[:50]}},
             fix=fix,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
+from ddpdoctor.analysis.blame import blame
 from ddpdoctor.analysis.bucket_wait import arrivals
 from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.analysis.diagnose import diagnose
@@ -111,6 +112,11 @@ def analyze(run: Run) -> Report:
         _rank_entry(log, wait_ms[r], clocks.offset_us.get(r, 0.0), clocks.method.get(r, "wall"), lost)
         for r, log in sorted(run.ranks.items())
     ]
+    # what each rank cost the others (wall ms over the steps read, margins above the noise floor)
+    blamed = blame(steps_by_rank, arrived) if len(run.ranks) > 1 and arrived else None
+    for entry in ranks:
+        rb = blamed.ranks.get(entry["rank"]) if blamed else None
+        entry["time_lost_for_others_ms"] = round(rb.lost_ms, 3) if rb else None
     header = next((log.header for log in run.ranks.values() if log.header is not None), None)
     layout = None
     for log in run.ranks.values():

@@ -1,30 +1,24 @@
 """straggler and exposed-communication: cross-rank timing findings.
 
-A straggler is found from bucket *arrival* skew on aligned clocks, not from step totals: a fast
-rank blocks in the all-reduce until the slowest arrives, so totals even out. Where the straggler
-loses its time is found from its own compute durations per phase, which exclude waiting:
-before forward (data loading: the gap after the previous all-reduce, optimizer excluded),
-forward (buffer broadcast excluded), backward (end of forward to end of backward compute), and
-optimizer.
+A straggler is found by blame (``blame.py``): the wall time the other ranks lost waiting for it
+at the step's collectives, on aligned clocks, named when material however few steps it was late
+in. Where the straggler lost its time is found from its own compute durations per phase in the
+steps it was late, which exclude waiting, against the other ranks' at the same steps: between
+steps (the gap after the previous step's all-reduce and optimizer: data loading, checkpointing,
+evaluation), the previous step's optimizer, forward (buffer broadcast excluded) and backward (end
+of forward to end of backward compute). A rank late at the buffer broadcast (forward's start) was
+slow before its forward.
 """
 
 from __future__ import annotations
 
 from statistics import median
 
+from ddpdoctor.analysis.blame import Blame, Pattern, RankBlame, blame, pattern
 from ddpdoctor.analysis.bucket_wait import StepArrivals
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.events import Step
 
-#: A rank is a straggler when its median lateness (at the collective it is latest for) is this many ms ...
-MIN_LATENESS_MS = 10.0
-#: ... and this share of the median step, and it is the latest rank in this share of the steps.
-MIN_LATENESS_SHARE = 0.10
-MIN_LATEST_SHARE = 0.6
-#: Stragglers of part of a run (``straggler_periods``): windows of a tenth of the run, at least
-#: this many steps each (fewer steps make one noisy step count too much).
-PERIOD_WINDOWS = 10
-PERIOD_MIN_STEPS = 20
 #: Exposed communication worth an info, and a warning: a share of the step and an absolute floor
 #: (the last bucket's all-reduce can only start when backward ends: about a millisecond of exposed
 #: communication is the latency floor of any DDP step, not something to fix).
@@ -33,174 +27,138 @@ EXPOSED_INFO_MS = 1.0
 EXPOSED_WARNING_SHARE = 0.30
 EXPOSED_WARNING_MS = 5.0
 
+#: The gap between steps: called data loading when the rank is slow there at every step (or for a
+#: stretch of steps), "between steps" when only some steps are hit (a checkpoint, an evaluation).
+#: The log cannot tell the DataLoader from other code between ``optimizer.step()`` and the next
+#: forward; the pattern is the best witness of which it is.
+DATA = "data loading (before forward)"
+BETWEEN = "between steps"
+GAP = "gap"
+BEFORE_FORWARD = {GAP, "optimizer"}
+
 PHASE_FIX = {
-    "data loading (before forward)": (
+    DATA: (
         "This rank starts its forward late: its input pipeline is slower. Give its DataLoader more "
         "workers or prefetching (num_workers=..., pin_memory=True, persistent_workers=True), check that "
         "its data shard is not larger or on slower storage than the others'."),
     "forward": ("This rank's forward is slower: check for rank-dependent work in forward (logging, "
                 "metrics, extra branches) or a slower device/host."),
-    "backward": ("This rank's backward is slower: check for rank-dependent hooks or a slower device/host "
-                 "(thermal throttling, another process sharing it)."),
+    "backward": ("This rank's backward is slower: a slower device or host (thermal throttling, another process "
+                 "sharing it), or rank-specific work in backward (hooks, data-dependent work such as longer "
+                 "sequences on this rank)."),
     "optimizer": ("This rank's optimizer step is slower: check for rank-dependent work after backward "
                   "(checkpointing, logging, EMA updates on one rank only)."),
 }
+BETWEEN_FIX = (
+    "Something runs on this rank only between optimizer.step() and the next forward{when}, and every other rank "
+    "waits for it in the next collective (the usual cause of DDP 'hangs' and NCCL timeouts). A checkpoint: "
+    "save from every rank in parallel, or asynchronously, e.g.\n"
+    "    import torch.distributed.checkpoint as dcp\n"
+    "    future = dcp.async_save(model.state_dict(), checkpoint_id=path)  # on every rank\n"
+    "An evaluation: run it on every rank (each on its shard), or in a separate process off the training "
+    "ranks' critical path. Logging or metrics: make them cheap or asynchronous. If it is the input pipeline "
+    "(a DataLoader whose workers fall behind every num_workers steps), add workers or prefetch_factor."
+)
 
 
-def _phase_durations(s: Step, previous: Step | None) -> dict[str, float]:
+def _human_ms(ms: float) -> str:
+    return f"{ms / 1000.0:.2f} s" if ms >= 1000.0 else f"{ms:.0f} ms"
+
+
+def _phases(s: Step, previous: Step | None) -> dict[str, float]:
+    """What delays this rank's arrival at step ``s``'s collectives, per phase (µs): the gap and the
+    optimizer of the step before (since its last all-reduce), then this step's forward and backward."""
     out: dict[str, float] = {}
     if s.fwd_us is not None:
         out["forward"] = s.fwd_us
     if s.bwd_end_us is not None and s.fwd_end_us is not None:
         out["backward"] = s.bwd_end_us - s.fwd_end_us
-    if s.opt_start_us is not None and s.opt_end_us is not None:
-        out["optimizer"] = s.opt_end_us - s.opt_start_us
     if previous is not None and previous.sync_end_us is not None and previous.end_us is not None:
         gap = previous.end_us - previous.sync_end_us
         if previous.opt_start_us is not None and previous.opt_end_us is not None:
-            gap -= previous.opt_end_us - previous.opt_start_us
-        out["data loading (before forward)"] = gap + s.fwd_start_us
+            opt = previous.opt_end_us - previous.opt_start_us
+            gap -= opt
+            out["optimizer"] = opt
+        out[GAP] = gap + s.fwd_start_us
     return out
 
 
-def _median_phases(steps: list[Step]) -> dict[str, float]:
-    columns: dict[str, list[float]] = {}
-    previous = None
-    for s in steps:
-        for name, value in _phase_durations(s, previous if previous and previous.step == s.step - 1 else None).items():
-            columns.setdefault(name, []).append(value)
-        previous = s
-    return {name: median(values) for name, values in columns.items() if values}
+def _phase_excess(rb: RankBlame, steps_by_rank: dict[int, list[Step]], bcast: dict[int, bool]) -> dict[str, list[float]]:
+    """Per phase, at each step ``rb.rank`` was late: its duration minus the other ranks' median (µs)."""
+    index = {r: {s.step: s for s in steps} for r, steps in steps_by_rank.items()}
+    others = [r for r in steps_by_rank if r != rb.rank]
+    out: dict[str, list[float]] = {}
+    for step, worst in zip(rb.late_steps, rb.worst):
+        phases = {}
+        for r in steps_by_rank:
+            s = index[r].get(step)
+            if s is not None:
+                phases[r] = _phases(s, index[r].get(step - 1))
+        mine = phases.get(rb.rank, {})
+        for name, value in mine.items():
+            if bcast.get(step) and worst == 0 and name not in BEFORE_FORWARD:
+                continue  # late at the broadcast, at forward's start: forward and backward came after
+            theirs = [phases[o][name] for o in others if o in phases and name in phases[o]]
+            if theirs:
+                out.setdefault(name, []).append(value - median(theirs))
+    return out
 
 
-def _lateness(steps_by_rank: dict[int, list[Step]], arrivals: list[StepArrivals]) -> tuple[dict[int, list[float]], dict[int, int]]:
-    """Per rank: its lateness (ms) at the collective it is latest for, per step; steps it was latest in."""
-    lateness: dict[int, list[float]] = {r: [] for r in steps_by_rank}
-    latest: dict[int, int] = {r: 0 for r in steps_by_rank}
-    for sa in arrivals:
-        for r, lat in sa.lateness_us.items():
-            lateness.setdefault(r, []).append(max(lat) / 1000.0)  # at the collective it is latest for
-        slowest = _latest(sa)
-        latest[slowest] = latest.get(slowest, 0) + 1
-    return lateness, latest
-
-
-def _step_ms(steps_by_rank: dict[int, list[Step]]) -> float | None:
-    ends = [s.end_us / 1000.0 for steps in steps_by_rank.values() for s in steps if s.end_us is not None]
-    return median(ends) if ends else None
-
-
-def _is_late(late_ms: float, latest_in: int, steps: int, step_ms: float) -> bool:
-    return late_ms >= max(MIN_LATENESS_MS, MIN_LATENESS_SHARE * step_ms) and latest_in >= MIN_LATEST_SHARE * steps
-
-
-def _late_ranks(steps_by_rank: dict[int, list[Step]], arrivals: list[StepArrivals]) -> set[int]:
-    """The ranks that pass the straggler thresholds over ``arrivals``."""
-    step_ms = _step_ms(steps_by_rank)
-    if step_ms is None or len(arrivals) < 3:
-        return set()
-    lateness, latest = _lateness(steps_by_rank, arrivals)
-    return {r for r, values in lateness.items()
-            if values and _is_late(median(values), latest.get(r, 0), len(arrivals), step_ms)}
+def _finding(rb: RankBlame, b: Blame, steps_by_rank: dict[int, list[Step]], bcast: dict[int, bool]) -> Finding:
+    pat: Pattern = pattern(rb, b.steps)
+    excess = _phase_excess(rb, steps_by_rank, bcast)
+    total = {name: sum(v) for name, v in excess.items()}
+    phase = max(total, key=total.get) if total else "unknown"  # type: ignore[arg-type]
+    gap_label = DATA if pat.kind in ("every step", "one period") else BETWEEN
+    label = gap_label if phase == GAP else phase
+    named_excess = {(gap_label if k == GAP else k): round(median(v) / 1000.0, 3)
+                    for k, v in excess.items()}
+    late_ms = median(rb.margins_ms)
+    n, k = len(b.steps), len(rb.late_steps)
+    when = {"every step": "", "periodic": f" every {pat.every} steps", "one period": f" in steps {pat.first} to {pat.last}",
+            "intermittent": f" in {k} of {n} steps"}[pat.kind]
+    share = rb.lost_ms / b.window_ms if b.window_ms else 0.0
+    evidence = {
+        "time_lost_ms": round(rb.lost_ms, 3), "share_of_time": round(share, 4), "pattern": pat.kind,
+        "latest_in_steps": k, "steps": n, "first_step": pat.first, "last_step": pat.last,
+        "late_steps": list(rb.late_steps[:50]), "median_lateness_ms": round(late_ms, 3),
+        "phase": label, "phase_excess_ms": named_excess, "others_waited_ms": round(rb.others_waited_ms, 3),
+        "step_ms": round(b.step_ms, 3), "noise_floor_ms": round(b.floor_ms, 3),
+        "others_blamed_ms": round(rb.noise_ms, 3),
+    }
+    if pat.kind == "periodic":
+        evidence["every_n_steps"] = pat.every
+    if pat.kind == "one period":
+        evidence["period"] = [pat.first, pat.last]
+    phase_ms = named_excess.get(label, 0.0)
+    if label == BETWEEN:
+        fix = BETWEEN_FIX.format(when=f" every {pat.every} steps" if pat.every else " on some steps")
+    else:
+        fix = PHASE_FIX.get(label, "Look at what this rank does differently.")
+    return Finding(
+        code="straggler", severity="warning", ranks=[rb.rank], step=pat.first,
+        title=(f"rank {rb.rank} arrives late at the step's collectives by {late_ms:.1f} ms{when}: {label} "
+               f"({_human_ms(rb.lost_ms)} lost)"),
+        detail=(f"The other ranks lost {_human_ms(rb.lost_ms)} waiting for rank {rb.rank} ({share:.0%} of the "
+                f"{_human_ms(b.window_ms)} the {n} steps took), late {pat.describe(k, n)} by a median "
+                f"{late_ms:.1f} ms over the next latest rank (a {b.step_ms:.1f} ms step). In those steps "
+                f"{'the time between its steps' if label == BETWEEN else 'its ' + label} was {phase_ms:.1f} ms longer "
+                "than on the other ranks (median). Margins under "
+                f"{b.floor_ms:.1f} ms are jitter and not counted; the other ranks were blamed for "
+                f"{_human_ms(rb.noise_ms)} of jitter."),
+        evidence=evidence,
+        fix=fix,
+    )
 
 
 def stragglers(steps_by_rank: dict[int, list[Step]], arrivals: list[StepArrivals]) -> list[Finding]:
-    """Ranks that arrive late at the buckets, where they lose the time, and what it costs the others."""
+    """Ranks whose lateness at the collectives cost the others material time over ``arrivals``
+    (the whole run, or a live window), with the pattern, the phase and the fix."""
     if len(steps_by_rank) < 2 or len(arrivals) < 3:
         return []
-    return [_finding(rank, steps_by_rank, arrivals) for rank in sorted(_late_ranks(steps_by_rank, arrivals))]
-
-
-def straggler_periods(steps_by_rank: dict[int, list[Step]], arrivals: list[StepArrivals],
-                      named: set[int]) -> list[Finding]:
-    """Stragglers of part of a run only (a rank that turned slow late, or for a while).
-
-    The whole-run test wants a rank latest in most steps, so a rank slow in the last 20% of a long
-    run is not named by it. Here the run is cut into windows (a tenth of it, at least
-    ``PERIOD_MIN_STEPS`` steps); the same thresholds are applied in each, and the windows in a row
-    where a rank passes make one period, reported with its first and last step. Ranks in
-    ``named`` (straggling over the whole run) are left out.
-    """
-    if len(steps_by_rank) < 2 or len(arrivals) < 2 * PERIOD_MIN_STEPS:
-        return []
-    size = max(PERIOD_MIN_STEPS, len(arrivals) // PERIOD_WINDOWS)
-    bounds = [(i, min(i + size, len(arrivals))) for i in range(0, len(arrivals), size)]
-    if bounds[-1][1] - bounds[-1][0] < PERIOD_MIN_STEPS // 2:  # a short tail joins the window before it
-        bounds[-2:] = [(bounds[-2][0], bounds[-1][1])]
-    out = []
-    open_periods: dict[int, tuple[int, int]] = {}  # rank -> its period so far, as arrival indices
-    for lo, hi in [*bounds, (len(arrivals), len(arrivals))]:  # the empty window closes every period
-        window = arrivals[lo:hi]
-        late = _late_ranks(_steps_between(steps_by_rank, window), window) - named if window else set()
-        for rank in [r for r in open_periods if r not in late]:  # its period ended with the window before
-            start, stop = _trim(rank, arrivals, *open_periods.pop(rank), size)
-            if stop - start < len(arrivals):  # the whole run is the whole-run test's
-                period = arrivals[start:stop]
-                out.append(_finding(rank, _steps_between(steps_by_rank, period), period,
-                                    period=(period[0].step, period[-1].step)))
-        for rank in late:
-            open_periods[rank] = (open_periods.get(rank, (lo, hi))[0], hi)
-    return sorted(out, key=lambda f: (f.step or 0, f.ranks))
-
-
-def _trim(rank: int, arrivals: list[StepArrivals], start: int, stop: int, margin: int) -> tuple[int, int]:
-    """The period ``arrivals[start:stop]`` moved to the steps where ``rank`` really was late.
-
-    Windows are coarse: a rank slow from step 200 passes the window 210-239 but not 180-209. The
-    period becomes the first to the last step, within a window's ``margin`` around it, where the
-    rank was the latest by at least half its median lateness in the period.
-    """
-    late_ms = median(max(sa.lateness_us[rank]) / 1000.0 for sa in arrivals[start:stop])
-    lo, hi = max(0, start - margin), min(len(arrivals), stop + margin)
-    hits = [i for i in range(lo, hi)
-            if _latest(arrivals[i]) == rank and max(arrivals[i].lateness_us[rank]) / 1000.0 >= late_ms / 2]
-    return (hits[0], hits[-1] + 1) if hits else (start, stop)
-
-
-def _latest(sa: StepArrivals) -> int:
-    """The rank latest at this step (at the collective it is latest for)."""
-    return max(sa.lateness_us, key=lambda r: max(sa.lateness_us[r]))
-
-
-def _steps_between(steps_by_rank: dict[int, list[Step]], arrivals: list[StepArrivals]) -> dict[int, list[Step]]:
-    """Each rank's steps from the first to the last step of ``arrivals``."""
-    lo, hi = arrivals[0].step, arrivals[-1].step
-    return {r: [s for s in steps if lo <= s.step <= hi] for r, steps in steps_by_rank.items()}
-
-
-def _finding(rank: int, steps_by_rank: dict[int, list[Step]], arrivals: list[StepArrivals],
-             period: tuple[int, int] | None = None) -> Finding:
-    """The straggler finding for ``rank`` over ``arrivals`` (of the steps ``period``, if only some)."""
-    lateness, latest = _lateness(steps_by_rank, arrivals)
-    step_ms = _step_ms(steps_by_rank) or 0.0
-    late_ms = median(lateness[rank])
-    phases = {r: _median_phases(steps) for r, steps in steps_by_rank.items()}
-    others = [r for r in steps_by_rank if r != rank]
-    excess = {
-        name: value - median(phases[o][name] for o in others if name in phases[o])
-        for name, value in phases[rank].items() if any(name in phases[o] for o in others)
-    }
-    phase = max(excess, key=excess.get) if excess else "unknown"  # type: ignore[arg-type]
-    waited_ms = sum(sa.wait_us.get(o, 0.0) for sa in arrivals for o in others) / 1000.0
-    first = next(sa.step for sa in arrivals if max(sa.lateness_us[rank]) / 1000.0 >= late_ms / 2)
-    when = "" if period is None else f" in steps {period[0]} to {period[1]}"
-    evidence = {"median_lateness_ms": late_ms, "latest_in_steps": latest[rank], "steps": len(arrivals),
-                "phase": phase, "phase_excess_ms": {k: round(v / 1000.0, 3) for k, v in excess.items()},
-                "others_waited_ms": waited_ms, "step_ms": step_ms}
-    if period is not None:
-        evidence["period"] = list(period)
-    return Finding(
-        code="straggler", severity="warning", ranks=[rank], step=first,
-        title=f"rank {rank} arrives late at the step's collectives by {late_ms:.1f} ms{when}: {phase}",
-        detail=(f"Rank {rank} reaches the step's collectives (buffer broadcast, gradient buckets) a median "
-                f"{late_ms:.1f} ms after the earliest rank{when} "
-                f"({late_ms / step_ms:.0%} of a {step_ms:.1f} ms step), latest in {latest[rank]} of "
-                f"{len(arrivals)} steps{'' if period is None else ' of that period'}. Its {phase} takes "
-                f"{excess.get(phase, 0.0) / 1000.0:.1f} ms longer than on the other ranks. The other ranks spent "
-                f"{waited_ms / 1000.0:.1f} s in total waiting for it over {len(arrivals)} steps."),
-        evidence=evidence,
-        fix=PHASE_FIX.get(phase, "Look at what this rank does differently."),
-    )
+    b = blame(steps_by_rank, arrivals)
+    bcast = {sa.step: sa.bcast for sa in arrivals}
+    return [_finding(rb, b, steps_by_rank, bcast) for rb in b.named()]
 
 
 def exposed_communication(steps: list[Step], rank: int, floor_us: dict[int, float] | None = None) -> list[Finding]:
@@ -235,7 +193,7 @@ def exposed_communication(steps: list[Step], rank: int, floor_us: dict[int, floa
                 f"{overlap:.0%} of the {comm_ms:.1f} ms of communication overlaps with backward (waiting for slower "
                 "ranks is not counted here: see straggler)."),
         evidence={"exposed_ms": exposed_ms, "allreduce_ms": comm_ms, "overlap_ratio": overlap, "share_of_step": share,
-                  "steps": len(exposed)},
+                  "step_ms": step_ms, "steps": len(exposed)},
         fix=("Start communication earlier and make the last bucket small: a smaller bucket_cap_mb "
              "(DistributedDataParallel(net, bucket_cap_mb=...)) lets all-reduces start while backward runs; "
              "if ranks wait for a straggler, fix that first."),

@@ -63,3 +63,42 @@ def unused_parameters(header: Header, samples: list[Unused], steps: list[Step], 
         evidence={"samples": len(samples), "post_forward_ms": cost_ms, "share_of_step": share},
         fix="model = DistributedDataParallel(net, find_unused_parameters=False)  # the default",
     )]
+
+
+def static_unused_set(header: Header, samples: list[Unused], steps: list[Step], rank: int) -> list[Finding]:
+    """``find-unused-unneeded`` when find_unused_parameters=True and the *same* parameters are unused
+    at every sampled step: DDP need not search the graph after every forward to find them again.
+
+    With ``static_graph=True`` DDP records the unused set once, in the first iteration, and skips
+    the search after; removing the parameters also saves their all-reduce. Not said when the set
+    changes between samples (conditional branches: the search is what makes them work).
+    """
+    if not header.ddp_options.get("find_unused_parameters") or header.ddp_options.get("static_graph"):
+        return []
+    usable = [s for s in samples if s.step >= 1]  # DDP's first iteration is not a steady one
+    if len(usable) < MIN_CLEAN_SAMPLES:
+        return []
+    sets = {frozenset(s.names) for s in usable}
+    if len(sets) != 1 or not next(iter(sets)):
+        return []
+    names = list(usable[0].names)
+    nbytes = param_bytes(header, names)
+    post = [s.post_forward_us for s in usable if s.post_forward_us is not None]
+    step_us = [s.end_us for s in steps if s.end_us is not None]
+    cost_ms = median(post) / 1000.0 if post else None
+    share = median(post) / median(step_us) if post and step_us else None
+    severity = "warning" if share is not None and share >= 0.01 else "info"
+    cost = f" ({cost_ms:.2f} ms per step, {share:.1%} of the step)" if cost_ms is not None and share is not None else ""
+    return [Finding(
+        code="find-unused-unneeded", severity=severity, ranks=[rank], step=usable[0].step,
+        title=f"find_unused_parameters=True finds the same {len(names)} unused parameter(s) at every step",
+        detail=(f"{name_list(names)} got no gradient at each of the {len(usable)} sampled steps, always the same set. "
+                f"DDP still searches the autograd graph after every forward to find them{cost}, and all-reduces "
+                f"their {human_bytes(nbytes)} of zeros. A static set needs no search."),
+        evidence={"names": names, "samples": len(usable), "post_forward_ms": cost_ms, "share_of_step": share,
+                  "predicted_saving_ms": cost_ms, "bytes_per_step": nbytes, "static_set": True},
+        fix=("Tell DDP the graph is static (it records the unused set once):\n"
+             "    model = DistributedDataParallel(net, static_graph=True)\n"
+             f"or remove the unused parameters from the model ({name_list(names)}) and use "
+             "find_unused_parameters=False, which also stops their all-reduce."),
+    )]

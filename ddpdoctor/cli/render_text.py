@@ -48,6 +48,19 @@ def _stream_note(report: Report) -> str | None:
             "this report read them all from the rank files")
 
 
+def _lost_line(report: Report) -> str | None:
+    """The time the other ranks lost waiting for each rank, when any rank cost them something."""
+    lost = {r["rank"]: r.get("time_lost_for_others_ms") for r in report.ranks}
+    if not any(lost.values()):
+        return None
+    text = ", ".join(f"rank {rank}: {_duration(ms or 0.0)}" for rank, ms in sorted(lost.items()))
+    return f"time the others lost waiting for each rank (margins above the noise floor): {text}"
+
+
+def _duration(ms: float) -> str:
+    return f"{ms / 1000.0:.2f} s" if ms >= 1000.0 else f"{ms:.0f} ms"
+
+
 def render(report: Report) -> str:
     """The whole report as readable text."""
     run, stats = report.run, report.stats
@@ -75,6 +88,8 @@ def render(report: Report) -> str:
         lines.append(f"  {stream}")
     lines += ["", "Per-rank medians (ms):"]
     lines += ["  " + line for line in rank_table(report.ranks)]
+    if lost := _lost_line(report):
+        lines.append(f"  {lost}")
     buckets = stats.get("buckets") or []
     if buckets:
         total = sum(b["bytes"] for b in buckets)

@@ -11,7 +11,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from ddpdoctor.analysis.live_view import Heatmap, LiveSnapshot
-from ddpdoctor.analysis.straggler import MIN_LATENESS_MS, MIN_LATENESS_SHARE
+from ddpdoctor.analysis.blame import NOISE_FLOOR_MS, NOISE_FLOOR_SHARE
 from ddpdoctor_tui.formatting import lateness_colour
 
 CELL = 6  # characters per collective
@@ -37,7 +37,7 @@ class BucketHeatmap(ScrollView):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.heat: Heatmap | None = None
-        self.threshold_ms = MIN_LATENESS_MS
+        self.threshold_ms = NOISE_FLOOR_MS
         self.selected: int | None = None
         self._ranks: list[int] = []
 
@@ -52,7 +52,7 @@ class BucketHeatmap(ScrollView):
             self.refresh()
             return
         step_ms = next((t.median_ms for t in reversed(snap.step_times) if t.step == heat.step), 0.0)
-        self.threshold_ms = max(MIN_LATENESS_MS, MIN_LATENESS_SHARE * step_ms)
+        self.threshold_ms = max(NOISE_FLOOR_MS, NOISE_FLOOR_SHARE * step_ms)
         self.border_title = f"arrivals, step {heat.step}: late ms (red >= {self.threshold_ms:.0f})"
         worst = heat.worst()
         if worst is not None and worst[2] >= 1.0:

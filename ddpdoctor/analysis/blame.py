@@ -1,0 +1,213 @@
+"""Blame by time lost: how much wall time each rank made the others wait, step by step.
+
+At each step's collectives (the buffer broadcast, then every gradient bucket) the last rank to
+arrive holds everyone else. What the step would have saved had that rank arrived with the
+runner-up is its *margin* over the runner-up: that is the time it cost. A step's cost to a rank
+is its largest margin over the step's collectives (not their sum: a rank late at the first
+bucket is usually late by the same delay at every later one, and the others only block once, at
+the end of backward or in the broadcast).
+
+One rule covers steady, periodic and intermittent stragglers: a rank is named when the time it
+cost is *material* (a share of the window's time and an absolute floor), however few of the
+steps it was late in. Jitter is kept out three ways, all explicit here:
+
+- the noise floor: a step's margin below ``max(NOISE_FLOOR_MS, NOISE_FLOOR_SHARE * step)`` is
+  not counted at all;
+- jitter moves between ranks: each rank's counted time is compared with what the *other* ranks
+  were blamed for over the same steps (the median of them); a rank is named only for what it
+  cost beyond that, and only when it cost at least ``DOMINANCE`` times as much;
+- the late steps must not look like chance: either too many of them are this rank's for
+  jitter that picks ranks at random (a binomial tail below ``CHANCE``), or they are far larger
+  than anything the other ranks were blamed for (``MAGNITUDE`` times their median).
+
+Everything here is a pure function of the steps and arrivals it is given, so the report (the
+whole run) and the live view (a sliding window) call the same code.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from math import exp, lgamma, log, log1p
+from statistics import median
+
+from ddpdoctor.analysis.bucket_wait import StepArrivals
+from ddpdoctor.events import Step
+
+#: A step's margin (ms) below this, or below this share of the median step, is jitter: not counted.
+NOISE_FLOOR_MS = 5.0
+NOISE_FLOOR_SHARE = 0.10
+#: A rank is named when what it cost beyond the others' jitter is at least this many ms ...
+MIN_LOST_MS = 200.0
+#: ... and this share of the steps' wall time, ...
+MIN_LOST_SHARE = 0.03
+#: ... at least this many times what the median other rank was blamed for, ...
+DOMINANCE = 2.0
+#: ... in at least this many steps, and not by chance: the binomial tail of its late steps under
+#: jitter that picks a rank at random is below ``CHANCE``, or its median margin is ``MAGNITUDE``
+#: times the other ranks' (or the noise floor, if they were never late).
+MIN_LATE_STEPS = 2
+CHANCE = 0.01
+MAGNITUDE = 3.0
+#: Late steps this share of the window: "every step". Diffs this share equal: a period.
+EVERY_STEP_SHARE = 0.75
+PERIOD_SHARE = 0.7
+
+
+@dataclass(frozen=True)
+class RankBlame:
+    """What one rank cost the others over a window of steps."""
+
+    rank: int
+    lost_ms: float  # sum of its counted margins over the runner-up (wall time the steps lost)
+    late_steps: tuple[int, ...]  # the steps it was counted late in
+    margins_ms: tuple[float, ...]  # its margin at each of those steps
+    worst: tuple[int, ...]  # per late step, the index of the collective where the margin was largest
+    others_waited_ms: float  # the other ranks' waiting for it, summed over them (rank-ms)
+    noise_ms: float  # what the median other rank was blamed for over the same steps
+    named: bool  # material and not jitter
+
+    @property
+    def excess_ms(self) -> float:
+        """Time lost beyond the jitter every rank gets."""
+        return max(0.0, self.lost_ms - self.noise_ms)
+
+
+@dataclass(frozen=True)
+class Blame:
+    """Blame over a window: per rank, and the facts the rule was applied with."""
+
+    steps: tuple[int, ...]  # the window's steps (every rank logged them with complete arrivals)
+    step_ms: float  # median step
+    window_ms: float  # the steps' wall time
+    floor_ms: float  # the noise floor used
+    ranks: dict[int, RankBlame]
+
+    def named(self) -> list[RankBlame]:
+        """The ranks whose cost is material, most costly first."""
+        return sorted((b for b in self.ranks.values() if b.named), key=lambda b: -b.lost_ms)
+
+
+def step_ms_of(steps_by_rank: Mapping[int, Sequence[Step]]) -> dict[int, float]:
+    """Per step, the median over ranks of its duration (ms)."""
+    per: dict[int, list[float]] = {}
+    for steps in steps_by_rank.values():
+        for s in steps:
+            if s.end_us is not None:
+                per.setdefault(s.step, []).append(s.end_us / 1000.0)
+    return {k: median(v) for k, v in per.items()}
+
+
+def _margins(sa: StepArrivals) -> dict[int, tuple[float, int, float]]:
+    """Per rank latest at one of this step's collectives: (its largest margin over the runner-up
+    in ms, that collective's index, the sum of the others' wait for it there in ms)."""
+    out: dict[int, tuple[float, int, float]] = {}
+    ranks = list(sa.lateness_us)
+    if len(ranks) < 2:
+        return out
+    # one column per collective; sorting a column runs in C (a report may hold 256 ranks x 10k steps)
+    for b, col in enumerate(zip(*(sa.lateness_us[r] for r in ranks))):
+        ordered = sorted(col)
+        top, runner_up = ordered[-1], ordered[-2]
+        last = ranks[col.index(top)]
+        margin = (top - runner_up) / 1000.0
+        if margin > out.get(last, (-1.0, 0, 0.0))[0]:
+            out[last] = (margin, b, (top * len(col) - sum(col)) / 1000.0)
+    return out
+
+
+def _binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), in log space (n may be thousands of steps)."""
+    if k <= n * p:
+        return 1.0  # at or below the expected count: nothing unusual
+    total = 0.0
+    for i in range(k, n + 1):
+        term = exp(lgamma(n + 1) - lgamma(i + 1) - lgamma(n - i + 1) + i * log(p) + (n - i) * log1p(-p))
+        total += term
+        if term < 1e-15 * total:
+            break
+    return min(1.0, total)
+
+
+def blame(steps_by_rank: Mapping[int, Sequence[Step]], arrivals: Sequence[StepArrivals]) -> Blame:
+    """Blame by time lost over ``arrivals`` (any window of steps: the whole run, or the live view's
+    recent steps); ``steps_by_rank`` gives the step durations (the same steps, or more)."""
+    durations = step_ms_of(steps_by_rank)
+    window = tuple(sa.step for sa in arrivals)
+    known = [durations[s] for s in window if s in durations]
+    step_ms = median(known) if known else 0.0
+    # a step without a duration (the last one: it ends at close) took a usual step plus its delay
+    window_ms = sum(durations[sa.step] if sa.step in durations
+                    else step_ms + max(max(v) for v in sa.lateness_us.values()) / 1000.0 for sa in arrivals)
+    floor = max(NOISE_FLOOR_MS, NOISE_FLOOR_SHARE * step_ms)
+    ranks = sorted({r for sa in arrivals for r in sa.lateness_us} | set(steps_by_rank))
+    late: dict[int, list[tuple[int, float, int, float]]] = {r: [] for r in ranks}
+    for sa in arrivals:
+        for r, (margin, where, waited) in _margins(sa).items():
+            if margin >= floor:
+                late.setdefault(r, []).append((sa.step, margin, where, waited))
+    lost = {r: sum(m for _, m, _, _ in v) for r, v in late.items()}
+    events = sum(len(v) for v in late.values())
+    out: dict[int, RankBlame] = {}
+    for r in ranks:
+        others = [o for o in ranks if o != r]
+        noise = median(lost[o] for o in others) if others else 0.0
+        margins = [m for _, m, _, _ in late[r]]
+        other_margins = [m for o in others for _, m, _, _ in late[o]]
+        excess = lost[r] - noise
+        chance = _binomial_tail(len(margins), events, 1.0 / len(ranks)) if len(ranks) >= 2 else 1.0
+        big = bool(margins) and median(margins) >= MAGNITUDE * max(floor, median(other_margins) if other_margins else 0.0)
+        named = (len(ranks) >= 2 and len(margins) >= MIN_LATE_STEPS
+                 and excess >= max(MIN_LOST_MS, MIN_LOST_SHARE * window_ms)
+                 and lost[r] >= DOMINANCE * noise
+                 and ((len(margins) >= 3 and chance <= CHANCE) or big))
+        out[r] = RankBlame(rank=r, lost_ms=lost[r], late_steps=tuple(s for s, _, _, _ in late[r]),
+                           margins_ms=tuple(margins), worst=tuple(w for _, _, w, _ in late[r]),
+                           others_waited_ms=sum(w for _, _, _, w in late[r]), noise_ms=noise, named=named)
+    return Blame(steps=window, step_ms=step_ms, window_ms=window_ms, floor_ms=floor, ranks=out)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """When a rank was late: ``kind`` is "every step", "periodic" (every ``every`` steps), "one
+    period" (from ``first`` to ``last``, late in most steps between) or "intermittent"."""
+
+    kind: str
+    first: int
+    last: int
+    every: int | None = None
+
+    def describe(self, late: int, steps: int) -> str:
+        """Words for the finding: ``late`` steps of the ``steps`` looked at."""
+        if self.kind == "every step":
+            return f"every step ({late} of {steps})"
+        if self.kind == "periodic":
+            return f"periodically, every {self.every} steps ({late} of {steps} steps, {self.first} to {self.last})"
+        if self.kind == "one period":
+            return f"in steps {self.first} to {self.last} ({late} of {steps} steps)"
+        return f"intermittently ({late} of {steps} steps, {self.first} to {self.last})"
+
+
+def pattern(rb: RankBlame, window: Sequence[int]) -> Pattern:
+    """The pattern of ``rb``'s late steps within ``window`` (the steps looked at, in order).
+
+    Small late steps between the big ones (a straggler's own jitter) do not hide a period: the
+    period is read from the steps whose margin is at least half the median margin."""
+    steps = list(rb.late_steps)
+    if not steps:
+        return Pattern("intermittent", 0, 0)
+    first, last = steps[0], steps[-1]
+    if len(steps) >= EVERY_STEP_SHARE * len(window):
+        return Pattern("every step", first, last)
+    cut = median(rb.margins_ms) / 2
+    main = [s for s, m in zip(steps, rb.margins_ms) if m >= cut]
+    inside = [s for s in window if main[0] <= s <= main[-1]]
+    if len(main) >= 2 and len(main) >= EVERY_STEP_SHARE * len(inside):
+        return Pattern("one period", main[0], main[-1])
+    if len(main) >= 3:
+        diffs = [b - a for a, b in zip(main, main[1:])]
+        every, count = Counter(diffs).most_common(1)[0]
+        if every >= 2 and count >= PERIOD_SHARE * len(diffs):
+            return Pattern("periodic", main[0], main[-1], every)
+    return Pattern("intermittent", first, last)

@@ -1,0 +1,129 @@
+"""Blame by time lost (analysis/blame.py, straggler.stragglers) on synthetic steps whose timeline is
+built the way DDP makes it: every rank leaves a step's all-reduce together, when the last arrives."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from ddpdoctor.analysis.blame import NOISE_FLOOR_MS, blame, pattern
+from ddpdoctor.analysis.bucket_wait import arrivals
+from ddpdoctor.analysis.clock_align import estimate_offsets
+from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.straggler import stragglers
+from ddpdoctor.events import Step
+
+T0_NS = 1_700_000_000_000_000_000
+Delay = Callable[[int, int], float]  # (rank, step) -> ms
+
+
+def timeline(world: int, steps: int, *, gap: Delay = lambda r, s: 0.0, backward: Delay = lambda r, s: 0.0,
+             fwd_ms: float = 20.0, bwd_ms: float = 30.0) -> dict[int, list[Step]]:
+    """Steps of ``world`` ranks: ``gap`` ms before a rank's forward (between steps), ``backward`` ms
+    added to its backward; two buckets; the all-reduce ends 2 ms after the last rank is ready."""
+    out: dict[int, list[Step]] = {r: [] for r in range(world)}
+    start = 0.0  # ms: when the previous step's all-reduce and optimizer ended, on every rank
+    t0s: dict[int, list[float]] = {r: [] for r in range(world)}
+    rows = []
+    for s in range(steps):
+        t0 = {r: start + 1.0 + gap(r, s) for r in range(world)}
+        ready = {r: t0[r] + fwd_ms + bwd_ms + backward(r, s) for r in range(world)}
+        done = max(ready.values()) + 2.0
+        rows.append((t0, ready, done))
+        for r in range(world):
+            t0s[r].append(t0[r])
+        start = done + 1.0  # optimizer
+    for s, (t0, ready, done) in enumerate(rows):
+        for r in range(world):
+            base = t0[r]
+            end = (t0s[r][s + 1] - base) * 1000 if s + 1 < steps else None
+            b1 = (ready[r] - base) * 1000
+            out[r].append(Step(
+                rank=r, step=s, t0_mono_ns=int(base * 1e6), t0_wall_ns=T0_NS + int(base * 1e6), fwd_us=fwd_ms * 1000,
+                fwd_end_us=fwd_ms * 1000, bwd_end_us=b1, b_ready_us=[b1 - 10_000.0 if b1 > 10_000 else b1 / 2, b1],
+                b_launch_us=[b1 - 9_900.0, b1 + 100], b_done_us=[(done - base) * 1000 - 1000, (done - base) * 1000],
+                b_bytes=[1 << 20, 1 << 20], sync_end_us=(done - base) * 1000, opt_start_us=(done - base) * 1000,
+                opt_end_us=(done - base) * 1000 + 1000, end_us=end))
+    return out
+
+
+def found(steps_by_rank: dict[int, list[Step]]) -> list[Finding]:
+    return stragglers(steps_by_rank, arrivals(steps_by_rank, estimate_offsets(steps_by_rank)))
+
+
+def test_rank_0_busy_between_steps_every_8th_step_is_named_periodic_with_the_checkpoint_fix() -> None:
+    steps = timeline(2, 34, gap=lambda r, s: 600.0 if r == 0 and s % 8 == 0 and s else 0.0)
+    (f,) = found(steps)
+    assert f.ranks == [0] and f.severity == "warning"
+    ev = f.evidence
+    assert ev["pattern"] == "periodic" and ev["every_n_steps"] == 8 and ev["latest_in_steps"] == 4
+    assert ev["phase"] == "between steps" and 2350 <= ev["time_lost_ms"] <= 2450
+    assert (ev["first_step"], ev["last_step"]) == (8, 32) and f.step == 8
+    assert "every 8 steps: between steps" in f.title and "2.40 s lost" in f.title
+    assert "async_save" in f.fix and "evaluation" in f.fix
+
+
+def test_rank_1_slow_backward_on_every_third_step_is_named_though_latest_in_a_third_of_the_steps() -> None:
+    steps = timeline(2, 30, backward=lambda r, s: 120.0 if r == 1 and s % 3 == 2 else 0.0)
+    (f,) = found(steps)
+    assert f.ranks == [1] and f.evidence["phase"] == "backward" and f.evidence["latest_in_steps"] == 10
+    assert f.evidence["pattern"] == "periodic" and f.evidence["every_n_steps"] == 3
+    assert 1150 <= f.evidence["time_lost_ms"] <= 1250 and f.evidence["phase_excess_ms"]["backward"] >= 110
+
+
+def test_irregular_late_steps_are_intermittent() -> None:
+    late = {3, 4, 11, 19, 20, 33, 41, 47}
+    steps = timeline(4, 50, backward=lambda r, s: 80.0 if r == 2 and s in late else 0.0)
+    (f,) = found(steps)
+    assert f.ranks == [2] and f.evidence["pattern"] == "intermittent"
+    assert f.evidence["late_steps"] == sorted(late) and "in 8 of 50 steps" in f.title
+
+
+def test_a_steady_straggler_is_every_step_and_its_gap_is_data_loading() -> None:
+    (f,) = found(timeline(3, 20, gap=lambda r, s: 50.0 if r == 1 else 0.0))
+    assert f.evidence["pattern"] == "every step" and f.evidence["phase"] == "data loading (before forward)"
+    assert "DataLoader" in f.fix and "in steps" not in f.title
+
+
+def test_jitter_that_moves_between_ranks_is_not_blamed() -> None:
+    rng = random.Random(7)
+    # a loaded machine: one step in five, some rank (any) is preempted for 5-40 ms
+    hits = {(rng.randrange(4), s): rng.uniform(5, 40) for s in range(300) if rng.random() < 0.2}
+    steps = timeline(4, 300, gap=lambda r, s: hits.get((r, s), 0.0) + rng.uniform(0, 2))
+    b = blame(steps, arrivals(steps, estimate_offsets(steps)))
+    assert sum(rb.lost_ms for rb in b.ranks.values()) > 500  # there was jitter to blame ...
+    assert b.named() == [] and found(steps) == []  # ... and nobody is named for it
+    # two ranks, short run, each of a few spikes: still nobody
+    for seed in range(20):
+        rng = random.Random(seed)
+        spikes = {(rng.randrange(2), s): rng.uniform(10, 60) for s in range(12) if rng.random() < 0.25}
+        short = timeline(2, 12, gap=lambda r, s: spikes.get((r, s), 0.0))
+        assert found(short) == [], seed
+
+
+def test_the_noise_floor_is_explicit() -> None:
+    # 4 ms late at every step of a 50 ms step: under the floor (5 ms, 10% of the step): not counted
+    steps = timeline(2, 40, backward=lambda r, s: 4.0 if r == 1 else 0.0)
+    b = blame(steps, arrivals(steps, estimate_offsets(steps)))
+    assert b.floor_ms >= NOISE_FLOOR_MS and b.ranks[1].lost_ms == 0.0 and b.named() == []
+    # 20 ms: counted and named
+    steps = timeline(2, 40, backward=lambda r, s: 20.0 if r == 1 else 0.0)
+    assert [rb.rank for rb in blame(steps, arrivals(steps, estimate_offsets(steps))).named()] == [1]
+
+
+def test_a_slow_stretch_is_one_period_with_its_first_and_last_step() -> None:
+    steps = timeline(2, 200, backward=lambda r, s: 40.0 if r == 1 and 120 <= s < 150 else 0.0)
+    (f,) = found(steps)
+    assert f.evidence["pattern"] == "one period" and f.evidence["period"] == [120, 149]
+    assert "in steps 120 to 149: backward" in f.title
+
+
+def test_blame_over_a_live_window() -> None:
+    """The live view's use: the same function over the last steps only."""
+    steps = timeline(2, 64, gap=lambda r, s: 600.0 if r == 0 and s % 16 == 5 else 0.0)
+    window = arrivals(steps, estimate_offsets(steps))[-40:]
+    b = blame(steps, window)
+    (rb,) = b.named()
+    assert rb.rank == 0 and rb.late_steps == (37, 53) and 1150 < rb.lost_ms < 1250
+    assert pattern(rb, b.steps).kind in ("periodic", "intermittent")
+    assert b.ranks[1].lost_ms == 0.0
