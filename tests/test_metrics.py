@@ -196,3 +196,40 @@ def test_prometheus_scrapes_the_straggler_lateness_from_collect(tmp_path: Path) 
         except subprocess.TimeoutExpired:
             collector.kill()
             collector.wait(timeout=30)
+
+
+def test_watch_serves_the_snapshot_it_shows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ddpdoctor watch DIR --metrics``: the real app (under Textual's Pilot) and its metrics endpoint."""
+    import asyncio
+
+    from ddpdoctor_tui import WatchApp
+
+    from tests.test_live_run import write_run
+
+    run_dir = write_run(tmp_path / "run", world=4, steps=30, straggler=3, late_ms=40.0, end=None)
+    port = free_port()
+    scraped: list[str] = []
+
+    def fetch() -> str:
+        with _OPENER.open(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            return str(resp.read().decode())
+
+    def run_under_pilot(self: WatchApp) -> None:
+        async def drive() -> None:
+            async with self.run_test(size=(160, 48)) as pilot:
+                for _ in range(200):  # until the run is read (bounded: 20 s)
+                    if self.snapshot is not None and self.snapshot.latest_step == 29 and self.snapshot.findings:
+                        break
+                    await pilot.pause(0.1)
+                scraped.append(await asyncio.to_thread(fetch))
+
+        asyncio.run(drive())
+
+    monkeypatch.setattr(WatchApp, "run", run_under_pilot)
+    assert main(["watch", str(run_dir), "--metrics", f"127.0.0.1:{port}"]) == 0
+    samples = _samples(scraped[0])
+    late = {lab["rank"]: v for lab, v in samples["ddpdoctor_rank_lateness_seconds"]}
+    assert late["3"] == pytest.approx(0.040) and late["0"] == 0.0
+    assert {lab["code"] for lab, _ in samples["ddpdoctor_findings"]} >= {"straggler"}
+    with pytest.raises(OSError):  # the endpoint is gone with the app
+        fetch()
