@@ -170,18 +170,27 @@ def test_prometheus_scrapes_the_straggler_lateness_from_collect(tmp_path: Path) 
                               timeout=240, cwd=tmp_path)
         assert demo.returncode == 0, demo.stderr[-3000:]
         # the run is over; its last state stays served: wait for a scrape that has it
-        result = _until(lambda: _query(api, 'ddpdoctor_rank_lateness_seconds{job="ddpdoctor"} > 0.02'), 60,
-                        "the straggler's lateness in prometheus")
+        _until(lambda: _query(api, "ddpdoctor_run_finished == 1"), 60, "a scrape of the finished run")
+        result = _query(api, 'ddpdoctor_rank_lateness_seconds{job="ddpdoctor"} > 0.02')
         assert [r["metric"]["rank"] for r in result] == ["1"]
         value = float(result[0]["value"][1])
         assert 0.02 < value < 1.0
         assert result[0]["metric"]["host"] and result[0]["metric"]["run"]
         step = _query(api, "ddpdoctor_rank_step_seconds")
         assert sorted(r["metric"]["rank"] for r in step) == ["0", "1"]
-        straggler = _until(lambda: _query(api, 'ddpdoctor_findings{code="straggler"}'), 30, "the straggler finding")
+        straggler = _query(api, 'ddpdoctor_findings{code="straggler"}')
         assert float(straggler[0]["value"][1]) >= 1
         received = _query(api, "ddpdoctor_records_received_total")
         assert float(received[0]["value"][1]) > 80  # 40 steps x 2 ranks, and more
+        # the example Grafana dashboard's queries are valid PromQL over what is served, and return data
+        dashboard = json.loads((ROOT / "examples" / "grafana" / "ddpdoctor-dashboard.json").read_text())
+        empty = []
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                if not _query(api, target["expr"].replace("$run", ".+")):
+                    empty.append(panel["title"])
+        # only the "not running normally" table may be empty (every rank finished)
+        assert set(empty) <= {"Ranks not running normally", "Warning and error findings", "Steps per second"}, empty
     finally:
         if prom is not None:
             prom.terminate()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,6 +28,7 @@ SnapshotFn = Callable[[], "LiveSnapshot | None"]
 #: Where a snapshot row may carry the time a rank cost the others (the detection lane's numbers).
 LOST_FIELDS = ("lost_for_others_ms", "lost_ms", "cost_to_others_ms")
 SEVERITIES = ("info", "warning", "error")
+PHASES = ("forward", "buffer_sync", "backward", "allreduce")
 HEALTHS = ("waiting", "ok", "warning", "error")
 
 
@@ -74,6 +74,10 @@ class SnapshotCollector(Collector):
     def __init__(self, snapshot: SnapshotFn, run: str | None = None) -> None:
         self._snapshot = snapshot
         self._run = run
+        # last known per-rank values: a rank's final step has no duration (it is the time to the
+        # next step's start), so a finished run would lose its step time; bounded by ranks x metrics
+        self._last: dict[tuple[str, ...], float] = {}
+        self._lock = threading.Lock()  # scrapes may run on several server threads at once
 
     def describe(self) -> list[Metric]:
         return []  # the families depend on the snapshot: no describe-time call into it
@@ -87,7 +91,8 @@ class SnapshotCollector(Collector):
         if snap is None:
             return
         yield from self._run_metrics(snap, run)
-        yield from self._rank_metrics(snap, run)
+        with self._lock:
+            yield from self._rank_metrics(snap, run)
 
     @staticmethod
     def _run_metrics(snap: LiveSnapshot, run: str) -> Iterator[Metric]:
@@ -131,8 +136,16 @@ class SnapshotCollector(Collector):
         skipped.add_metric([run, "unknown"], src.unknown_lines)
         yield skipped
 
-    @staticmethod
-    def _rank_metrics(snap: LiveSnapshot, run: str) -> Iterator[Metric]:
+    def _value(self, family: GaugeMetricFamily, labels: list[str], value: float | None) -> None:
+        key = (family.name, *labels)
+        if value is None:
+            value = self._last.get(key)
+        else:
+            self._last[key] = float(value)
+        if value is not None:
+            family.add_metric(labels, float(value))
+
+    def _rank_metrics(self, snap: LiveSnapshot, run: str) -> Iterator[Metric]:
         labels = ["run", "rank", "host"]
         g = GaugeMetricFamily
         fams: dict[str, GaugeMetricFamily] = {
@@ -150,25 +163,25 @@ class SnapshotCollector(Collector):
             "cpu": g("ddpdoctor_rank_cpu_percent", "CPU use of the rank's process", labels=labels),
             "rss": g("ddpdoctor_rank_rss_bytes", "resident memory of the rank's process", labels=labels),
         }
+        add = self._value
+        seen = set()
         for row in snap.ranks:
             key = [run, str(row.rank), row.host or ""]
-            _add(fams["step"], key, _s(row.step_ms))
-            for phase, ms in phase_ms(row).items():
-                _add(fams["phase"], [*key, phase], _s(ms))
-            _add(fams["wait"], key, _s(row.wait_ms))
-            _add(fams["late"], key, _s(row.late_ms))
-            _add(fams["lost"], key, _s(lost_for_others_ms(row)))
-            _add(fams["number"], key, row.step)
+            seen.add(tuple(key))
+            add(fams["step"], key, _s(row.step_ms))
+            for phase in PHASES:
+                add(fams["phase"], [*key, phase], _s(phase_ms(row).get(phase)))
+            add(fams["wait"], key, _s(row.wait_ms))
+            add(fams["late"], key, _s(row.late_ms))
+            add(fams["lost"], key, _s(lost_for_others_ms(row)))
+            add(fams["number"], key, row.step)
             for status in STATUSES:
                 fams["status"].add_metric([*key, status], 1.0 if row.status == status else 0.0)
-            _add(fams["cpu"], key, row.cpu_pct)
-            _add(fams["rss"], key, row.rss_bytes)
+            add(fams["cpu"], key, row.cpu_pct)
+            add(fams["rss"], key, row.rss_bytes)
+        # forget ranks that left the snapshot (a new elastic attempt, a replaced run)
+        self._last = {k: v for k, v in self._last.items() if tuple(k[1:4]) in seen}
         yield from fams.values()
-
-
-def _add(family: GaugeMetricFamily, labels: list[str], value: Any) -> None:
-    if value is not None:
-        family.add_metric(labels, float(value))
 
 
 class MetricsServer:
