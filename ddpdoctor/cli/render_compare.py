@@ -107,7 +107,7 @@ def _md_table(rows: list[list[str]]) -> list[str]:
 
 def render_compare_markdown(c: Comparison) -> str:
     """The comparison as markdown (e.g. a pull-request comment)."""
-    lines = [f"## ddpdoctor compare", "", f"`{c.base['dir']}` (base) → `{c.new['dir']}` (new)", "",
+    lines = ["## ddpdoctor compare", "", f"`{c.base['dir']}` (base) → `{c.new['dir']}` (new)", "",
              f"**{_headline(c)}**", ""]
     lines += [f"- {w}" for w in _where(c)]
     lines += ["", "### Phases", "", "ms, median over steps of the slowest rank; confidence from a Mann-Whitney "
