@@ -44,9 +44,23 @@ def bucket_rows(c: Comparison) -> list[list[str]]:
     return rows
 
 
+#: Above this many ranks, the text shows only the ranks whose step or wait moved most (JSON has all).
+MAX_RANK_ROWS = 16
+
+
+def _moved(r: dict[str, float | None]) -> float:
+    def delta(a: float | None, b: float | None) -> float:
+        return abs(b - a) if a is not None and b is not None else 0.0
+
+    return max(delta(r["base_step_ms"], r["new_step_ms"]), delta(r["base_wait_ms"], r["new_wait_ms"]))
+
+
 def rank_rows(c: Comparison) -> list[list[str]]:
     rows = [["rank", "base step ms", "new step ms", "base wait ms", "new wait ms"]]
-    for r in c.ranks:
+    ranks = c.ranks
+    if len(ranks) > MAX_RANK_ROWS:
+        ranks = sorted(sorted(ranks, key=lambda r: -_moved(r))[:MAX_RANK_ROWS], key=lambda r: r["rank"])
+    for r in ranks:
         rows.append([str(r["rank"]), _ms(r["base_step_ms"]), _ms(r["new_step_ms"]), _ms(r["base_wait_ms"]),
                      _ms(r["new_wait_ms"])])
     return rows
@@ -86,7 +100,8 @@ def render_compare(c: Comparison) -> str:
             lines.append(f"  note: {c.buckets_note}")
         lines += ["  " + row for row in _table(bucket_rows(c))]
     if c.ranks:
-        lines += ["", "Ranks (medians)"]
+        more = len(c.ranks) > MAX_RANK_ROWS
+        lines += ["", f"Ranks (medians{f'; the {MAX_RANK_ROWS} that moved most of {len(c.ranks)}' if more else ''})"]
         lines += ["  " + row for row in _table(rank_rows(c))]
     lines += ["", "Findings"]
     if not c.findings:
