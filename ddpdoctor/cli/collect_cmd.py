@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ddpdoctor.events.layout import TOKEN_ENV, rank_file_path
 from ddpdoctor.events.wire import parse_endpoint
@@ -39,6 +39,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--run-dir", type=Path, required=True, help="where the rank files are written")
     p.add_argument("--token", default=None, help=f"shared secret the senders must present (default: ${TOKEN_ENV})")
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve the live state for Prometheus on http://HOST:PORT/metrics")
     p.set_defaults(func=run)
 
 
@@ -88,6 +89,16 @@ class Collector:
         self._files.clear()
 
 
+def _metrics(address: str | None, listener: StreamListener) -> tuple[Any, Any]:
+    """``--metrics``: a live state fed beside the files, served for Prometheus (None, None without it)."""
+    if address is None:
+        return None, None
+    from ddpdoctor.cli.metrics_server import LiveFeed, MetricsServer
+
+    feed = LiveFeed(listener)
+    return feed, MetricsServer(address, feed.snapshot)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         host, port = parse_endpoint(args.listen, listen=True, what="--listen")
@@ -96,14 +107,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddpdoctor collect: {exc}", file=sys.stderr)
         return 2
     collector = Collector(args.run_dir)
+    try:
+        feed, metrics = _metrics(args.metrics, listener)
+    except (ValueError, OSError) as exc:
+        listener.close()
+        print(f"ddpdoctor collect: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     shown = f"[{host}]" if ":" in host else host
     print(f"ddpdoctor collect: listening on {shown}:{listener.port}, writing {args.run_dir}", flush=True)
+    if metrics is not None:
+        print(f"ddpdoctor collect: metrics on {metrics.url}", flush=True)
     try:
         while not stop.wait(WRITE_INTERVAL_S):
-            collector.write(listener.take())
+            lines = listener.take()
+            collector.write(lines)
+            if feed is not None:
+                feed.feed(lines)
     finally:
+        if metrics is not None:
+            metrics.close()
         listener.close()
         collector.write(listener.take())
         collector.close()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +36,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run)
 
 
+#: What torch warns at import when numpy is not installed (the demo never uses numpy).
+NUMPY_WARNING = "Failed to initialize NumPy"
+
+
+def quiet_numpy_warning() -> None:
+    """Hide torch's "Failed to initialize NumPy" warning, in this process and in the spawned ranks.
+
+    torch prints it at import when numpy is absent, which a new user reads as the demo failing;
+    the demo never touches numpy, so depending on numpy (tens of MB) to silence it would be
+    wrong. The ranks import torch while unpickling their entry point, before any of ddpdoctor's
+    code runs there, so the filter travels as ``PYTHONWARNINGS`` (read at interpreter start).
+    Only that one message is filtered.
+    """
+    warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
+    spec = f"ignore:{NUMPY_WARNING}:UserWarning"
+    current = os.environ.get("PYTHONWARNINGS", "")
+    if spec not in current:
+        os.environ["PYTHONWARNINGS"] = f"{current},{spec}" if current else spec
+
+
 def run(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         print("ddpdoctor demo: --ranks must be at least 1", file=sys.stderr)
         return 2
+    quiet_numpy_warning()
     import torch.multiprocessing as mp
 
     from ddpdoctor.cli.demo_training import DemoConfig, train_rank

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddpdoctor.cli import collect_cmd, demo_cmd, report_cmd, run_cmd, trace_cmd, watch_cmd
+from ddpdoctor.cli import collect_cmd, compare_cmd, demo_cmd, report_cmd, run_cmd, trace_cmd, watch_cmd
 from ddpdoctor.runlog import RunDirError
 
 
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version="ddpdoctor 0.1.0")
     sub = parser.add_subparsers(dest="command", required=True)
     collect_cmd.add_parser(sub)
+    compare_cmd.add_parser(sub)
     demo_cmd.add_parser(sub)
     report_cmd.add_parser(sub)
     run_cmd.add_parser(sub)

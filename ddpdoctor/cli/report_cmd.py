@@ -15,15 +15,22 @@ from ddpdoctor.runlog import load_run
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("report", help="post-mortem analysis of a run dir")
     p.add_argument("run_dir", type=Path, help="the run dir (holds rank-NNNNN.jsonl files)")
-    p.add_argument("--format", choices=["text", "json", "markdown"], default="text")
+    p.add_argument("--format", choices=["text", "json", "markdown", "html"], default="text",
+                   help="html: one self-contained page with plots, readable offline (use with -o)")
     p.add_argument("-o", "--output", type=Path, help="write the report to this file instead of stdout")
     p.add_argument("--fail-on", choices=["warning", "error"], help="exit 1 if a finding this severe or worse exists")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = analyze(load_run(args.run_dir, max_steps="auto"))
-    if args.format == "json":
+    run_log = load_run(args.run_dir, max_steps="auto")
+    report = analyze(run_log)
+    if args.format == "html":
+        from ddpdoctor.analysis.plot_data import plot_data
+        from ddpdoctor.cli.render_html import render_report_html  # plotly only when a page is wanted
+
+        text = render_report_html(report, plot_data(run_log))
+    elif args.format == "json":
         text = json.dumps(report.to_dict(), indent=2) + "\n"
     elif args.format == "markdown":
         text = render_markdown(report)

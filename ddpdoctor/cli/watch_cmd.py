@@ -26,6 +26,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=HISTORY,
         help=f"steps kept per rank, to step back over (default {HISTORY}; memory grows with it)",
     )
+    p.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="also serve the live state for Prometheus on http://HOST:PORT/metrics",
+    )
     p.set_defaults(func=run)
 
 
@@ -53,5 +58,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from ddpdoctor_tui import WatchApp  # textual only when the UI is actually wanted
 
-    WatchApp(source, history=max(args.history, 20)).run()
+    app = WatchApp(source, history=max(args.history, 20))
+    metrics = None
+    if args.metrics is not None:
+        from ddpdoctor.cli.metrics_server import MetricsServer
+
+        try:  # the snapshot the screen shows (frozen, so reading it from the server's thread is safe)
+            metrics = MetricsServer(args.metrics, lambda: app.snapshot)
+        except (ValueError, OSError) as exc:
+            source.close()
+            print(f"ddpdoctor watch: {exc}", file=sys.stderr)
+            return 2
+    try:
+        app.run()
+    finally:
+        if metrics is not None:
+            metrics.close()
     return 0

@@ -1,0 +1,143 @@
+"""``ddpdoctor compare``: the statistics, and real gloo runs of the constant-buffers zoo script
+(the same run twice, a planted forward slowdown, the broadcast_buffers=False fix)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpdoctor.analysis.compare import MIN_CHANGE_MS, compare_phase, mann_whitney_p
+from ddpdoctor.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "zoo" / "constant_buffers.py"
+#: Every forward sleeps this long in every run, so step time is dominated by a stable sleep and
+#: the same script twice stays within the gate on a busy 2-core machine.
+BASE_SLEEP_MS = "20"
+
+
+def test_mann_whitney_matches_the_textbook_values() -> None:
+    # U = 0 for two separated samples of 5: z = (12.5 - 0.5) / sqrt(25 * 11 / 12), p = 0.01219
+    assert mann_whitney_p([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]) == pytest.approx(0.01219, abs=2e-5)
+    # the order of the samples does not matter, nor a shift of both
+    assert mann_whitney_p([6, 7, 8, 9, 10], [1, 2, 3, 4, 5]) == pytest.approx(0.01219, abs=2e-5)
+    # identical samples: no evidence at all; every value tied: p = 1, no division by zero
+    assert mann_whitney_p([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert mann_whitney_p([3.0] * 6, [3.0] * 6) == 1.0
+    # too few steps to say anything
+    assert mann_whitney_p([1, 2], [3, 4, 5]) is None
+
+
+def test_noise_is_not_a_change_and_a_shift_is() -> None:
+    rng = random.Random(7)
+    a = [10 + rng.gauss(0, 1) for _ in range(30)]
+    b = [10 + rng.gauss(0, 1) for _ in range(30)]
+    same = compare_phase("step", a, b)
+    assert same.verdict == "same" and same.confidence is not None and same.confidence < 0.95
+    slower = compare_phase("step", a, [v + 3 for v in b])
+    assert slower.verdict == "slower" and slower.confidence > 0.999 and 20 < slower.change_pct < 40  # type: ignore[operator]
+    # one huge outlier step does not make a change (ranks, not means)
+    outlier = compare_phase("step", a, b[:-1] + [1000.0])
+    assert outlier.verdict == "same"
+    # a tiny phase that doubles is below the floor: not called a change
+    tiny = compare_phase("optimizer", [0.01] * 10, [0.02] * 10)
+    assert tiny.verdict == "same"
+
+
+def _run(run_dir: Path, *args: str) -> Path:
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(run_dir), "--forward-sleep-ms", BASE_SLEEP_MS, *args],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("compare")
+    out = {
+        "base": _run(tmp / "base"),
+        "same": _run(tmp / "same"),
+        "fixed": _run(tmp / "fixed", "--fixed"),
+    }
+    # the planted slowdown: 30 ms more in every forward
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp / "slow"), "--forward-sleep-ms", "50"],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out["slow"] = tmp / "slow"
+    return out
+
+
+def _compare(base: Path, new: Path, tmp: Path, *args: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+    out = tmp / "compare.json"
+    rc = main(["compare", str(base), str(new), "--format", "json", "-o", str(out), *args])
+    return rc, json.loads(out.read_text())
+
+
+def test_the_same_script_twice_is_no_regression(runs: dict[str, Path], tmp_path: Path) -> None:
+    rc, c = _compare(runs["base"], runs["same"], tmp_path, "--fail-on-regression", "25")
+    assert rc == 0, c["phases"]
+    step = next(p for p in c["phases"] if p["phase"] == "step")
+    assert step["base_ms"] > 20 and step["new_ms"] > 20  # the forward sleep is in there
+    assert step["base_steps"] >= 6  # one sample per step, warm-up left out
+    assert not any(p["verdict"] == "slower" and p["change_pct"] > 25 for p in c["phases"] if p["phase"] == "step")
+    codes = {f["code"]: f["status"] for f in c["findings"]}
+    assert codes["constant-buffers"] == "unchanged"
+    assert len(c["buckets"]) == 1 and c["buckets"][0]["base_bytes"] == c["buckets"][0]["new_bytes"]
+
+
+def test_a_planted_slowdown_is_flagged_with_its_phase(runs: dict[str, Path], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    rc, c = _compare(runs["base"], runs["slow"], tmp_path, "--fail-on-regression", "25")
+    assert rc == 1
+    assert "regression: step slower" in capsys.readouterr().err
+    phases = {p["phase"]: p for p in c["phases"]}
+    assert phases["step"]["verdict"] == "slower" and phases["step"]["confidence"] >= 0.95
+    fwd = phases["forward"]
+    assert fwd["verdict"] == "slower" and 20 < fwd["change_ms"] < 45
+    # forward is where the time went: the largest change of all phases but the step itself
+    assert max((p for p in c["phases"] if p["phase"] != "step" and p["change_ms"] is not None),
+               key=lambda p: p["change_ms"])["phase"] == "forward"
+    # the gate on a named phase: forward regressed, the optimizer did not
+    assert main(["compare", str(runs["base"]), str(runs["slow"]), "--fail-on-regression", "25",
+                 "--phase", "forward"]) == 1
+    assert main(["compare", str(runs["base"]), str(runs["slow"]), "--fail-on-regression", "25",
+                 "--phase", "optimizer"]) == 0
+    text = capsys.readouterr().out
+    assert "step time: SLOWER" in text and "forward slower by" in text
+
+
+def test_the_fix_is_an_improvement_and_resolves_the_finding(runs: dict[str, Path], tmp_path: Path) -> None:
+    rc, c = _compare(runs["base"], runs["fixed"], tmp_path, "--fail-on-regression", "25")
+    assert rc == 0
+    phases = {p["phase"]: p for p in c["phases"]}
+    sync = phases["buffer_sync"]
+    assert sync["base_ms"] > 0 and sync["new_ms"] == 0 and sync["change_pct"] == -100.0
+    assert sync["confidence"] >= 0.95
+    # called faster unless the broadcast was below the floor on a fast machine
+    assert sync["verdict"] == "faster" or sync["base_ms"] < MIN_CHANGE_MS
+    assert c["new"]["ddp_options"]["broadcast_buffers"] is False
+    status = {f["code"]: f["status"] for f in c["findings"]}
+    assert status["constant-buffers"] == "resolved"
+    # and backwards: the unfixed run as NEW brings the warning back, which fails the gate
+    assert main(["compare", str(runs["fixed"]), str(runs["base"]), "--fail-on-regression", "1000"]) == 1
+
+
+def test_text_and_markdown(runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", str(runs["base"]), str(runs["fixed"])]) == 0
+    text = capsys.readouterr().out
+    assert "RESOLVED" in text and "constant-buffers" in text and "buffer_sync" in text and "b0" in text
+    assert main(["compare", str(runs["base"]), str(runs["fixed"]), "--format", "markdown"]) == 0
+    md = capsys.readouterr().out
+    assert md.startswith("## ddpdoctor compare") and "| phase |" in md and "**resolved** `constant-buffers`" in md
+
+
+def test_a_bad_dir_exits_2(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", str(runs["base"]), str(tmp_path / "nope")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["compare", str(tmp_path / "empty"), str(runs["base"]), "--fail-on-regression", "5"]) == 2
