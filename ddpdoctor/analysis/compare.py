@@ -283,7 +283,7 @@ def _findings(base: list[Finding], new: list[Finding]) -> list[FindingChange]:
     return out
 
 
-def _run_facts(run: Run, report: Report) -> dict[str, Any]:
+def _run_facts(report: Report) -> dict[str, Any]:
     return {
         "dir": report.run.get("dir"),
         "run_id": report.run.get("run_id"),
@@ -321,6 +321,6 @@ def compare(base: Run, new: Run, base_report: Report, new_report: Report) -> Com
             "base_wait_ms": r["medians_ms"].get("bucket_wait"),
             "new_wait_ms": other["medians_ms"].get("bucket_wait") if other else None,
         })
-    return Comparison(base=_run_facts(base, base_report), new=_run_facts(new, new_report), phases=phases,
+    return Comparison(base=_run_facts(base_report), new=_run_facts(new_report), phases=phases,
                       buckets=buckets, buckets_note=note, ranks=ranks,
                       findings=_findings(base_report.findings, new_report.findings))

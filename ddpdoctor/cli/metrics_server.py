@@ -27,7 +27,6 @@ from ddpdoctor.runlog.stream_source import StreamLine, StreamListener
 SnapshotFn = Callable[[], "LiveSnapshot | None"]
 #: Where a snapshot row may carry the time a rank cost the others (the detection lane's numbers).
 LOST_FIELDS = ("lost_for_others_ms", "lost_ms", "cost_to_others_ms")
-SEVERITIES = ("info", "warning", "error")
 PHASES = ("forward", "buffer_sync", "backward", "allreduce")
 HEALTHS = ("waiting", "ok", "warning", "error")
 
