@@ -22,7 +22,12 @@ SCRIPT = ROOT / "examples" / "zoo" / "constant_buffers.py"
 #: What the page must stay under (plotly.js inlined is ~4.8 MB of it).
 MAX_BYTES = 6_000_000
 
-needs_chromium = pytest.mark.skipif(chromium() is None, reason="chromium not installed (apt-get install chromium)")
+try:
+    import websocket  # noqa: F401 - websocket-client, in the test extra: the DevTools protocol client
+    _NO_BROWSER = None if chromium() is not None else "chromium not installed (apt-get install chromium)"
+except ImportError:
+    _NO_BROWSER = "websocket-client not installed (pip install -e '.[test]')"
+needs_chromium = pytest.mark.skipif(_NO_BROWSER is not None, reason=str(_NO_BROWSER))
 
 PLOTS_DRAWN = ("document.querySelectorAll('.plot').length > 0 && Array.from(document.querySelectorAll('.plot'))"
                ".every(d => d.classList.contains('js-plotly-plot') && d.querySelector('.main-svg'))")

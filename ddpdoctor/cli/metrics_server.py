@@ -28,7 +28,6 @@ from ddpdoctor.stream.listener import StreamLine, StreamListener
 SnapshotFn = Callable[[], "LiveSnapshot | None"]
 #: Where a snapshot row may carry the time a rank cost the others (the detection lane's numbers).
 LOST_FIELDS = ("lost_for_others_ms", "lost_ms", "cost_to_others_ms")
-SEVERITIES = ("info", "warning", "error")
 PHASES = ("forward", "buffer_sync", "backward", "allreduce")
 HEALTHS = ("waiting", "ok", "warning", "error")
 
