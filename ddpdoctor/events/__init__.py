@@ -1,4 +1,5 @@
-"""Schema of what is logged, and its encoding. Needs msgspec only (no torch)."""
+"""Schema of what is logged, its encoding, and the contracts both sides share: ``layout`` (run-dir names,
+environment variables) and ``wire`` (the live stream's protocol). Needs msgspec only (no torch)."""
 
 from __future__ import annotations
 
