@@ -16,8 +16,9 @@ from statistics import median
 from typing import Any
 
 from ddpdoctor.analysis.bucket_sim import MIB, current_prediction, hook_cost, predict_cap, samples_of
-from ddpdoctor.analysis.bucket_size import MIN_SAMPLES, what_if
+from ddpdoctor.analysis.bucket_size import MIN_SAMPLES
 from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.from_run import what_if_run
 from ddpdoctor.runlog import Run
 
 #: Hooks that already compress: nothing to predict.
@@ -55,7 +56,7 @@ def communication_predictions(run: Run, exposed: Finding) -> dict[str, Any]:
             hook_name = log.layouts[-1].comm_hook
     compressing = any(word in hook_name.lower() for word in COMPRESSING)
     out: dict[str, Any] = {"comm_hook": hook_name or "default"}
-    w = what_if(run)
+    w = what_if_run(run)
     job = _job(run) if w is not None else None
     if w is not None and job is not None and w.current.step_ms > 0:
         header, samples, hook = job

@@ -252,6 +252,9 @@ class Attachment:
         if self.hook_state is not None:
             self.hook_state.detach()
         self._undo = []
+        # the shadow closes over DDP's own bound method: a monitor the user keeps must not keep
+        # the model (and its reducer and process group) alive once detached
+        self._sync_buffers = None
         self.ddp = None
 
 

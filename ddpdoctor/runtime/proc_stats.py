@@ -57,10 +57,15 @@ class ProcSampler:
             self._wake.clear()
             if self._stop:
                 return
-            for source in list(self._sources):
-                if source.closed or not source.probes.on["proc"]:
-                    continue
-                try:
-                    source.emit(self.sample(source))
-                except Exception as exc:
-                    source.probes.failed("proc", exc)
+            self._round()
+
+    def _round(self) -> None:
+        # its own frame: no monitor stays referenced from this thread while it sleeps (a closed
+        # monitor, and through it a DDP model, must be freed when the script lets it go)
+        for source in list(self._sources):
+            if source.closed or not source.probes.on["proc"]:
+                continue
+            try:
+                source.emit(self.sample(source))
+            except Exception as exc:
+                source.probes.failed("proc", exc)

@@ -151,16 +151,21 @@ class Watchdog:
             self._wake.clear()
             if self._stop:
                 return
-            with self._lock:
-                watches = list(self._watches.values())
-            for watch in watches:
-                monitor = watch.monitor
-                if monitor.closed or not monitor.probes.on["watchdog"]:
-                    continue
-                try:
-                    self._check(watch)
-                except Exception as exc:
-                    monitor.probes.failed("watchdog", exc)
+            self._round()
+
+    def _round(self) -> None:
+        # its own frame: no monitor stays referenced from this thread while it sleeps (a closed
+        # monitor, and through it a DDP model, must be freed when the script lets it go)
+        with self._lock:
+            watches = list(self._watches.values())
+        for watch in watches:
+            monitor = watch.monitor
+            if monitor.closed or not monitor.probes.on["watchdog"]:
+                continue
+            try:
+                self._check(watch)
+            except Exception as exc:
+                monitor.probes.failed("watchdog", exc)
 
     def _check(self, watch: _Watch) -> None:
         monitor = watch.monitor
