@@ -16,8 +16,9 @@ import torch.multiprocessing as mp
 from ddpdoctor.cli.ports import free_port
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, args: tuple[Any, ...],
-           backend: str) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, args: tuple[Any, ...], backend: str
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -43,8 +44,13 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_di
     os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple[Any, ...] = (), timeout: float = 180.0,
-              backend: str = "gloo") -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: tuple[Any, ...] = (),
+    timeout: float = 180.0,
+    backend: str = "gloo",
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo unless ``backend`` says); return each rank's result.
 
     ``fn`` must be importable (module-level). A rank's exception is re-raised here with its
@@ -54,8 +60,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple[Any, ...]
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ddpdoctor-ranks-") as out_dir:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args, backend), daemon=True)
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args, backend), daemon=True)
+            for r in range(world_size)
+        ]
         try:
             for p in procs:
                 p.start()

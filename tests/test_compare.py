@@ -51,8 +51,13 @@ def test_noise_is_not_a_change_and_a_shift_is() -> None:
 
 
 def _run(run_dir: Path, *args: str) -> Path:
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(run_dir), "--forward-sleep-ms", BASE_SLEEP_MS, *args],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(run_dir), "--forward-sleep-ms", BASE_SLEEP_MS, *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -66,8 +71,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "fixed": _run(tmp / "fixed", "--fixed"),
     }
     # the planted slowdown: 30 ms more in every forward
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp / "slow"), "--forward-sleep-ms", "50"],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp / "slow"), "--forward-sleep-ms", "50"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out["slow"] = tmp / "slow"
     return out
@@ -91,8 +101,9 @@ def test_the_same_script_twice_is_no_regression(runs: dict[str, Path], tmp_path:
     assert len(c["buckets"]) == 1 and c["buckets"][0]["base_bytes"] == c["buckets"][0]["new_bytes"]
 
 
-def test_a_planted_slowdown_is_flagged_with_its_phase(runs: dict[str, Path], tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_planted_slowdown_is_flagged_with_its_phase(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc, c = _compare(runs["base"], runs["slow"], tmp_path, "--fail-on-regression", "25")
     assert rc == 1
     assert "regression: step slower" in capsys.readouterr().err
@@ -101,13 +112,21 @@ def test_a_planted_slowdown_is_flagged_with_its_phase(runs: dict[str, Path], tmp
     fwd = phases["forward"]
     assert fwd["verdict"] == "slower" and 20 < fwd["change_ms"] < 45
     # forward is where the time went: the largest change of all phases but the step itself
-    assert max((p for p in c["phases"] if p["phase"] != "step" and p["change_ms"] is not None),
-               key=lambda p: p["change_ms"])["phase"] == "forward"
+    assert (
+        max(
+            (p for p in c["phases"] if p["phase"] != "step" and p["change_ms"] is not None),
+            key=lambda p: p["change_ms"],
+        )["phase"]
+        == "forward"
+    )
     # the gate on a named phase: forward regressed, the optimizer did not
-    assert main(["compare", str(runs["base"]), str(runs["slow"]), "--fail-on-regression", "25",
-                 "--phase", "forward"]) == 1
-    assert main(["compare", str(runs["base"]), str(runs["slow"]), "--fail-on-regression", "25",
-                 "--phase", "optimizer"]) == 0
+    assert (
+        main(["compare", str(runs["base"]), str(runs["slow"]), "--fail-on-regression", "25", "--phase", "forward"]) == 1
+    )
+    assert (
+        main(["compare", str(runs["base"]), str(runs["slow"]), "--fail-on-regression", "25", "--phase", "optimizer"])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "step time: SLOWER" in text and "forward slower by" in text
 
@@ -136,8 +155,15 @@ def test_the_gate_fails_on_new_warnings_and_errors_only() -> None:
         return FindingChange("code", status, severity, base, "t", "f")
 
     def c(*findings: FindingChange) -> Comparison:
-        return Comparison(base={}, new={}, phases=[compare_phase("step", [10.0] * 8, [10.0] * 8)], buckets=[],
-                          buckets_note=None, ranks=[], findings=list(findings))
+        return Comparison(
+            base={},
+            new={},
+            phases=[compare_phase("step", [10.0] * 8, [10.0] * 8)],
+            buckets=[],
+            buckets_note=None,
+            ranks=[],
+            findings=list(findings),
+        )
 
     assert gate(c(change("new", "warning", None)), 5, None)
     assert gate(c(change("new", "error", None)), 5, None)

@@ -123,5 +123,9 @@ def warn_once(exc: BaseException) -> None:
         _warned = True
     from ddpdoctor.categories import ProbeDisabledWarning
 
-    warnings.warn(f"ddpdoctor run: could not instrument a DistributedDataParallel model "
-                  f"({type(exc).__name__}: {exc}); training goes on unmonitored", ProbeDisabledWarning, stacklevel=3)
+    warnings.warn(
+        f"ddpdoctor run: could not instrument a DistributedDataParallel model "
+        f"({type(exc).__name__}: {exc}); training goes on unmonitored",
+        ProbeDisabledWarning,
+        stacklevel=3,
+    )

@@ -37,10 +37,17 @@ class DemoNet(nn.Module):
         super().__init__()
         self.backward_delay = backward_delay
         self.features = nn.Sequential(
-            nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, width * 2, 3, padding=1, stride=2), nn.BatchNorm2d(width * 2), nn.ReLU(),
-            nn.Conv2d(width * 2, width * 2, 3, padding=1, stride=2), nn.BatchNorm2d(width * 2), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Conv2d(3, width, 3, padding=1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, width * 2, 3, padding=1, stride=2),
+            nn.BatchNorm2d(width * 2),
+            nn.ReLU(),
+            nn.Conv2d(width * 2, width * 2, 3, padding=1, stride=2),
+            nn.BatchNorm2d(width * 2),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
         )
         self.head = nn.Sequential(nn.Linear(width * 2, 256), nn.ReLU(), nn.Linear(256, classes))
 
@@ -85,7 +92,9 @@ def train_rank(rank: int, config: DemoConfig) -> None:
         torch.manual_seed(0)
         slow = config.scenario == "straggler" and rank == config.world_size - 1
         model = ddpdoctor.DistributedDataParallel(
-            DemoNet(backward_delay=STRAGGLER_DELAY_S if slow else 0.0), bucket_cap_mb=config.bucket_cap_mb, ddpdoctor_run_dir=config.run_dir,
+            DemoNet(backward_delay=STRAGGLER_DELAY_S if slow else 0.0),
+            bucket_cap_mb=config.bucket_cap_mb,
+            ddpdoctor_run_dir=config.run_dir,
             ddpdoctor_options={"proc_interval": 1.0},
         )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

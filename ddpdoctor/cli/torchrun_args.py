@@ -14,8 +14,19 @@ from dataclasses import dataclass
 from pathlib import PurePath
 
 #: torchrun's options that take no value (torch 2.13); every other option takes one.
-_FLAGS = {"-h", "--help", "--standalone", "-m", "--module", "--no-python", "--no_python", "--run-path",
-          "--run_path", "--virtual-local-rank", "--virtual_local_rank"}
+_FLAGS = {
+    "-h",
+    "--help",
+    "--standalone",
+    "-m",
+    "--module",
+    "--no-python",
+    "--no_python",
+    "--run-path",
+    "--run_path",
+    "--virtual-local-rank",
+    "--virtual_local_rank",
+}
 #: torchrun keeps one rendezvous store for all restarts unless this is "1" (c10d rendezvous only).
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -86,9 +97,13 @@ def parse(cmd: list[str], env: dict[str, str] | None = None) -> TorchrunArgs | N
         restarts = int(get("max_restarts", "0"))
     except ValueError:
         restarts = 0
-    return TorchrunArgs(max_restarts=restarts, rdzv_backend=get("rdzv_backend", "static"),
-                        rdzv_id=get("rdzv_id", "none"), nnodes=get("nnodes", "1:1"),
-                        standalone="standalone" in values or env.get("PET_STANDALONE", "") not in ("", "0"))
+    return TorchrunArgs(
+        max_restarts=restarts,
+        rdzv_backend=get("rdzv_backend", "static"),
+        rdzv_id=get("rdzv_id", "none"),
+        nnodes=get("nnodes", "1:1"),
+        standalone="standalone" in values or env.get("PET_STANDALONE", "") not in ("", "0"),
+    )
 
 
 def restart_advice(args: TorchrunArgs, env: dict[str, str] | None = None) -> str | None:
@@ -105,14 +120,18 @@ def restart_advice(args: TorchrunArgs, env: dict[str, str] | None = None) -> str
         return None
     env = os.environ if env is None else env
     if args.backend == "static":
-        return ("torchrun's static rendezvous (--master-addr/--master-port) keeps one store across restarts: "
-                "restarted workers can read the failed attempt's addresses and fail or hang in "
-                "init_process_group. For --max-restarts to work use --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
-                f"(or --standalone) with {SHARE_STORE_ENV}=1 set.")
+        return (
+            "torchrun's static rendezvous (--master-addr/--master-port) keeps one store across restarts: "
+            "restarted workers can read the failed attempt's addresses and fail or hang in "
+            "init_process_group. For --max-restarts to work use --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
+            f"(or --standalone) with {SHARE_STORE_ENV}=1 set."
+        )
     if args.backend == "c10d" and env.get(SHARE_STORE_ENV, "0") != "1":
-        return (f"torchrun's c10d rendezvous shares its store across restarts unless {SHARE_STORE_ENV}=1: "
-                "restarted workers can read the failed attempt's addresses and fail or hang in "
-                f"init_process_group. Set {SHARE_STORE_ENV}=1 for --max-restarts to work.")
+        return (
+            f"torchrun's c10d rendezvous shares its store across restarts unless {SHARE_STORE_ENV}=1: "
+            "restarted workers can read the failed attempt's addresses and fail or hang in "
+            f"init_process_group. Set {SHARE_STORE_ENV}=1 for --max-restarts to work."
+        )
     return None
 
 

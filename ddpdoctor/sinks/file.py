@@ -83,4 +83,6 @@ class FileSink(BackgroundSink):
     def _report(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(f"ddpdoctor: {message}; training goes on, the log may be incomplete", LogWriteWarning, stacklevel=1)
+            warnings.warn(
+                f"ddpdoctor: {message}; training goes on, the log may be incomplete", LogWriteWarning, stacklevel=1
+            )

@@ -61,8 +61,12 @@ class _Finder(importlib.abc.MetaPathFinder):
 def _warn(exc: BaseException) -> None:
     import warnings
 
-    warnings.warn(f"ddpdoctor run: could not hook DistributedDataParallel ({type(exc).__name__}: {exc}); "
-                  "training goes on unmonitored", RuntimeWarning, stacklevel=2)
+    warnings.warn(
+        f"ddpdoctor run: could not hook DistributedDataParallel ({type(exc).__name__}: {exc}); "
+        "training goes on unmonitored",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _chain() -> None:
