@@ -30,13 +30,13 @@ def _entry(
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         payload: dict[str, Any] = {"ok": True, "result": result}
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises it in the test
         payload = {"ok": False, "error": traceback.format_exc()}
     finally:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - teardown after the result is known: it must still be written
                 pass
     result_path.write_bytes(pickle.dumps(payload))
     # torch 2.13's gloo process group sometimes aborts in its destructors at interpreter teardown
@@ -51,11 +51,11 @@ def run_ranks(
     timeout: float = 180.0,
     backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo unless ``backend`` says); return each rank's result.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
 
-    ``fn`` must be importable (module-level). A rank's exception is re-raised here with its
-    traceback; a rank still running after ``timeout`` seconds fails the test; every child is
-    killed on the way out.
+    The ranks use gloo unless ``backend`` says otherwise. ``fn`` must be importable
+    (module-level). A rank's exception is re-raised here with its traceback; a rank still
+    running after ``timeout`` seconds fails the test; every child is killed on the way out.
     """
     ctx = mp.get_context("spawn")
     port = free_port()

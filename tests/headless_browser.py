@@ -148,7 +148,7 @@ def open_page(
     cdp: _Cdp | None = None
     try:
         port = _devtools_port(profile, proc, timeout)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as resp:  # noqa: S310 - loopback
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as resp:
             targets = json.loads(resp.read())
         page = next(t for t in targets if t.get("type") == "page")
         cdp = _Cdp(page["webSocketDebuggerUrl"])

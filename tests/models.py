@@ -35,13 +35,13 @@ def make_model(seed: int = 0) -> SmallNet:
 
 class _SlowBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: object, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.seconds = seconds  # type: ignore[attr-defined]
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds  # type: ignore[attr-defined]  # autograd's ctx carries it to backward
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        time.sleep(ctx.seconds)  # type: ignore[attr-defined]
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)  # type: ignore[attr-defined]  # set by forward
         return grad, None
 
 

@@ -71,5 +71,5 @@ def test_straggler_and_trace_line_up_despite_a_clock_offset(tmp_path: Path) -> N
         e["pid"]: sorted(x["ts"] for x in slices if x["pid"] == e["pid"] and x["name"] == "forward") for e in slices
     }
     # and rank 1's forwards start after rank 0's (it is the late one), by well under a second
-    late = [b - a for a, b in zip(forwards[0], forwards[1])]
+    late = [b - a for a, b in zip(forwards[0], forwards[1], strict=True)]
     assert sorted(late)[len(late) // 2] > 0 and max(late) < 1e6

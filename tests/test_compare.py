@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,7 +42,8 @@ def test_noise_is_not_a_change_and_a_shift_is() -> None:
     same = compare_phase("step", a, b)
     assert same.verdict == "same" and same.confidence is not None and same.confidence < 0.95
     slower = compare_phase("step", a, [v + 3 for v in b])
-    assert slower.verdict == "slower" and slower.confidence > 0.999 and 20 < slower.change_pct < 40  # type: ignore[operator]
+    assert slower.verdict == "slower" and slower.confidence is not None and slower.change_pct is not None
+    assert slower.confidence > 0.999 and 20 < slower.change_pct < 40
     # one huge outlier step does not make a change (ranks, not means)
     outlier = compare_phase("step", a, b[:-1] + [1000.0])
     assert outlier.verdict == "same"
@@ -83,7 +85,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _compare(base: Path, new: Path, tmp: Path, *args: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+def _compare(base: Path, new: Path, tmp: Path, *args: str) -> tuple[int, dict[str, Any]]:
     out = tmp / "compare.json"
     rc = main(["compare", str(base), str(new), "--format", "json", "-o", str(out), *args])
     return rc, json.loads(out.read_text())

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import ddpdoctor
 from ddpdoctor.analysis.live_run import LiveRun
@@ -112,8 +113,8 @@ def test_a_skipped_backward_is_named_while_the_job_hangs(tmp_path: Path) -> None
     assert b"HangWarning" in procs[0].stderr.read()
 
 
-def _hang(rank: int, phase: str, step: int, state: str = "stalled", **kw: object) -> Hang:
-    return Hang(rank=rank, t_mono_ns=0, t_wall_ns=0, state=state, step=step, phase=phase, waited_s=30.0, **kw)  # type: ignore[arg-type]
+def _hang(rank: int, phase: str, step: int, state: str = "stalled", **kw: Any) -> Hang:
+    return Hang(rank=rank, t_mono_ns=0, t_wall_ns=0, state=state, step=step, phase=phase, waited_s=30.0, **kw)
 
 
 def test_missing_rank_between_steps_or_gone_is_named_with_its_stack() -> None:

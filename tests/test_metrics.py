@@ -110,7 +110,7 @@ def test_the_http_endpoint_and_bad_addresses() -> None:
     snap = _live(2)
     server = MetricsServer("127.0.0.1:0", lambda: snap)
     try:
-        with urllib.request.urlopen(server.url, timeout=10) as resp:  # noqa: S310 - loopback
+        with urllib.request.urlopen(server.url, timeout=10) as resp:
             body = resp.read().decode()
             assert resp.headers["Content-Type"].startswith("text/plain")
         assert 'ddpdoctor_rank_step_seconds{host="node0",rank="0",run="synthetic"} 0.1' in body
@@ -266,7 +266,6 @@ def test_watch_serves_the_snapshot_it_shows(tmp_path: Path, monkeypatch: pytest.
     import asyncio
 
     from ddpdoctor_tui import WatchApp
-
     from tests.test_live_run import write_run
 
     run_dir = write_run(tmp_path / "run", world=4, steps=30, straggler=3, late_ms=40.0, end=None)

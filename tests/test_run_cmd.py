@@ -76,7 +76,7 @@ def ddpdoctor_run(
 
 
 def _printed_run_dir(proc: subprocess.CompletedProcess[str]) -> Path:
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("ddpdoctor run: run dir "))
+    line = next(s for s in proc.stdout.splitlines() if s.startswith("ddpdoctor run: run dir "))
     return Path(line.removeprefix("ddpdoctor run: run dir "))
 
 
@@ -180,7 +180,10 @@ def test_processes_that_never_import_torch_do_not_import_it_and_a_sitecustomize_
     own.mkdir()
     (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITECUSTOMIZE'] = 'ran'\n")
     env = dict(_env(), PYTHONPATH=str(own))
-    code = "import os, sys; print(sorted(m for m in ('torch', 'ddpdoctor') if m in sys.modules), os.environ.get('OWN_SITECUSTOMIZE'))"
+    code = (
+        "import os, sys; "
+        "print(sorted(m for m in ('torch', 'ddpdoctor') if m in sys.modules), os.environ.get('OWN_SITECUSTOMIZE'))"
+    )
     proc = ddpdoctor_run(tmp_path, [sys.executable, "-c", code], env=env)
     assert proc.returncode == 0, proc.stderr
     assert "[] ran" in proc.stdout

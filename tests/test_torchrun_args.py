@@ -37,9 +37,11 @@ def test_options_are_read_in_every_spelling() -> None:
     # the script's own options (after train.py) are not torchrun's; a flag takes no value
     assert parse([*TORCHRUN, "-m", "pkg.train", "--nnodes", "3"], env={}) == TorchrunArgs()
     # torchrun's PET_* environment fallbacks, and commands that are not torchrun
-    assert parse(["/usr/bin/torchrun", "t.py"], env={"PET_MAX_RESTARTS": "3"}).max_restarts == 3  # type: ignore[union-attr]
+    from_env = parse(["/usr/bin/torchrun", "t.py"], env={"PET_MAX_RESTARTS": "3"})
+    assert from_env is not None and from_env.max_restarts == 3
     assert parse([sys.executable, "train.py"], env={}) is None
-    assert parse([sys.executable, "-m", "torch.distributed.launch", "--nnodes=2", "t.py"], env={}).max_nodes == 2  # type: ignore[union-attr]
+    launch = parse([sys.executable, "-m", "torch.distributed.launch", "--nnodes=2", "t.py"], env={})
+    assert launch is not None and launch.max_nodes == 2
 
 
 def test_restart_advice_names_what_breaks_restarts() -> None:

@@ -13,7 +13,7 @@ from ddpdoctor.cli.render_compare import render_compare, render_compare_markdown
 from ddpdoctor.runlog import load_run
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "compare",
         help="compare two run dirs: per phase, per bucket, findings",

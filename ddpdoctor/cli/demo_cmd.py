@@ -12,8 +12,8 @@ from typing import Any
 
 from ddpdoctor.analysis import analyze
 from ddpdoctor.cli.ports import free_port
-from ddpdoctor.events.layout import DEFAULT_ROOT
 from ddpdoctor.cli.render_text import render
+from ddpdoctor.events.layout import DEFAULT_ROOT
 from ddpdoctor.runlog import load_run
 
 SCENARIOS = ["healthy", "straggler"]
@@ -22,7 +22,7 @@ LIVE_STEPS = 400
 LIVE_PACE_S = 0.05
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="train a small model on N gloo ranks on CPU, instrumented")
     p.add_argument("--ranks", type=int, default=2, help="number of ranks (processes), default 2")
     p.add_argument("--steps", type=int, help=f"training steps, default 60 headless, {LIVE_STEPS} with the live view")

@@ -17,12 +17,12 @@ class _SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds  # type: ignore[attr-defined]
+        ctx.seconds = seconds  # type: ignore[attr-defined]  # autograd's ctx carries it to backward
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.seconds)  # type: ignore[attr-defined]
+        time.sleep(ctx.seconds)  # type: ignore[attr-defined]  # set by forward
         return grad, None
 
 
@@ -55,7 +55,8 @@ class DemoNet(nn.Module):
         h = self.features(x)
         if self.backward_delay:
             h = _SlowBackward.apply(h, self.backward_delay)
-        return self.head(h)
+        out: torch.Tensor = self.head(h)
+        return out
 
 
 @dataclass

@@ -240,7 +240,7 @@ class LiveFeed:
 
     def feed(self, lines: list[StreamLine]) -> None:
         with self._lock:
-            records = []
+            records: list[RankRecord] = []
             for line in lines:
                 peer = line.peer
                 if self._run is None:

@@ -21,7 +21,7 @@ def _conf(p: PhaseChange) -> str:
 def _table(rows: list[list[str]], right_from: int = 1) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
-        "  ".join(c.rjust(w) if i >= right_from else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        "  ".join(c.rjust(w) if i >= right_from else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
         for r in rows
     ]
 

@@ -48,7 +48,8 @@ td.l, th.l { text-align: left; }
 pre { background: #f6f8fa; padding: 10px; overflow-x: auto; font-size: 12px; }
 .facts { color: #57606a; } .plot { width: 100%; min-height: 360px; }
 .finding { border-left: 4px solid #d0d7de; padding: 4px 12px; margin: 10px 0; }
-.finding.error { border-color: #cf222e; } .finding.warning { border-color: #bf8700; } .finding.info { border-color: #0969da; }
+.finding.error { border-color: #cf222e; } .finding.warning { border-color: #bf8700; }
+.finding.info { border-color: #0969da; }
 .sev { font-weight: 600; text-transform: uppercase; font-size: 12px; }
 .error .sev { color: #cf222e; } .warning .sev { color: #9a6700; } .info .sev { color: #0969da; }
 .slower { color: #cf222e; font-weight: 600; } .faster { color: #1a7f37; font-weight: 600; }

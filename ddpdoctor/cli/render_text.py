@@ -37,7 +37,9 @@ def rank_table(ranks: list[dict[str, Any]]) -> list[str]:
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return [
-        "  ".join(cell.rjust(w) if i >= 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        "  ".join(
+            cell.rjust(w) if i >= 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
         for row in rows
     ]
 
@@ -73,9 +75,10 @@ def render(report: Report) -> str:
     opts = run.get("ddp_options") or {}
     lines = [
         f"ddpdoctor report: {run['dir']}",
-        f"  world size {run['world_size']}, backend {run['backend']}, torch {run['torch']}, device {run['device']}, "
-        f"hosts {', '.join(run['hosts']) or '?'}",
-        f"  {stats['steps']} steps, {'finished' if run['finished'] else 'not finished (still running, or a rank died)'}",
+        f"  world size {run['world_size']}, backend {run['backend']}, torch {run['torch']}, "
+        f"device {run['device']}, hosts {', '.join(run['hosts']) or '?'}",
+        f"  {stats['steps']} steps, "
+        f"{'finished' if run['finished'] else 'not finished (still running, or a rank died)'}",
         *(
             [f"  step statistics from every {run['steps_sampled_every']}th step of each rank and its last 128 steps"]
             if run.get("steps_sampled_every", 1) > 1
@@ -84,9 +87,11 @@ def render(report: Report) -> str:
     ]
     if opts:
         lines.append(
-            f"  DDP: bucket_cap_mb={opts.get('bucket_cap_mb'):.3g} find_unused_parameters={opts.get('find_unused_parameters')} "
+            f"  DDP: bucket_cap_mb={opts.get('bucket_cap_mb'):.3g} "
+            f"find_unused_parameters={opts.get('find_unused_parameters')} "
             f"static_graph={opts.get('static_graph')} broadcast_buffers={opts.get('broadcast_buffers')} "
-            f"gradient_as_bucket_view={opts.get('gradient_as_bucket_view')} comm_hook={opts.get('comm_hook') or 'default'}"
+            f"gradient_as_bucket_view={opts.get('gradient_as_bucket_view')} "
+            f"comm_hook={opts.get('comm_hook') or 'default'}"
             if opts.get("bucket_cap_mb") is not None
             else f"  DDP: {opts}"
         )

@@ -12,7 +12,7 @@ from ddpdoctor.cli.render_text import render, render_markdown
 from ddpdoctor.runlog import load_run
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("report", help="post-mortem analysis of a run dir")
     p.add_argument("run_dir", type=Path, help="the run dir (holds rank-NNNNN.jsonl files)")
     p.add_argument(

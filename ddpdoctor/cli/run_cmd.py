@@ -27,7 +27,7 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 _SI_KERNEL = 0x80
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "run",
         help="run a training command with every DDP model instrumented, no code change",

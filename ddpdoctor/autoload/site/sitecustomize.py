@@ -34,7 +34,7 @@ class _PatchingLoader(importlib.abc.Loader):
             from ddpdoctor.autoload import patch
 
             patch(module)
-        except Exception as exc:  # never keep torch from importing
+        except Exception as exc:  # noqa: BLE001 - never keep torch from importing
             _warn(exc)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, resource readers, ...
