@@ -1,7 +1,7 @@
 """ddpdoctor's warning categories, one per family, so users filter them the standard way.
 
-    warnings.filterwarnings("ignore", category=ddpdoctor.BufferWarning)
-    warnings.filterwarnings("error", category=ddpdoctor.StaleRequiresGradWarning)
+warnings.filterwarnings("ignore", category=ddpdoctor.BufferWarning)
+warnings.filterwarnings("error", category=ddpdoctor.StaleRequiresGradWarning)
 """
 
 from __future__ import annotations

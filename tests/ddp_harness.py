@@ -16,8 +16,9 @@ import torch.multiprocessing as mp
 from ddpdoctor.cli.ports import free_port
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, args: tuple[Any, ...],
-           backend: str) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, args: tuple[Any, ...], backend: str
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -29,13 +30,13 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_di
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         payload: dict[str, Any] = {"ok": True, "result": result}
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises it in the test
         payload = {"ok": False, "error": traceback.format_exc()}
     finally:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - teardown after the result is known: it must still be written
                 pass
     result_path.write_bytes(pickle.dumps(payload))
     # torch 2.13's gloo process group sometimes aborts in its destructors at interpreter teardown
@@ -43,19 +44,26 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, out_di
     os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple[Any, ...] = (), timeout: float = 180.0,
-              backend: str = "gloo") -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo unless ``backend`` says); return each rank's result.
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: tuple[Any, ...] = (),
+    timeout: float = 180.0,
+    backend: str = "gloo",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
 
-    ``fn`` must be importable (module-level). A rank's exception is re-raised here with its
-    traceback; a rank still running after ``timeout`` seconds fails the test; every child is
-    killed on the way out.
+    The ranks use gloo unless ``backend`` says otherwise. ``fn`` must be importable
+    (module-level). A rank's exception is re-raised here with its traceback; a rank still
+    running after ``timeout`` seconds fails the test; every child is killed on the way out.
     """
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ddpdoctor-ranks-") as out_dir:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args, backend), daemon=True)
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args, backend), daemon=True)
+            for r in range(world_size)
+        ]
         try:
             for p in procs:
                 p.start()

@@ -22,9 +22,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-default-apps", "--disable-extensions", "--hide-scrollbars", "--mute-audio"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-default-apps",
+    "--disable-extensions",
+    "--hide-scrollbars",
+    "--mute-audio",
+]
 
 
 def chromium() -> str | None:
@@ -101,8 +112,15 @@ def _devtools_port(profile: Path, proc: subprocess.Popen[bytes], timeout: float)
     raise TimeoutError("chromium did not open its DevTools port")
 
 
-def open_page(path: Path, probe: str, width: int = 1280, height: int = 4000, timeout: float = 60.0,
-              settle: str = "true", clips: str = "[]") -> PageResult:
+def open_page(
+    path: Path,
+    probe: str,
+    width: int = 1280,
+    height: int = 4000,
+    timeout: float = 60.0,
+    settle: str = "true",
+    clips: str = "[]",
+) -> PageResult:
     """Load ``path`` in headless chromium and report what happened.
 
     ``settle`` is a JavaScript expression polled until true (e.g. all plots drawn) before the
@@ -114,13 +132,23 @@ def open_page(path: Path, probe: str, width: int = 1280, height: int = 4000, tim
     if exe is None:
         raise RuntimeError("chromium is not installed")
     profile = Path(tempfile.mkdtemp(prefix="ddpdoctor-chromium-"))
-    proc = subprocess.Popen([exe, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
-                             f"--window-size={width},{height}", "about:blank"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            exe,
+            *FLAGS,
+            f"--user-data-dir={profile}",
+            "--remote-debugging-port=0",
+            f"--window-size={width},{height}",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     cdp: _Cdp | None = None
     try:
         port = _devtools_port(profile, proc, timeout)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as resp:  # noqa: S310 - loopback
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as resp:
             targets = json.loads(resp.read())
         page = next(t for t in targets if t.get("type") == "page")
         cdp = _Cdp(page["webSocketDebuggerUrl"])
@@ -141,13 +169,19 @@ def open_page(path: Path, probe: str, width: int = 1280, height: int = 4000, tim
         result.screenshot = base64.b64decode(shot["data"])
         regions = cdp.call("Runtime.evaluate", expression=clips, returnByValue=True)["result"].get("value") or []
         for r in regions:
-            part = cdp.call("Page.captureScreenshot", format="png", captureBeyondViewport=True,
-                            clip={"x": r["x"], "y": r["y"], "width": r["width"], "height": r["height"], "scale": 0.25})
+            part = cdp.call(
+                "Page.captureScreenshot",
+                format="png",
+                captureBeyondViewport=True,
+                clip={"x": r["x"], "y": r["y"], "width": r["width"], "height": r["height"], "scale": 0.25},
+            )
             result.clips.append(base64.b64decode(part["data"]))
         for ev in cdp.events:
             method, params = ev["method"], ev.get("params", {})
             if method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
-                result.console_errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", [])))
+                result.console_errors.append(
+                    " ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", []))
+                )
             elif method == "Log.entryAdded" and params.get("entry", {}).get("level") == "error":
                 result.console_errors.append(params["entry"].get("text", ""))
             elif method == "Runtime.exceptionThrown":
@@ -171,15 +205,16 @@ def open_page(path: Path, probe: str, width: int = 1280, height: int = 4000, tim
 
 # -- a minimal PNG reader (8-bit RGB/RGBA, not interlaced: what chromium's screenshots are) -----------
 
+
 def png_pixels(data: bytes) -> tuple[int, int, int, bytes]:
     """(width, height, channels, raw pixel rows without filter bytes)."""
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     pos, idat, width = 8, b"", 0
     height = depth = ctype = 0
     while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind = data[pos + 4:pos + 8]
-        chunk = data[pos + 8:pos + 8 + length]
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind = data[pos + 4 : pos + 8]
+        chunk = data[pos + 8 : pos + 8 + length]
         if kind == b"IHDR":
             width, height, depth, ctype, _, _, interlace = struct.unpack(">IIBBBBB", chunk)
             assert depth == 8 and ctype in (2, 6) and interlace == 0, (depth, ctype, interlace)
@@ -193,7 +228,7 @@ def png_pixels(data: bytes) -> tuple[int, int, int, bytes]:
     prev = bytearray(stride)
     for y in range(height):
         filt = raw[y * (stride + 1)]
-        line = bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        line = bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
         for x in range(stride):
             a = line[x - channels] if x >= channels else 0
             b = prev[x]
@@ -208,7 +243,7 @@ def png_pixels(data: bytes) -> tuple[int, int, int, bytes]:
                 p = a + b - c
                 pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
                 line[x] = (line[x] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
-        out[y * stride:(y + 1) * stride] = line
+        out[y * stride : (y + 1) * stride] = line
         prev = line
     return width, height, channels, bytes(out)
 

@@ -14,9 +14,13 @@ class SmallNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(),
-            nn.Linear(64, 64), nn.ReLU(),
-            nn.Linear(64, 64), nn.ReLU(),
+            nn.Linear(32, 64),
+            nn.BatchNorm1d(64),
+            nn.ReLU(),
+            nn.Linear(64, 64),
+            nn.ReLU(),
+            nn.Linear(64, 64),
+            nn.ReLU(),
         )
         self.head = nn.Linear(64, 4)
 
@@ -31,13 +35,13 @@ def make_model(seed: int = 0) -> SmallNet:
 
 class _SlowBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: object, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.seconds = seconds  # type: ignore[attr-defined]
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds  # type: ignore[attr-defined]  # autograd's ctx carries it to backward
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        time.sleep(ctx.seconds)  # type: ignore[attr-defined]
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)  # type: ignore[attr-defined]  # set by forward
         return grad, None
 
 

@@ -22,7 +22,9 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess
     return run_dir, _ddpdoctor("demo", "--headless", "--ranks", "2", "--steps", "8", "--run-dir", str(run_dir))
 
 
-def test_demo_headless_trains_and_prints_a_per_rank_summary(demo_run: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
+def test_demo_headless_trains_and_prints_a_per_rank_summary(
+    demo_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
     run_dir, proc = demo_run
     assert proc.returncode == 0, proc.stderr
     assert f"run dir: {run_dir}" in proc.stdout
@@ -35,7 +37,9 @@ def test_demo_headless_trains_and_prints_a_per_rank_summary(demo_run: tuple[Path
     assert "[warning]" not in proc.stdout and "[error]" not in proc.stdout  # healthy: info at most
 
 
-def test_report_json_has_the_design_shape(demo_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path) -> None:
+def test_report_json_has_the_design_shape(
+    demo_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
     run_dir, _ = demo_run
     out = tmp_path / "report.json"
     assert main(["report", str(run_dir), "--format", "json", "-o", str(out)]) == 0
@@ -52,7 +56,9 @@ def test_report_json_has_the_design_shape(demo_run: tuple[Path, subprocess.Compl
     assert {f["severity"] for f in report["findings"]} <= {"info"}
 
 
-def test_report_text_and_fail_on(demo_run: tuple[Path, subprocess.CompletedProcess[str]], capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_text_and_fail_on(
+    demo_run: tuple[Path, subprocess.CompletedProcess[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
     run_dir, _ = demo_run
     assert main(["report", str(run_dir), "--fail-on", "warning"]) == 0  # a healthy run has nothing to fail on
     text = capsys.readouterr().out
@@ -68,7 +74,9 @@ def test_report_on_a_bad_dir_is_a_clear_error_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "no rank files" in proc.stderr
 
 
-def test_report_markdown(demo_run: tuple[Path, subprocess.CompletedProcess[str]], capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_markdown(
+    demo_run: tuple[Path, subprocess.CompletedProcess[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
     run_dir, _ = demo_run
     assert main(["report", str(run_dir), "--format", "markdown"]) == 0
     md = capsys.readouterr().out
@@ -78,8 +86,9 @@ def test_report_markdown(demo_run: tuple[Path, subprocess.CompletedProcess[str]]
     assert "## Findings" in md
 
 
-def test_trace_is_a_valid_chrome_trace_with_aligned_ranks(demo_run: tuple[Path, subprocess.CompletedProcess[str]],
-                                                           tmp_path: Path) -> None:
+def test_trace_is_a_valid_chrome_trace_with_aligned_ranks(
+    demo_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
+) -> None:
     run_dir, _ = demo_run
     out = tmp_path / "trace.json"
     assert main(["trace", str(run_dir), "-o", str(out)]) == 0

@@ -51,8 +51,13 @@ def test_straggler_and_trace_line_up_despite_a_clock_offset(tmp_path: Path) -> N
     assert 50 <= f.evidence["median_lateness_ms"] < 500
 
     out = tmp_path / "trace.json"
-    trace = subprocess.run([sys.executable, "-m", "ddpdoctor", "trace", str(tmp_path / "run"), "-o", str(out)],
-                           capture_output=True, text=True, timeout=120, env=_env())
+    trace = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "trace", str(tmp_path / "run"), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
     assert trace.returncode == 0, trace.stderr
     slices = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
     ends: dict[tuple[int, str], list[float]] = {}
@@ -62,8 +67,9 @@ def test_straggler_and_trace_line_up_despite_a_clock_offset(tmp_path: Path) -> N
     gaps = sorted(max(v) - min(v) for v in ends.values() if len(v) == 2)
     # all ranks leave a bucket's all-reduce together: on the aligned clocks, within 2 ms, not 3.7 s
     assert gaps and gaps[len(gaps) // 2] < 2000
-    forwards = {e["pid"]: sorted(x["ts"] for x in slices if x["pid"] == e["pid"] and x["name"] == "forward")
-                for e in slices}
+    forwards = {
+        e["pid"]: sorted(x["ts"] for x in slices if x["pid"] == e["pid"] and x["name"] == "forward") for e in slices
+    }
     # and rank 1's forwards start after rank 0's (it is the late one), by well under a second
-    late = [b - a for a, b in zip(forwards[0], forwards[1])]
+    late = [b - a for a, b in zip(forwards[0], forwards[1], strict=True)]
     assert sorted(late)[len(late) // 2] > 0 and max(late) < 1e6

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,7 +42,8 @@ def test_noise_is_not_a_change_and_a_shift_is() -> None:
     same = compare_phase("step", a, b)
     assert same.verdict == "same" and same.confidence is not None and same.confidence < 0.95
     slower = compare_phase("step", a, [v + 3 for v in b])
-    assert slower.verdict == "slower" and slower.confidence > 0.999 and 20 < slower.change_pct < 40  # type: ignore[operator]
+    assert slower.verdict == "slower" and slower.confidence is not None and slower.change_pct is not None
+    assert slower.confidence > 0.999 and 20 < slower.change_pct < 40
     # one huge outlier step does not make a change (ranks, not means)
     outlier = compare_phase("step", a, b[:-1] + [1000.0])
     assert outlier.verdict == "same"
@@ -51,8 +53,13 @@ def test_noise_is_not_a_change_and_a_shift_is() -> None:
 
 
 def _run(run_dir: Path, *args: str) -> Path:
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(run_dir), "--forward-sleep-ms", BASE_SLEEP_MS, *args],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(run_dir), "--forward-sleep-ms", BASE_SLEEP_MS, *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -66,14 +73,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "fixed": _run(tmp / "fixed", "--fixed"),
     }
     # the planted slowdown: 30 ms more in every forward
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp / "slow"), "--forward-sleep-ms", "50"],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp / "slow"), "--forward-sleep-ms", "50"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out["slow"] = tmp / "slow"
     return out
 
 
-def _compare(base: Path, new: Path, tmp: Path, *args: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+def _compare(base: Path, new: Path, tmp: Path, *args: str) -> tuple[int, dict[str, Any]]:
     out = tmp / "compare.json"
     rc = main(["compare", str(base), str(new), "--format", "json", "-o", str(out), *args])
     return rc, json.loads(out.read_text())
@@ -91,8 +103,9 @@ def test_the_same_script_twice_is_no_regression(runs: dict[str, Path], tmp_path:
     assert len(c["buckets"]) == 1 and c["buckets"][0]["base_bytes"] == c["buckets"][0]["new_bytes"]
 
 
-def test_a_planted_slowdown_is_flagged_with_its_phase(runs: dict[str, Path], tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_planted_slowdown_is_flagged_with_its_phase(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc, c = _compare(runs["base"], runs["slow"], tmp_path, "--fail-on-regression", "25")
     assert rc == 1
     assert "regression: step slower" in capsys.readouterr().err
@@ -101,13 +114,21 @@ def test_a_planted_slowdown_is_flagged_with_its_phase(runs: dict[str, Path], tmp
     fwd = phases["forward"]
     assert fwd["verdict"] == "slower" and 20 < fwd["change_ms"] < 45
     # forward is where the time went: the largest change of all phases but the step itself
-    assert max((p for p in c["phases"] if p["phase"] != "step" and p["change_ms"] is not None),
-               key=lambda p: p["change_ms"])["phase"] == "forward"
+    assert (
+        max(
+            (p for p in c["phases"] if p["phase"] != "step" and p["change_ms"] is not None),
+            key=lambda p: p["change_ms"],
+        )["phase"]
+        == "forward"
+    )
     # the gate on a named phase: forward regressed, the optimizer did not
-    assert main(["compare", str(runs["base"]), str(runs["slow"]), "--fail-on-regression", "25",
-                 "--phase", "forward"]) == 1
-    assert main(["compare", str(runs["base"]), str(runs["slow"]), "--fail-on-regression", "25",
-                 "--phase", "optimizer"]) == 0
+    assert (
+        main(["compare", str(runs["base"]), str(runs["slow"]), "--fail-on-regression", "25", "--phase", "forward"]) == 1
+    )
+    assert (
+        main(["compare", str(runs["base"]), str(runs["slow"]), "--fail-on-regression", "25", "--phase", "optimizer"])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "step time: SLOWER" in text and "forward slower by" in text
 
@@ -136,8 +157,15 @@ def test_the_gate_fails_on_new_warnings_and_errors_only() -> None:
         return FindingChange("code", status, severity, base, "t", "f")
 
     def c(*findings: FindingChange) -> Comparison:
-        return Comparison(base={}, new={}, phases=[compare_phase("step", [10.0] * 8, [10.0] * 8)], buckets=[],
-                          buckets_note=None, ranks=[], findings=list(findings))
+        return Comparison(
+            base={},
+            new={},
+            phases=[compare_phase("step", [10.0] * 8, [10.0] * 8)],
+            buckets=[],
+            buckets_note=None,
+            ranks=[],
+            findings=list(findings),
+        )
 
     assert gate(c(change("new", "warning", None)), 5, None)
     assert gate(c(change("new", "error", None)), 5, None)

@@ -23,12 +23,28 @@ def _without_numpy(tmp_path: Path) -> dict[str, str]:
 def test_the_demo_output_has_no_numpy_warning(tmp_path: Path) -> None:
     env = _without_numpy(tmp_path)
     # the stub does what a missing numpy does: torch warns at import
-    plain = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True,
-                           timeout=120)
+    plain = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True, timeout=120)
     assert "Failed to initialize NumPy" in plain.stderr
-    demo = subprocess.run([sys.executable, "-m", "ddpdoctor", "demo", "--headless", "--ranks", "2", "--steps", "6",
-                           "--run-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True,
-                          timeout=240, cwd=tmp_path)
+    demo = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddpdoctor",
+            "demo",
+            "--headless",
+            "--ranks",
+            "2",
+            "--steps",
+            "6",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "ddpdoctor report" in demo.stdout
     assert "NumPy" not in demo.stdout + demo.stderr

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import ddpdoctor
 from ddpdoctor.analysis.live_run import LiveRun
@@ -34,10 +35,15 @@ def _hang_finding(run_dir: Path) -> ddpdoctor.Finding | None:
 def test_a_skipped_backward_is_named_while_the_job_hangs(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(run_dir), str(HANG_TIMEOUT)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port)))
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(run_dir), str(HANG_TIMEOUT)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port)),
+        )
+        for r in range(2)
+    ]
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "rank-1-skipped").exists():
@@ -55,8 +61,12 @@ def test_a_skipped_backward_is_named_while_the_job_hangs(tmp_path: Path) -> None
         assert all(p.poll() is None for p in procs), "the job must still be hung"
 
         # the report, as a user runs it, while the job is still hung
-        cli = subprocess.run([sys.executable, "-m", "ddpdoctor", "report", str(run_dir), "--format", "json"],
-                             capture_output=True, text=True, timeout=60)
+        cli = subprocess.run(
+            [sys.executable, "-m", "ddpdoctor", "report", str(run_dir), "--format", "json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         # the live view (`ddpdoctor watch`) over the same files, still hung
         source = DirSource(run_dir)
         live = LiveRun(label=source.label)
@@ -103,16 +113,18 @@ def test_a_skipped_backward_is_named_while_the_job_hangs(tmp_path: Path) -> None
     assert b"HangWarning" in procs[0].stderr.read()
 
 
-def _hang(rank: int, phase: str, step: int, state: str = "stalled", **kw: object) -> Hang:
-    return Hang(rank=rank, t_mono_ns=0, t_wall_ns=0, state=state, step=step, phase=phase, waited_s=30.0,
-                **kw)  # type: ignore[arg-type]
+def _hang(rank: int, phase: str, step: int, state: str = "stalled", **kw: Any) -> Hang:
+    return Hang(rank=rank, t_mono_ns=0, t_wall_ns=0, state=state, step=step, phase=phase, waited_s=30.0, **kw)
 
 
 def test_missing_rank_between_steps_or_gone_is_named_with_its_stack() -> None:
     from ddpdoctor.analysis.hang import hang_findings
 
-    latest = {0: _hang(0, "allreduce", 7, pending_bucket=1), 1: _hang(1, "allreduce", 7, pending_bucket=1),
-              2: _hang(2, "between steps", 7, stack=["/data/train.py:40 in main: batch = next(it)"])}
+    latest = {
+        0: _hang(0, "allreduce", 7, pending_bucket=1),
+        1: _hang(1, "allreduce", 7, pending_bucket=1),
+        2: _hang(2, "between steps", 7, stack=["/data/train.py:40 in main: batch = next(it)"]),
+    }
     [f] = hang_findings(latest, {0: 6, 1: 6, 2: 7, 3: 5}, 4, ended={3: "close"})
     assert f.severity == "error" and f.ranks == [2, 3]
     assert f.title == "ranks 0, 1 wait in the all-reduce of bucket 1 of step 7; missing: ranks 2, 3"

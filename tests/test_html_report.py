@@ -24,13 +24,16 @@ MAX_BYTES = 6_000_000
 
 try:
     import websocket  # noqa: F401 - websocket-client, in the test extra: the DevTools protocol client
+
     _NO_BROWSER = None if chromium() is not None else "chromium not installed (apt-get install chromium)"
 except ImportError:
     _NO_BROWSER = "websocket-client not installed (pip install -e '.[test]')"
 needs_chromium = pytest.mark.skipif(_NO_BROWSER is not None, reason=str(_NO_BROWSER))
 
-PLOTS_DRAWN = ("document.querySelectorAll('.plot').length > 0 && Array.from(document.querySelectorAll('.plot'))"
-               ".every(d => d.classList.contains('js-plotly-plot') && d.querySelector('.main-svg'))")
+PLOTS_DRAWN = (
+    "document.querySelectorAll('.plot').length > 0 && Array.from(document.querySelectorAll('.plot'))"
+    ".every(d => d.classList.contains('js-plotly-plot') && d.querySelector('.main-svg'))"
+)
 PROBE = """Array.from(document.querySelectorAll('.plot')).map(d => ({
   id: d.id, svg: d.querySelectorAll('.main-svg').length, title: (d.querySelector('.gtitle') || {}).textContent || '',
   traces: d.querySelectorAll('.trace, .hm, .heatmaplayer image, .barlayer .point').length}))"""
@@ -39,8 +42,13 @@ PLOT_AREAS = """Array.from(document.querySelectorAll('.plot .nsewdrag')).map(e =
 
 
 def _run(run_dir: Path, *args: str) -> Path:
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(run_dir), "--forward-sleep-ms", "5", *args],
-                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(run_dir), "--forward-sleep-ms", "5", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -70,8 +78,18 @@ def test_the_page_is_self_contained(report_html: Path) -> None:
     assert "<link" not in own and "@import" not in own
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", own)
     # the text report's content, the findings with evidence and fix, and every plot
-    for text in ("Per-rank medians", "constant-buffers", "Evidence", "Fix", "broadcast_buffers=False",
-                 "Step time", "Phase breakdown", "Bucket arrival", "One step, per rank", "Text report"):
+    for text in (
+        "Per-rank medians",
+        "constant-buffers",
+        "Evidence",
+        "Fix",
+        "broadcast_buffers=False",
+        "Step time",
+        "Phase breakdown",
+        "Bucket arrival",
+        "One step, per rank",
+        "Text report",
+    ):
         assert text in page, text
     assert page.count('class="plot"') == 5  # step time, phases, 2 heatmaps, timeline
 

@@ -31,8 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _live(world: int, steps: int = 12, **kwargs: Any) -> LiveSnapshot:
     live = LiveRun(label="synthetic")
-    live.feed([RankRecord(rank, 0, rec) for rank in range(world)
-               for rec in synthetic_records(rank, world, range(steps), **kwargs)])
+    live.feed(
+        [
+            RankRecord(rank, 0, rec)
+            for rank in range(world)
+            for rec in synthetic_records(rank, world, range(steps), **kwargs)
+        ]
+    )
     return live.snapshot()
 
 
@@ -76,8 +81,11 @@ def test_series_grow_with_ranks_only_and_1024_ranks_scrape_fast() -> None:
     def count(world: int, steps: int) -> int:
         return sum(len(v) for v in _samples(_scrape(_live(world, steps=steps))).values())
 
-    small, longer, more_buckets = count(4, 12), count(4, 40), sum(
-        len(v) for v in _samples(_scrape(_live(4, steps=12, buckets=16))).values())
+    small, longer, more_buckets = (
+        count(4, 12),
+        count(4, 40),
+        sum(len(v) for v in _samples(_scrape(_live(4, steps=12, buckets=16))).values()),
+    )
     assert small == longer == more_buckets  # run length and bucket count add no series
     per_rank = (count(8, 12) - small) / 4
     snap = _live(1024, steps=12)
@@ -86,8 +94,10 @@ def test_series_grow_with_ranks_only_and_1024_ranks_scrape_fast() -> None:
     took = time.perf_counter() - started
     series = sum(len(v) for v in _samples(text).values())
     assert series == small + per_rank * 1020
-    print(f"\n1024 ranks: {series} series ({per_rank:.0f} per rank), {len(text) / 1e6:.2f} MB per scrape, "
-          f"built in {took * 1000:.0f} ms")
+    print(
+        f"\n1024 ranks: {series} series ({per_rank:.0f} per rank), {len(text) / 1e6:.2f} MB per scrape, "
+        f"built in {took * 1000:.0f} ms"
+    )
     assert took < 5.0
 
 
@@ -100,7 +110,7 @@ def test_the_http_endpoint_and_bad_addresses() -> None:
     snap = _live(2)
     server = MetricsServer("127.0.0.1:0", lambda: snap)
     try:
-        with urllib.request.urlopen(server.url, timeout=10) as resp:  # noqa: S310 - loopback
+        with urllib.request.urlopen(server.url, timeout=10) as resp:
             body = resp.read().decode()
             assert resp.headers["Content-Type"].startswith("text/plain")
         assert 'ddpdoctor_rank_step_seconds{host="node0",rank="0",run="synthetic"} 0.1' in body
@@ -144,9 +154,25 @@ def _until(predicate: Any, timeout: float, what: str) -> Any:
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed (apt-get install prometheus)")
 def test_prometheus_scrapes_the_straggler_lateness_from_collect(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPDOCTOR_", "TORCHELASTIC_"))}
-    collector = subprocess.Popen([sys.executable, "-m", "ddpdoctor", "collect", "--listen", "127.0.0.1:0",
-                                  "--run-dir", str(tmp_path / "collected"), "--metrics", "127.0.0.1:0"],
-                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    collector = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddpdoctor",
+            "collect",
+            "--listen",
+            "127.0.0.1:0",
+            "--run-dir",
+            str(tmp_path / "collected"),
+            "--metrics",
+            "127.0.0.1:0",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     prom: subprocess.Popen[str] | None = None
     try:
         assert collector.stdout is not None
@@ -157,17 +183,45 @@ def test_prometheus_scrapes_the_straggler_lateness_from_collect(tmp_path: Path) 
         web = free_port()
         (tmp_path / "prometheus.yml").write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            f"scrape_configs:\n  - job_name: ddpdoctor\n    static_configs:\n      - targets: ['{target}']\n")
-        prom = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
-                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{web}"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            f"scrape_configs:\n  - job_name: ddpdoctor\n    static_configs:\n      - targets: ['{target}']\n"
+        )
+        prom = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{web}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         api = f"http://127.0.0.1:{web}"
         _until(lambda: _query(api, 'up{job="ddpdoctor"} == 1'), 60, "prometheus to scrape collect")
         # a real 2-rank gloo run whose last rank is slow in backward, streamed to collect
-        demo = subprocess.run([sys.executable, "-m", "ddpdoctor", "demo", "--headless", "--ranks", "2", "--steps", "40",
-                               "--scenario", "straggler", "--run-dir", str(tmp_path / "local")],
-                              env={**env, "DDPDOCTOR_ENDPOINT": f"127.0.0.1:{port}"}, capture_output=True, text=True,
-                              timeout=240, cwd=tmp_path)
+        demo = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ddpdoctor",
+                "demo",
+                "--headless",
+                "--ranks",
+                "2",
+                "--steps",
+                "40",
+                "--scenario",
+                "straggler",
+                "--run-dir",
+                str(tmp_path / "local"),
+            ],
+            env={**env, "DDPDOCTOR_ENDPOINT": f"127.0.0.1:{port}"},
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=tmp_path,
+        )
         assert demo.returncode == 0, demo.stderr[-3000:]
         # the run is over; its last state stays served: wait for a scrape that has it
         _until(lambda: _query(api, "ddpdoctor_run_finished == 1"), 60, "a scrape of the finished run")
@@ -212,7 +266,6 @@ def test_watch_serves_the_snapshot_it_shows(tmp_path: Path, monkeypatch: pytest.
     import asyncio
 
     from ddpdoctor_tui import WatchApp
-
     from tests.test_live_run import write_run
 
     run_dir = write_run(tmp_path / "run", world=4, steps=30, straggler=3, late_ms=40.0, end=None)

@@ -16,10 +16,15 @@ SCRIPT = Path(__file__).parent / "scripts" / "lose_a_rank.py"
 
 def test_a_killed_rank_is_reported_lost(tmp_path: Path) -> None:
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port)))
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(tmp_path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port)),
+        )
+        for r in range(2)
+    ]
     try:
         assert procs[1].wait(timeout=120) == -signal.SIGKILL
         assert procs[0].wait(timeout=120) != 0  # its collectives time out without rank 1

@@ -28,16 +28,36 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(*args: str, nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        *args,
+    ]
 
 
-def ddpdoctor_run(tmp_path: Path, cmd: list[str], *options: str, timeout: float = 180,
-                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def ddpdoctor_run(
+    tmp_path: Path, cmd: list[str], *options: str, timeout: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``ddpdoctor run OPTIONS -- CMD`` in its own session: on a timeout the whole tree is killed."""
     argv = [sys.executable, "-m", "ddpdoctor", "run", *options, "--", *cmd]
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=tmp_path,
+        env=env or _env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -56,7 +76,7 @@ def ddpdoctor_run(tmp_path: Path, cmd: list[str], *options: str, timeout: float 
 
 
 def _printed_run_dir(proc: subprocess.CompletedProcess[str]) -> Path:
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("ddpdoctor run: run dir "))
+    line = next(s for s in proc.stdout.splitlines() if s.startswith("ddpdoctor run: run dir "))
     return Path(line.removeprefix("ddpdoctor run: run dir "))
 
 
@@ -80,8 +100,9 @@ def test_torchrun_script_without_ddpdoctor_is_instrumented(tmp_path: Path) -> No
 
 
 def test_mp_spawn_children_are_instrumented(tmp_path: Path) -> None:
-    proc = ddpdoctor_run(tmp_path, [sys.executable, str(EXAMPLES / "spawn_train.py"), "--steps", "4"],
-                         "--run-dir", "spawned")
+    proc = ddpdoctor_run(
+        tmp_path, [sys.executable, str(EXAMPLES / "spawn_train.py"), "--steps", "4"], "--run-dir", "spawned"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _printed_run_dir(proc) == tmp_path / "spawned"
     run = ddpdoctor.load_run(tmp_path / "spawned")
@@ -90,8 +111,9 @@ def test_mp_spawn_children_are_instrumented(tmp_path: Path) -> None:
 
 
 def test_a_script_with_its_own_comm_hook_keeps_it_and_is_timed(tmp_path: Path) -> None:
-    proc = ddpdoctor_run(tmp_path, _torchrun(str(EXAMPLES / "comm_hook_train.py"), "--steps", "6"),
-                         "--run-dir", "hooked")
+    proc = ddpdoctor_run(
+        tmp_path, _torchrun(str(EXAMPLES / "comm_hook_train.py"), "--steps", "6"), "--run-dir", "hooked"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the user's hook reduced every bucket of every step (one bucket here) ...
     assert "rank 0 hook calls 6" in proc.stdout and "rank 1 hook calls 6" in proc.stdout
@@ -104,8 +126,13 @@ def test_a_script_with_its_own_comm_hook_keeps_it_and_is_timed(tmp_path: Path) -
 
 def test_lightning_ddp_strategy_is_instrumented(tmp_path: Path) -> None:
     pytest.importorskip("lightning", reason="PyTorch Lightning is not installed")
-    proc = ddpdoctor_run(tmp_path, [sys.executable, str(EXAMPLES / "lightning_train.py"), "--steps", "5"],
-                         "--run-dir", "lightning", timeout=240)
+    proc = ddpdoctor_run(
+        tmp_path,
+        [sys.executable, str(EXAMPLES / "lightning_train.py"), "--steps", "5"],
+        "--run-dir",
+        "lightning",
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = ddpdoctor.load_run(tmp_path / "lightning")
     assert sorted(run.ranks) == [0, 1]
@@ -115,7 +142,8 @@ def test_lightning_ddp_strategy_is_instrumented(tmp_path: Path) -> None:
 def test_never_instrumented_twice(tmp_path: Path) -> None:
     """A script that calls ddpdoctor.instrument itself, and one using the drop-in class."""
     script = tmp_path / "both.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import torch, torch.distributed as dist
         from torch import nn
         import ddpdoctor
@@ -131,7 +159,8 @@ def test_never_instrumented_twice(tmp_path: Path) -> None:
                 b.ddpdoctor.close()
         train()
         dist.destroy_process_group()
-    """))
+    """)
+    )
     proc = ddpdoctor_run(tmp_path, _torchrun(str(script)), "--run-dir", "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
@@ -151,7 +180,10 @@ def test_processes_that_never_import_torch_do_not_import_it_and_a_sitecustomize_
     own.mkdir()
     (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITECUSTOMIZE'] = 'ran'\n")
     env = dict(_env(), PYTHONPATH=str(own))
-    code = "import os, sys; print(sorted(m for m in ('torch', 'ddpdoctor') if m in sys.modules), os.environ.get('OWN_SITECUSTOMIZE'))"
+    code = (
+        "import os, sys; "
+        "print(sorted(m for m in ('torch', 'ddpdoctor') if m in sys.modules), os.environ.get('OWN_SITECUSTOMIZE'))"
+    )
     proc = ddpdoctor_run(tmp_path, [sys.executable, "-c", code], env=env)
     assert proc.returncode == 0, proc.stderr
     assert "[] ran" in proc.stdout
@@ -165,8 +197,14 @@ def test_signals_are_forwarded_to_cmd(tmp_path: Path, sig: signal.Signals) -> No
         print("ready", flush=True)
         signal.pause()
     """)
-    proc = subprocess.Popen([sys.executable, "-m", "ddpdoctor", "run", "--", sys.executable, "-c", code],
-                            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpdoctor", "run", "--", sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         lines = iter(proc.stdout.readline, "")
@@ -180,7 +218,8 @@ def test_signals_are_forwarded_to_cmd(tmp_path: Path, sig: signal.Signals) -> No
 
 def test_an_elastic_restart_gets_its_own_attempt(tmp_path: Path) -> None:
     script = tmp_path / "flaky.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, sys, torch, torch.distributed as dist
         from torch import nn
         dist.init_process_group("gloo")
@@ -193,7 +232,8 @@ def test_an_elastic_restart_gets_its_own_attempt(tmp_path: Path) -> None:
         if attempt == 0 and dist.get_rank() == 1:
             os._exit(3)   # rank 1 fails: torchrun restarts every worker
         dist.destroy_process_group()
-    """))
+    """)
+    )
     # torchrun's static rendezvous, and its c10d one unless told otherwise, keep one store for
     # every restart: restarted workers can then read the dead attempt's addresses and fail or
     # hang in init_process_group (with or without ddpdoctor). A store per round avoids that.
@@ -201,8 +241,19 @@ def test_an_elastic_restart_gets_its_own_attempt(tmp_path: Path) -> None:
     rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "elastic"]
     for _ in range(2):
         shutil.rmtree(tmp_path / "run", ignore_errors=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--max-restarts", "1", *rdzv, str(script)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            *rdzv,
+            str(script),
+        ]
         proc = ddpdoctor_run(tmp_path, cmd, "--run-dir", "run", env=env, timeout=120)
         # torch 2.13's gloo can abort a process at exit ("terminate called without an active
         # exception"), plain torchrun too: not what this test is about, so one more try
@@ -220,13 +271,18 @@ def test_an_elastic_restart_gets_its_own_attempt(tmp_path: Path) -> None:
     with pytest.raises(ddpdoctor.runlog.RunDirError, match="attempts here: 0, 1"):
         ddpdoctor.load_run(run_dir, attempt=5)
     # `ddpdoctor report` reads the latest attempt, or the one named by its folder
-    assert subprocess.run([sys.executable, "-m", "ddpdoctor", "report", str(run_dir / "attempt-0")],
-                          capture_output=True, timeout=120).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, "-m", "ddpdoctor", "report", str(run_dir / "attempt-0")], capture_output=True, timeout=120
+        ).returncode
+        == 0
+    )
 
 
 def test_a_failing_hook_warns_once_and_training_goes_on(tmp_path: Path) -> None:
     script = tmp_path / "broken.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys, torch, torch.distributed as dist
         from torch import nn
         sys.modules["ddpdoctor.runtime.monitor"] = None   # ddpdoctor's runtime cannot be imported here
@@ -238,7 +294,8 @@ def test_a_failing_hook_warns_once_and_training_goes_on(tmp_path: Path) -> None:
         train()
         print("trained", flush=True)
         dist.destroy_process_group()
-    """))
+    """)
+    )
     proc = ddpdoctor_run(tmp_path, _torchrun(str(script), nproc=1), "--run-dir", "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trained" in proc.stdout
@@ -249,7 +306,8 @@ def test_a_failing_hook_warns_once_and_training_goes_on(tmp_path: Path) -> None:
 def test_the_hooks_monitor_lets_the_model_go_before_the_process_group(tmp_path: Path) -> None:
     """A script that drops its model and destroys the group gets that order back under `run`."""
     script = tmp_path / "order.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import weakref, torch, torch.distributed as dist
         from torch import nn
         dist.init_process_group("gloo")
@@ -261,7 +319,8 @@ def test_the_hooks_monitor_lets_the_model_go_before_the_process_group(tmp_path: 
         train()
         dist.destroy_process_group()
         print("group destroyed", flush=True)
-    """))
+    """)
+    )
     proc = ddpdoctor_run(tmp_path, _torchrun(str(script), nproc=1), "--run-dir", "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.index("model freed") < proc.stdout.index("group destroyed")
@@ -274,7 +333,8 @@ def test_two_nodes_sharing_a_filesystem_write_one_run(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import torch, torch.distributed as dist
         from torch import nn
         dist.init_process_group("gloo")
@@ -284,9 +344,24 @@ def test_two_nodes_sharing_a_filesystem_write_one_run(tmp_path: Path) -> None:
                 model(torch.randn(4, 8)).sum().backward()
         train()
         dist.destroy_process_group()
-    """))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "job42", str(script)]
+    """)
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        "job42",
+        str(script),
+    ]
     with ThreadPoolExecutor(2) as pool:
         nodes = list(pool.map(lambda _: ddpdoctor_run(tmp_path, cmd, timeout=120), range(2)))
     for proc in nodes:

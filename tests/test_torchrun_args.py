@@ -15,16 +15,33 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def test_options_are_read_in_every_spelling() -> None:
-    args = parse(["torchrun", "--max_restarts=2", "--rdzv-backend", "c10d", "--standalone", "--rdzv_id", "job 7",
-                  "--nnodes", "1:4", "train.py", "--max-restarts", "9"], env={})
+    args = parse(
+        [
+            "torchrun",
+            "--max_restarts=2",
+            "--rdzv-backend",
+            "c10d",
+            "--standalone",
+            "--rdzv_id",
+            "job 7",
+            "--nnodes",
+            "1:4",
+            "train.py",
+            "--max-restarts",
+            "9",
+        ],
+        env={},
+    )
     assert args == TorchrunArgs(max_restarts=2, rdzv_backend="c10d", rdzv_id="job 7", nnodes="1:4", standalone=True)
     assert args.max_nodes == 4 and args.backend == "c10d"
     # the script's own options (after train.py) are not torchrun's; a flag takes no value
     assert parse([*TORCHRUN, "-m", "pkg.train", "--nnodes", "3"], env={}) == TorchrunArgs()
     # torchrun's PET_* environment fallbacks, and commands that are not torchrun
-    assert parse(["/usr/bin/torchrun", "t.py"], env={"PET_MAX_RESTARTS": "3"}).max_restarts == 3  # type: ignore[union-attr]
+    from_env = parse(["/usr/bin/torchrun", "t.py"], env={"PET_MAX_RESTARTS": "3"})
+    assert from_env is not None and from_env.max_restarts == 3
     assert parse([sys.executable, "train.py"], env={}) is None
-    assert parse([sys.executable, "-m", "torch.distributed.launch", "--nnodes=2", "t.py"], env={}).max_nodes == 2  # type: ignore[union-attr]
+    launch = parse([sys.executable, "-m", "torch.distributed.launch", "--nnodes=2", "t.py"], env={})
+    assert launch is not None and launch.max_nodes == 2
 
 
 def test_restart_advice_names_what_breaks_restarts() -> None:
@@ -45,8 +62,14 @@ def test_a_multi_node_job_gets_a_run_dir_named_by_its_rdzv_id() -> None:
 
 def _run(tmp_path: Path, torchrun_options: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """`ddpdoctor run -- torchrun OPTIONS --help`: torchrun prints its help and exits, fast."""
-    return subprocess.run([sys.executable, "-m", "ddpdoctor", "run", "--", *TORCHRUN, *torchrun_options, "--help"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "run", "--", *TORCHRUN, *torchrun_options, "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_run_prints_restart_advice_and_the_shared_run_dir(tmp_path: Path) -> None:
@@ -59,8 +82,11 @@ def test_run_prints_restart_advice_and_the_shared_run_dir(tmp_path: Path) -> Non
     # an earlier job with the same id left files: a fresh dir and a warning, never an append
     (tmp_path / "ddpdoctor-runs" / "rdzv-job7").mkdir(parents=True)
     (tmp_path / "ddpdoctor-runs" / "rdzv-job7" / "rank-00000.jsonl").write_text("")
-    proc = _run(tmp_path, ["--nnodes", "2", "--rdzv-id", "job7", "--rdzv-backend", "c10d", "--max-restarts", "1"],
-                dict(env, **{SHARE_STORE_ENV: "1"}))
+    proc = _run(
+        tmp_path,
+        ["--nnodes", "2", "--rdzv-id", "job7", "--rdzv-backend", "c10d", "--max-restarts", "1"],
+        dict(env, **{SHARE_STORE_ENV: "1"}),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "rdzv-job7" not in proc.stdout.splitlines()[0] and "already holds a run of --rdzv-id 'job7'" in proc.stderr
     assert "note:" not in proc.stderr  # c10d with a store per round: nothing to advise

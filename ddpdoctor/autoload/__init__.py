@@ -51,7 +51,7 @@ def patch(module: ModuleType) -> None:
         caller = sys._getframe(1)
         try:
             _after_init(self, caller)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - attaching must never break the user's DDP(...) call
             warn_once(exc)
         finally:
             del caller
@@ -61,7 +61,7 @@ def patch(module: ModuleType) -> None:
     _guard_destroy(module.dist)
 
 
-def _guard_destroy(dist: ModuleType) -> None:
+def _guard_destroy(dist: Any) -> None:
     """Close the hook's monitors before the default process group is destroyed.
 
     A monitor holds its DDP model until it is closed. A script that lets its model go out of scope
@@ -69,6 +69,8 @@ def _guard_destroy(dist: ModuleType) -> None:
     2.13 gloo a reducer that outlives its process group can abort the process at exit. So the
     monitors the script does not know about are closed (log ended, model released) and collected
     right before the group goes, which restores the order the script had without ddpdoctor.
+    ``dist`` is ``torch.distributed`` (typed Any: its functions are replaced here, and a
+    ``ModuleType`` declares no attributes to assign).
     """
     original = dist.destroy_process_group
     if getattr(original, _MARK, False):
@@ -82,7 +84,7 @@ def _guard_destroy(dist: ModuleType) -> None:
                 for monitor in list(_attached):
                     monitor.close()
                 gc.collect()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - closing a monitor must never stop destroy_process_group
                 warn_once(exc)
         return original(*args, **kwargs)
 
@@ -123,5 +125,9 @@ def warn_once(exc: BaseException) -> None:
         _warned = True
     from ddpdoctor.categories import ProbeDisabledWarning
 
-    warnings.warn(f"ddpdoctor run: could not instrument a DistributedDataParallel model "
-                  f"({type(exc).__name__}: {exc}); training goes on unmonitored", ProbeDisabledWarning, stacklevel=3)
+    warnings.warn(
+        f"ddpdoctor run: could not instrument a DistributedDataParallel model "
+        f"({type(exc).__name__}: {exc}); training goes on unmonitored",
+        ProbeDisabledWarning,
+        stacklevel=3,
+    )

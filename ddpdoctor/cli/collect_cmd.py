@@ -39,7 +39,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--run-dir", type=Path, required=True, help="where the rank files are written")
     p.add_argument("--token", default=None, help=f"shared secret the senders must present (default: ${TOKEN_ENV})")
-    p.add_argument("--metrics", metavar="HOST:PORT", help="serve the live state for Prometheus on http://HOST:PORT/metrics")
+    p.add_argument(
+        "--metrics", metavar="HOST:PORT", help="serve the live state for Prometheus on http://HOST:PORT/metrics"
+    )
     p.set_defaults(func=run)
 
 

@@ -13,27 +13,42 @@ from ddpdoctor.cli.render_compare import render_compare, render_compare_markdown
 from ddpdoctor.runlog import load_run
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("compare", help="compare two run dirs: per phase, per bucket, findings",
-                       description="Compare two runs (BASE before a change, NEW after): per-phase medians with the "
-                                   "change and a confidence that it is not noise, per-bucket times, findings new, "
-                                   "resolved or unchanged.")
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="compare two run dirs: per phase, per bucket, findings",
+        description="Compare two runs (BASE before a change, NEW after): per-phase medians with the "
+        "change and a confidence that it is not noise, per-bucket times, findings new, "
+        "resolved or unchanged.",
+    )
     p.add_argument("base", type=Path, help="the run dir before the change")
     p.add_argument("new", type=Path, help="the run dir after the change")
     p.add_argument("--format", choices=["text", "json", "markdown", "html"], default="text")
     p.add_argument("-o", "--output", type=Path, help="write to this file instead of stdout")
-    p.add_argument("--fail-on-regression", type=float, metavar="PCT",
-                   help="exit 1 when step time (or a --phase) got slower by more than PCT %% with confidence, "
-                        "or when NEW has a warning or error finding BASE did not have")
-    p.add_argument("--phase", action="append", choices=COMPARED, metavar="PHASE",
-                   help=f"phase(s) --fail-on-regression watches (default: step); one of {', '.join(COMPARED)}")
+    p.add_argument(
+        "--fail-on-regression",
+        type=float,
+        metavar="PCT",
+        help="exit 1 when step time (or a --phase) got slower by more than PCT %% with confidence, "
+        "or when NEW has a warning or error finding BASE did not have",
+    )
+    p.add_argument(
+        "--phase",
+        action="append",
+        choices=COMPARED,
+        metavar="PHASE",
+        help=f"phase(s) --fail-on-regression watches (default: step); one of {', '.join(COMPARED)}",
+    )
     p.set_defaults(func=run)
 
 
 def gate(c: Comparison, pct: float, phases: list[str] | None) -> list[str]:
     """Why a CI gate fails (empty: it passes)."""
-    reasons = [f"{p.phase} slower by {p.change_pct:+.1f}% ({p.base_ms:.2f} -> {p.new_ms:.2f} ms, "
-               f"confidence {100 * (p.confidence or 0):.1f}%)" for p in c.regressions(pct, phases or ["step"])]
+    reasons = [
+        f"{p.phase} slower by {p.change_pct:+.1f}% ({p.base_ms:.2f} -> {p.new_ms:.2f} ms, "
+        f"confidence {100 * (p.confidence or 0):.1f}%)"
+        for p in c.regressions(pct, phases or ["step"])
+    ]
     reasons += [f"new {f.severity} finding {f.code}: {f.title}" for f in c.new_problems()]
     return reasons
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from ddpdoctor.analysis import analyze
 from ddpdoctor.cli.ports import free_port
-from ddpdoctor.events.layout import DEFAULT_ROOT
 from ddpdoctor.cli.render_text import render
+from ddpdoctor.events.layout import DEFAULT_ROOT
 from ddpdoctor.runlog import load_run
 
 SCENARIOS = ["healthy", "straggler"]
@@ -22,16 +22,23 @@ LIVE_STEPS = 400
 LIVE_PACE_S = 0.05
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="train a small model on N gloo ranks on CPU, instrumented")
     p.add_argument("--ranks", type=int, default=2, help="number of ranks (processes), default 2")
     p.add_argument("--steps", type=int, help=f"training steps, default 60 headless, {LIVE_STEPS} with the live view")
     p.add_argument("--run-dir", type=Path, help="where the logs go (default: ddpdoctor-runs/demo-<time>)")
-    p.add_argument("--scenario", choices=SCENARIOS, default="healthy",
-                   help="healthy, or straggler: the last rank's backward is slower")
+    p.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="healthy",
+        help="healthy, or straggler: the last rank's backward is slower",
+    )
     p.add_argument("--headless", action="store_true", help="no live view: train, then print the report")
-    p.add_argument("--pace", type=float, help=f"seconds to pause before each step (default {LIVE_PACE_S} with the "
-                   "live view, 0 headless)")
+    p.add_argument(
+        "--pace",
+        type=float,
+        help=f"seconds to pause before each step (default {LIVE_PACE_S} with the live view, 0 headless)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     p.set_defaults(func=run)
 
@@ -71,9 +78,15 @@ def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or Path(DEFAULT_ROOT) / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run dir: {run_dir}", flush=True)
-    config = DemoConfig(world_size=args.ranks, steps=steps, run_dir=str(run_dir), port=free_port(),
-                        scenario=args.scenario, pace_s=pace,
-                        output=str(run_dir / "demo-output.txt") if live else None)
+    config = DemoConfig(
+        world_size=args.ranks,
+        steps=steps,
+        run_dir=str(run_dir),
+        port=free_port(),
+        scenario=args.scenario,
+        pace_s=pace,
+        output=str(run_dir / "demo-output.txt") if live else None,
+    )
     started = time.monotonic()
     context = mp.start_processes(train_rank, args=(config,), nprocs=args.ranks, join=False, start_method="spawn")
     try:
@@ -115,8 +128,9 @@ def _watch(context: Any, run_dir: Path, steps: int, ranks: int) -> int:
         print(f"stopped the training on your quit (it was set for {steps} steps)")
     failed = [r for r, p in enumerate(context.processes) if p.exitcode not in (0, None) and not running]
     if failed:
-        print(f"ddpdoctor demo: ranks {failed} failed; their output is in {run_dir / 'demo-output.txt'}",
-              file=sys.stderr)
+        print(
+            f"ddpdoctor demo: ranks {failed} failed; their output is in {run_dir / 'demo-output.txt'}", file=sys.stderr
+        )
     sys.stdout.write("\n" + render(analyze(load_run(run_dir))))
     return 1 if failed else 0
 

@@ -17,12 +17,12 @@ class _SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds  # type: ignore[attr-defined]
+        ctx.seconds = seconds  # type: ignore[attr-defined]  # autograd's ctx carries it to backward
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(ctx.seconds)  # type: ignore[attr-defined]
+        time.sleep(ctx.seconds)  # type: ignore[attr-defined]  # set by forward
         return grad, None
 
 
@@ -37,10 +37,17 @@ class DemoNet(nn.Module):
         super().__init__()
         self.backward_delay = backward_delay
         self.features = nn.Sequential(
-            nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, width * 2, 3, padding=1, stride=2), nn.BatchNorm2d(width * 2), nn.ReLU(),
-            nn.Conv2d(width * 2, width * 2, 3, padding=1, stride=2), nn.BatchNorm2d(width * 2), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Conv2d(3, width, 3, padding=1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, width * 2, 3, padding=1, stride=2),
+            nn.BatchNorm2d(width * 2),
+            nn.ReLU(),
+            nn.Conv2d(width * 2, width * 2, 3, padding=1, stride=2),
+            nn.BatchNorm2d(width * 2),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
         )
         self.head = nn.Sequential(nn.Linear(width * 2, 256), nn.ReLU(), nn.Linear(256, classes))
 
@@ -48,7 +55,8 @@ class DemoNet(nn.Module):
         h = self.features(x)
         if self.backward_delay:
             h = _SlowBackward.apply(h, self.backward_delay)
-        return self.head(h)
+        out: torch.Tensor = self.head(h)
+        return out
 
 
 @dataclass
@@ -85,7 +93,9 @@ def train_rank(rank: int, config: DemoConfig) -> None:
         torch.manual_seed(0)
         slow = config.scenario == "straggler" and rank == config.world_size - 1
         model = ddpdoctor.DistributedDataParallel(
-            DemoNet(backward_delay=STRAGGLER_DELAY_S if slow else 0.0), bucket_cap_mb=config.bucket_cap_mb, ddpdoctor_run_dir=config.run_dir,
+            DemoNet(backward_delay=STRAGGLER_DELAY_S if slow else 0.0),
+            bucket_cap_mb=config.bucket_cap_mb,
+            ddpdoctor_run_dir=config.run_dir,
             ddpdoctor_options={"proc_interval": 1.0},
         )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

@@ -10,7 +10,9 @@ from ddpdoctor.runlog import RunDirError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddpdoctor", description="See where DDP training time goes, per bucket and per rank.")
+    parser = argparse.ArgumentParser(
+        prog="ddpdoctor", description="See where DDP training time goes, per bucket and per rank."
+    )
     parser.add_argument("--version", action="version", version="ddpdoctor 0.1.0")
     sub = parser.add_subparsers(dest="command", required=True)
     collect_cmd.add_parser(sub)

@@ -85,7 +85,11 @@ class SnapshotCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         up = GaugeMetricFamily("ddpdoctor_up", "1 once ddpdoctor has received records of the run", labels=["run"])
-        run = self._run or (snap.run_id if snap is not None and snap.run_id else (snap.label if snap else "")) or "unknown"
+        run = (
+            self._run
+            or (snap.run_id if snap is not None and snap.run_id else (snap.label if snap else ""))
+            or "unknown"
+        )
         up.add_metric([run], 1.0 if snap is not None and snap.records else 0.0)
         yield up
         if snap is None:
@@ -126,12 +130,14 @@ class SnapshotCollector(Collector):
         received.add_metric([run], snap.records)
         yield received
         src: SourceHealth = snap.source
-        dropped = CounterMetricFamily("ddpdoctor_records_dropped",
-                                      "records lost on the way (dropped by senders or the receiver)", labels=["run"])
+        dropped = CounterMetricFamily(
+            "ddpdoctor_records_dropped", "records lost on the way (dropped by senders or the receiver)", labels=["run"]
+        )
         dropped.add_metric([run], src.dropped)
         yield dropped
-        skipped = CounterMetricFamily("ddpdoctor_lines_skipped", "lines skipped: corrupt or of an unknown kind",
-                                      labels=["run", "reason"])
+        skipped = CounterMetricFamily(
+            "ddpdoctor_lines_skipped", "lines skipped: corrupt or of an unknown kind", labels=["run", "reason"]
+        )
         skipped.add_metric([run, "corrupt"], src.corrupt_lines)
         skipped.add_metric([run, "unknown"], src.unknown_lines)
         yield skipped
@@ -150,14 +156,24 @@ class SnapshotCollector(Collector):
         g = GaugeMetricFamily
         fams: dict[str, GaugeMetricFamily] = {
             "step": g("ddpdoctor_rank_step_seconds", "the rank's latest step time", labels=labels),
-            "phase": g("ddpdoctor_rank_phase_seconds", "the rank's phase times at its latest step",
-                       labels=[*labels, "phase"]),
-            "wait": g("ddpdoctor_rank_wait_seconds", "time blocked in the step's collectives waiting for slower ranks",
-                      labels=labels),
-            "late": g("ddpdoctor_rank_lateness_seconds", "how late the rank reached the step's collectives, behind "
-                      "the earliest rank", labels=labels),
-            "lost": g("ddpdoctor_rank_lost_for_others_seconds", "time the other ranks lost waiting for this rank "
-                      "at the step", labels=labels),
+            "phase": g(
+                "ddpdoctor_rank_phase_seconds", "the rank's phase times at its latest step", labels=[*labels, "phase"]
+            ),
+            "wait": g(
+                "ddpdoctor_rank_wait_seconds",
+                "time blocked in the step's collectives waiting for slower ranks",
+                labels=labels,
+            ),
+            "late": g(
+                "ddpdoctor_rank_lateness_seconds",
+                "how late the rank reached the step's collectives, behind the earliest rank",
+                labels=labels,
+            ),
+            "lost": g(
+                "ddpdoctor_rank_lost_for_others_seconds",
+                "time the other ranks lost waiting for this rank at the step",
+                labels=labels,
+            ),
             "number": g("ddpdoctor_rank_step", "the rank's latest step number", labels=labels),
             "status": g("ddpdoctor_rank_status", "1 for the rank's current status", labels=[*labels, "status"]),
             "cpu": g("ddpdoctor_rank_cpu_percent", "CPU use of the rank's process", labels=labels),
@@ -224,7 +240,7 @@ class LiveFeed:
 
     def feed(self, lines: list[StreamLine]) -> None:
         with self._lock:
-            records = []
+            records: list[RankRecord] = []
             for line in lines:
                 peer = line.peer
                 if self._run is None:
@@ -240,8 +256,9 @@ class LiveFeed:
                     records = []
                 records.append(RankRecord(peer.rank, peer.ddp, line.record))
             lis = self._listener
-            self._live.set_source_health(SourceHealth(lis.corrupt_lines + lis.oversized, lis.unknown_lines,
-                                                      lis.dropped()))
+            self._live.set_source_health(
+                SourceHealth(lis.corrupt_lines + lis.oversized, lis.unknown_lines, lis.dropped())
+            )
             if records:
                 self._live.feed(records)
 

@@ -20,8 +20,10 @@ def _conf(p: PhaseChange) -> str:
 
 def _table(rows: list[list[str]], right_from: int = 1) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.rjust(w) if i >= right_from else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-            for r in rows]
+    return [
+        "  ".join(c.rjust(w) if i >= right_from else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    ]
 
 
 def phase_rows(c: Comparison) -> list[list[str]]:
@@ -29,18 +31,36 @@ def phase_rows(c: Comparison) -> list[list[str]]:
     for p in c.phases:
         if p.base_ms is None and p.new_ms is None:
             continue
-        rows.append([p.phase, _ms(p.base_ms), _ms(p.new_ms), _signed(p.change_ms), _signed(p.change_pct, "%"),
-                     _conf(p), p.verdict])
+        rows.append(
+            [
+                p.phase,
+                _ms(p.base_ms),
+                _ms(p.new_ms),
+                _signed(p.change_ms),
+                _signed(p.change_pct, "%"),
+                _conf(p),
+                p.verdict,
+            ]
+        )
     return rows
 
 
 def bucket_rows(c: Comparison) -> list[list[str]]:
-    rows = [["bucket", "base size", "new size", "base ready ms", "new ready ms", "base allreduce ms",
-             "new allreduce ms"]]
+    rows = [
+        ["bucket", "base size", "new size", "base ready ms", "new ready ms", "base allreduce ms", "new allreduce ms"]
+    ]
     for b in c.buckets:
-        rows.append([f"b{b.index}", human_bytes(b.base_bytes) if b.base_bytes is not None else "-",
-                     human_bytes(b.new_bytes) if b.new_bytes is not None else "-", _ms(b.base_ready_ms),
-                     _ms(b.new_ready_ms), _ms(b.base_allreduce_ms), _ms(b.new_allreduce_ms)])
+        rows.append(
+            [
+                f"b{b.index}",
+                human_bytes(b.base_bytes) if b.base_bytes is not None else "-",
+                human_bytes(b.new_bytes) if b.new_bytes is not None else "-",
+                _ms(b.base_ready_ms),
+                _ms(b.new_ready_ms),
+                _ms(b.base_allreduce_ms),
+                _ms(b.new_allreduce_ms),
+            ]
+        )
     return rows
 
 
@@ -61,8 +81,15 @@ def rank_rows(c: Comparison) -> list[list[str]]:
     if len(ranks) > MAX_RANK_ROWS:
         ranks = sorted(sorted(ranks, key=lambda r: -_moved(r))[:MAX_RANK_ROWS], key=lambda r: r["rank"])
     for r in ranks:
-        rows.append([str(r["rank"]), _ms(r["base_step_ms"]), _ms(r["new_step_ms"]), _ms(r["base_wait_ms"]),
-                     _ms(r["new_wait_ms"])])
+        rows.append(
+            [
+                str(r["rank"]),
+                _ms(r["base_step_ms"]),
+                _ms(r["new_step_ms"]),
+                _ms(r["base_wait_ms"]),
+                _ms(r["new_wait_ms"]),
+            ]
+        )
     return rows
 
 
@@ -71,26 +98,36 @@ def _headline(c: Comparison) -> str:
     if step is None or step.verdict == "n/a":
         return "step time: not enough steps in both runs to compare"
     if step.verdict == "same":
-        return (f"step time: no change beyond noise ({_signed(step.change_pct, '%')}, "
-                f"confidence {_conf(step)} < {100 * CONFIDENCE:.0f}%)" if step.change_pct is not None else
-                "step time: no change beyond noise")
+        return (
+            f"step time: no change beyond noise ({_signed(step.change_pct, '%')}, "
+            f"confidence {_conf(step)} < {100 * CONFIDENCE:.0f}%)"
+            if step.change_pct is not None
+            else "step time: no change beyond noise"
+        )
     word = "SLOWER" if step.verdict == "slower" else "faster"
-    return f"step time: {word} by {_signed(step.change_ms)} ms ({_signed(step.change_pct, '%')}), confidence {_conf(step)}"
+    return (
+        f"step time: {word} by {_signed(step.change_ms)} ms ({_signed(step.change_pct, '%')}), confidence {_conf(step)}"
+    )
 
 
 def _where(c: Comparison) -> list[str]:
     moved = [p for p in c.phases if p.verdict in ("slower", "faster") and p.phase != "step"]
     moved.sort(key=lambda p: -abs(p.change_ms or 0.0))
-    return [f"{p.phase} {p.verdict} by {_signed(p.change_ms)} ms ({_signed(p.change_pct, '%')}, confidence {_conf(p)})"
-            for p in moved]
+    return [
+        f"{p.phase} {p.verdict} by {_signed(p.change_ms)} ms ({_signed(p.change_pct, '%')}, confidence {_conf(p)})"
+        for p in moved
+    ]
 
 
 def render_compare(c: Comparison) -> str:
     """The comparison as plain text."""
-    lines = [f"ddpdoctor compare: {c.base['dir']} (base) -> {c.new['dir']} (new)",
-             f"  base: {c.base['world_size']} ranks, {c.base['steps']} steps; "
-             f"new: {c.new['world_size']} ranks, {c.new['steps']} steps",
-             "", _headline(c)]
+    lines = [
+        f"ddpdoctor compare: {c.base['dir']} (base) -> {c.new['dir']} (new)",
+        f"  base: {c.base['world_size']} ranks, {c.base['steps']} steps; "
+        f"new: {c.new['world_size']} ranks, {c.new['steps']} steps",
+        "",
+        _headline(c),
+    ]
     lines += [f"  {w}" for w in _where(c)]
     lines += ["", "Phases (ms, median over steps of the slowest rank; confidence: Mann-Whitney over steps)"]
     lines += ["  " + row for row in _table(phase_rows(c))]
@@ -122,11 +159,22 @@ def _md_table(rows: list[list[str]]) -> list[str]:
 
 def render_compare_markdown(c: Comparison) -> str:
     """The comparison as markdown (e.g. a pull-request comment)."""
-    lines = ["## ddpdoctor compare", "", f"`{c.base['dir']}` (base) → `{c.new['dir']}` (new)", "",
-             f"**{_headline(c)}**", ""]
+    lines = [
+        "## ddpdoctor compare",
+        "",
+        f"`{c.base['dir']}` (base) → `{c.new['dir']}` (new)",
+        "",
+        f"**{_headline(c)}**",
+        "",
+    ]
     lines += [f"- {w}" for w in _where(c)]
-    lines += ["", "### Phases", "", "ms, median over steps of the slowest rank; confidence from a Mann-Whitney "
-              "test over the runs' steps", ""]
+    lines += [
+        "",
+        "### Phases",
+        "",
+        "ms, median over steps of the slowest rank; confidence from a Mann-Whitney test over the runs' steps",
+        "",
+    ]
     lines += _md_table(phase_rows(c))
     if c.buckets:
         lines += ["", "### Buckets", ""]

@@ -21,10 +21,20 @@ from ddpdoctor.cli.render_compare import render_compare
 from ddpdoctor.cli.render_text import render
 
 #: Stacked per rank, in timeline order: together they make up the step.
-STACKED = [("forward", "#4c78a8"), ("buffer_sync", "#f58518"), ("backward", "#54a24b"),
-           ("exposed_comm", "#e45756"), ("rest", "#b279a2")]
-SEGMENT_COLORS = {"forward": "#4c78a8", "buffer_sync": "#f58518", "backward": "#54a24b", "bucket": "#e45756",
-                  "optimizer": "#b279a2"}
+STACKED = [
+    ("forward", "#4c78a8"),
+    ("buffer_sync", "#f58518"),
+    ("backward", "#54a24b"),
+    ("exposed_comm", "#e45756"),
+    ("rest", "#b279a2"),
+]
+SEGMENT_COLORS = {
+    "forward": "#4c78a8",
+    "buffer_sync": "#f58518",
+    "backward": "#54a24b",
+    "bucket": "#e45756",
+    "optimizer": "#b279a2",
+}
 CONFIG = {"displaylogo": False, "responsive": True}
 
 _CSS = """
@@ -38,7 +48,8 @@ td.l, th.l { text-align: left; }
 pre { background: #f6f8fa; padding: 10px; overflow-x: auto; font-size: 12px; }
 .facts { color: #57606a; } .plot { width: 100%; min-height: 360px; }
 .finding { border-left: 4px solid #d0d7de; padding: 4px 12px; margin: 10px 0; }
-.finding.error { border-color: #cf222e; } .finding.warning { border-color: #bf8700; } .finding.info { border-color: #0969da; }
+.finding.error { border-color: #cf222e; } .finding.warning { border-color: #bf8700; }
+.finding.info { border-color: #0969da; }
 .sev { font-weight: 600; text-transform: uppercase; font-size: 12px; }
 .error .sev { color: #cf222e; } .warning .sev { color: #9a6700; } .info .sev { color: #0969da; }
 .slower { color: #cf222e; font-weight: 600; } .faster { color: #1a7f37; font-weight: 600; }
@@ -80,29 +91,43 @@ class _Page:
     def html(self) -> str:
         calls = "\n".join(
             f"Plotly.newPlot({json.dumps(div)}, FIGS[{i}].data, FIGS[{i}].layout, CONFIG);"
-            for i, (div, _) in enumerate(self.figures))
-        return "".join([
-            "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">",
-            f"<title>{_esc(self.title)}</title>",
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">",
-            f"<style>{_CSS}</style>",
-            f"<script>{_plotly_js()}</script>",
-            "</head><body><main>\n", "\n".join(self.body), "\n</main>\n<script>\n",
-            f"const FIGS = {_script_json([spec for _, spec in self.figures])};\n",
-            f"const CONFIG = {_script_json(CONFIG)};\n",
-            calls, "\n</script></body></html>\n",
-        ])
+            for i, (div, _) in enumerate(self.figures)
+        )
+        return "".join(
+            [
+                '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
+                f"<title>{_esc(self.title)}</title>",
+                '<meta name="viewport" content="width=device-width, initial-scale=1">',
+                f"<style>{_CSS}</style>",
+                f"<script>{_plotly_js()}</script>",
+                "</head><body><main>\n",
+                "\n".join(self.body),
+                "\n</main>\n<script>\n",
+                f"const FIGS = {_script_json([spec for _, spec in self.figures])};\n",
+                f"const CONFIG = {_script_json(CONFIG)};\n",
+                calls,
+                "\n</script></body></html>\n",
+            ]
+        )
 
 
 def _layout(title: str, xtitle: str, ytitle: str, **extra: Any) -> dict[str, Any]:
-    return {"title": {"text": title}, "xaxis": {"title": {"text": xtitle}}, "yaxis": {"title": {"text": ytitle}},
-            "margin": {"l": 70, "r": 20, "t": 50, "b": 50}, "legend": {"orientation": "h", "y": -0.2}, **extra}
+    return {
+        "title": {"text": title},
+        "xaxis": {"title": {"text": xtitle}},
+        "yaxis": {"title": {"text": ytitle}},
+        "margin": {"l": 70, "r": 20, "t": 50, "b": 50},
+        "legend": {"orientation": "h", "y": -0.2},
+        **extra,
+    }
 
 
 def _table(head: list[str], rows: list[list[str]], left: int = 1) -> str:
     th = "".join(f'<th class="{"l" if i < left else ""}">{_esc(h)}</th>' for i, h in enumerate(head))
-    trs = "".join("<tr>" + "".join(f'<td class="{"l" if i < left else ""}">{c}</td>' for i, c in enumerate(r))
-                  + "</tr>" for r in rows)
+    trs = "".join(
+        "<tr>" + "".join(f'<td class="{"l" if i < left else ""}">{c}</td>' for i, c in enumerate(r)) + "</tr>"
+        for r in rows
+    )
     return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
 
 
@@ -114,41 +139,82 @@ def _finding(f: Finding) -> str:
     where = f" · ranks {_esc(f.ranks)}" if f.ranks else ""
     at = f" · from step {f.step}" if f.step is not None else ""
     evidence = json.dumps(f.evidence, indent=2, default=str)
-    return (f'<div class="finding {_esc(f.severity)}"><span class="sev">{_esc(f.severity)}</span> '
-            f"<code>{_esc(f.code)}</code>: <b>{_esc(f.title)}</b><span class=\"facts\">{where}{at}</span>"
-            f"<p>{_esc(f.detail)}</p><h3>Fix</h3><pre>{_esc(f.fix)}</pre>"
-            f"<details><summary>Evidence</summary><pre>{_esc(evidence)}</pre></details></div>")
+    return (
+        f'<div class="finding {_esc(f.severity)}"><span class="sev">{_esc(f.severity)}</span> '
+        f'<code>{_esc(f.code)}</code>: <b>{_esc(f.title)}</b><span class="facts">{where}{at}</span>'
+        f"<p>{_esc(f.detail)}</p><h3>Fix</h3><pre>{_esc(f.fix)}</pre>"
+        f"<details><summary>Evidence</summary><pre>{_esc(evidence)}</pre></details></div>"
+    )
 
 
 # -- the report -----------------------------------------------------------------------------------
 
+
 def _step_figure(data: PlotData) -> dict[str, Any]:
-    traces = [{"type": "scattergl" if len(s.steps) > 2000 else "scatter", "mode": "lines", "name": s.name,
-               "x": s.steps, "y": s.ms} for s in data.step_series]
-    title = "Step time per rank" + (" (min / median / max across ranks, and the slowest ranks)" if data.aggregated else "")
+    traces = [
+        {
+            "type": "scattergl" if len(s.steps) > 2000 else "scatter",
+            "mode": "lines",
+            "name": s.name,
+            "x": s.steps,
+            "y": s.ms,
+        }
+        for s in data.step_series
+    ]
+    title = "Step time per rank" + (
+        " (min / median / max across ranks, and the slowest ranks)" if data.aggregated else ""
+    )
     return {"data": traces, "layout": _layout(title, "step", "ms")}
 
 
 def _phase_figure(report: Report) -> dict[str, Any]:
     ranks = [f"rank {r['rank']}" for r in report.ranks]
-    traces = [{"type": "bar", "name": name, "x": ranks, "y": [r["medians_ms"].get(name) or 0.0 for r in report.ranks],
-               "marker": {"color": color}} for name, color in STACKED]
-    traces.append({"type": "scatter", "mode": "markers", "name": "bucket_wait (inside the above)", "x": ranks,
-                   "y": [r["medians_ms"].get("bucket_wait") or 0.0 for r in report.ranks],
-                   "marker": {"symbol": "diamond", "size": 9, "color": "#222"}})
+    traces = [
+        {
+            "type": "bar",
+            "name": name,
+            "x": ranks,
+            "y": [r["medians_ms"].get(name) or 0.0 for r in report.ranks],
+            "marker": {"color": color},
+        }
+        for name, color in STACKED
+    ]
+    traces.append(
+        {
+            "type": "scatter",
+            "mode": "markers",
+            "name": "bucket_wait (inside the above)",
+            "x": ranks,
+            "y": [r["medians_ms"].get("bucket_wait") or 0.0 for r in report.ranks],
+            "marker": {"symbol": "diamond", "size": 9, "color": "#222"},
+        }
+    )
     return {"data": traces, "layout": _layout("Phase breakdown per rank (median ms)", "rank", "ms", barmode="stack")}
 
 
 def _heatmap_figure(kind: str, hm: tuple[int, list[str], list[int], list[list[float]]]) -> dict[str, Any]:
     step, names, ranks, z = hm
-    trace = {"type": "heatmap", "x": names, "y": [f"rank {r}" for r in ranks], "z": z, "colorscale": "YlOrRd", "reversescale": True,
-             "zmin": 0,
-             "colorbar": {"title": {"text": "ms late"}},
-             "hovertemplate": "%{y}, %{x}: %{z:.3f} ms behind the earliest rank<extra></extra>"}
+    trace = {
+        "type": "heatmap",
+        "x": names,
+        "y": [f"rank {r}" for r in ranks],
+        "z": z,
+        "colorscale": "YlOrRd",
+        "reversescale": True,
+        "zmin": 0,
+        "colorbar": {"title": {"text": "ms late"}},
+        "hovertemplate": "%{y}, %{x}: %{z:.3f} ms behind the earliest rank<extra></extra>",
+    }
     what = "median step" if kind == "median" else "worst step (largest lateness)"
-    return {"data": [trace], "layout": _layout(f"Arrival at each collective, {what}: step {step}",
-                                               "collective (in arrival order)", "rank",
-                                               yaxis={"autorange": "reversed", "title": {"text": "rank"}})}
+    return {
+        "data": [trace],
+        "layout": _layout(
+            f"Arrival at each collective, {what}: step {step}",
+            "collective (in arrival order)",
+            "rank",
+            yaxis={"autorange": "reversed", "title": {"text": "rank"}},
+        ),
+    }
 
 
 def _timeline_figure(data: PlotData) -> dict[str, Any]:
@@ -157,39 +223,81 @@ def _timeline_figure(data: PlotData) -> dict[str, Any]:
         segs = [s for s in data.timeline if s.kind == kind]
         if not segs:
             continue
-        traces.append({"type": "bar", "orientation": "h", "name": kind if kind != "bucket" else "bucket: ready -> all-reduced",
-                       "y": [f"rank {s.rank}" for s in segs], "base": [s.start_ms for s in segs],
-                       "x": [round(s.end_ms - s.start_ms, 3) for s in segs], "text": [s.label for s in segs],
-                       "marker": {"color": color, "line": {"width": 1, "color": "#fff"}},
-                       "hovertemplate": "%{y} %{text}: %{base:.3f} + %{x:.3f} ms<extra></extra>"})
-    return {"data": traces, "layout": _layout(f"Step {data.timeline_step} per rank (aligned clocks)",
-                                              "ms from the earliest rank's step start", "rank", barmode="overlay",
-                                              yaxis={"autorange": "reversed", "title": {"text": "rank"}})}
+        traces.append(
+            {
+                "type": "bar",
+                "orientation": "h",
+                "name": kind if kind != "bucket" else "bucket: ready -> all-reduced",
+                "y": [f"rank {s.rank}" for s in segs],
+                "base": [s.start_ms for s in segs],
+                "x": [round(s.end_ms - s.start_ms, 3) for s in segs],
+                "text": [s.label for s in segs],
+                "marker": {"color": color, "line": {"width": 1, "color": "#fff"}},
+                "hovertemplate": "%{y} %{text}: %{base:.3f} + %{x:.3f} ms<extra></extra>",
+            }
+        )
+    return {
+        "data": traces,
+        "layout": _layout(
+            f"Step {data.timeline_step} per rank (aligned clocks)",
+            "ms from the earliest rank's step start",
+            "rank",
+            barmode="overlay",
+            yaxis={"autorange": "reversed", "title": {"text": "rank"}},
+        ),
+    }
 
 
 def render_report_html(report: Report, data: PlotData) -> str:
     """The report as one self-contained HTML page (text content, plots, findings with evidence and fix)."""
     run, stats = report.run, report.stats
     page = _Page(f"ddpdoctor report: {run['dir']}")
-    page.add(f"<h1>ddpdoctor report</h1><p class=\"facts\"><code>{_esc(run['dir'])}</code><br>"
-             f"world size {_esc(run['world_size'])}, backend {_esc(run['backend'])}, torch {_esc(run['torch'])}, "
-             f"device {_esc(run['device'])}, {_esc(stats['steps'])} steps, "
-             f"{'finished' if run['finished'] else 'not finished'}</p>")
+    page.add(
+        f'<h1>ddpdoctor report</h1><p class="facts"><code>{_esc(run["dir"])}</code><br>'
+        f"world size {_esc(run['world_size'])}, backend {_esc(run['backend'])}, torch {_esc(run['torch'])}, "
+        f"device {_esc(run['device'])}, {_esc(stats['steps'])} steps, "
+        f"{'finished' if run['finished'] else 'not finished'}</p>"
+    )
     findings = sorted(report.findings, key=lambda f: -SEVERITY_ORDER[f.severity])
     page.add(f"<h2>Findings ({len(findings)})</h2>")
     page.add("".join(_finding(f) for f in findings) or "<p>No findings.</p>")
     page.add("<h2>Per-rank medians (ms)</h2>")
-    cols = ["step", "forward", "buffer_sync", "backward", "allreduce", "bucket_wait", "exposed_comm", "optimizer", "rest"]
-    page.add(_table(["rank", "host", "status", "steps", *cols],
-                    [[_esc(r["rank"]), _esc(r["host"] or "?"), _esc(r["status"]), _esc(r["steps"]),
-                      *(_ms(r["medians_ms"].get(c)) for c in cols)] for r in report.ranks], left=3))
+    cols = [
+        "step",
+        "forward",
+        "buffer_sync",
+        "backward",
+        "allreduce",
+        "bucket_wait",
+        "exposed_comm",
+        "optimizer",
+        "rest",
+    ]
+    page.add(
+        _table(
+            ["rank", "host", "status", "steps", *cols],
+            [
+                [
+                    _esc(r["rank"]),
+                    _esc(r["host"] or "?"),
+                    _esc(r["status"]),
+                    _esc(r["steps"]),
+                    *(_ms(r["medians_ms"].get(c)) for c in cols),
+                ]
+                for r in report.ranks
+            ],
+            left=3,
+        )
+    )
     page.add("<h2>Step time</h2>")
     page.figure(_step_figure(data))
     page.add("<h2>Phase breakdown</h2>")
     page.figure(_phase_figure(report), height=max(360, 300 + 4 * len(report.ranks)))
-    page.add("<h2>Bucket arrival</h2><p class=\"facts\">How late each rank reaches each collective (the buffer "
-             "broadcast, then each gradient bucket), behind the earliest rank, on aligned clocks. The ranks that "
-             "are on time wait inside the collective for the late one.</p>")
+    page.add(
+        '<h2>Bucket arrival</h2><p class="facts">How late each rank reaches each collective (the buffer '
+        "broadcast, then each gradient bucket), behind the earliest rank, on aligned clocks. The ranks that "
+        "are on time wait inside the collective for the late one.</p>"
+    )
     if not data.heatmaps:
         page.add("<p>No step with bucket data from every rank (one rank, or no all-reduce logged).</p>")
     rows = max(len(hm[2]) for hm in data.heatmaps.values()) if data.heatmaps else 0
@@ -202,60 +310,130 @@ def render_report_html(report: Report, data: PlotData) -> str:
     buckets = stats.get("buckets") or []
     if buckets:
         page.add(f"<h2>Buckets ({len(buckets)})</h2>")
-        page.add(_table(["bucket", "size", "dtype", "params"],
-                        [[f"b{b['index']}", human_bytes(b["bytes"]), _esc(b["dtype"]), _esc(b["params"])]
-                         for b in buckets]))
+        page.add(
+            _table(
+                ["bucket", "size", "dtype", "params"],
+                [[f"b{b['index']}", human_bytes(b["bytes"]), _esc(b["dtype"]), _esc(b["params"])] for b in buckets],
+            )
+        )
     page.add(f"<h2>Text report</h2><pre>{_esc(render(report))}</pre>")
     return page.html()
 
 
 # -- the comparison -------------------------------------------------------------------------------
 
+
 def render_compare_html(c: Comparison) -> str:
     """The comparison of two runs as one self-contained HTML page."""
     page = _Page(f"ddpdoctor compare: {c.base['dir']} -> {c.new['dir']}")
-    page.add(f"<h1>ddpdoctor compare</h1><p class=\"facts\">base <code>{_esc(c.base['dir'])}</code> "
-             f"({_esc(c.base['world_size'])} ranks, {_esc(c.base['steps'])} steps) → new "
-             f"<code>{_esc(c.new['dir'])}</code> ({_esc(c.new['world_size'])} ranks, {_esc(c.new['steps'])} steps)</p>")
-    page.add("<h2>Phases</h2><p class=\"facts\">Median over steps of the slowest rank's time; confidence that "
-             "the change is not noise from a Mann-Whitney test over the two runs' steps.</p>")
+    page.add(
+        f'<h1>ddpdoctor compare</h1><p class="facts">base <code>{_esc(c.base["dir"])}</code> '
+        f"({_esc(c.base['world_size'])} ranks, {_esc(c.base['steps'])} steps) → new "
+        f"<code>{_esc(c.new['dir'])}</code> ({_esc(c.new['world_size'])} ranks, {_esc(c.new['steps'])} steps)</p>"
+    )
+    page.add(
+        '<h2>Phases</h2><p class="facts">Median over steps of the slowest rank\'s time; confidence that '
+        "the change is not noise from a Mann-Whitney test over the two runs' steps.</p>"
+    )
     rows = []
     for p in c.phases:
         if p.base_ms is None and p.new_ms is None:
             continue
         conf = "-" if p.confidence is None else f"{100 * p.confidence:.1f}%"
         pct = "-" if p.change_pct is None else f"{p.change_pct:+.1f}%"
-        rows.append([_esc(p.phase), _ms(p.base_ms), _ms(p.new_ms),
-                     "-" if p.change_ms is None else f"{p.change_ms:+.2f}", pct, conf,
-                     f'<span class="{_esc(p.verdict)}">{_esc(p.verdict)}</span>'])
+        rows.append(
+            [
+                _esc(p.phase),
+                _ms(p.base_ms),
+                _ms(p.new_ms),
+                "-" if p.change_ms is None else f"{p.change_ms:+.2f}",
+                pct,
+                conf,
+                f'<span class="{_esc(p.verdict)}">{_esc(p.verdict)}</span>',
+            ]
+        )
     page.add(_table(["phase", "base ms", "new ms", "change ms", "change", "confidence", "verdict"], rows))
     shown = [p for p in c.phases if p.base_ms is not None or p.new_ms is not None]
-    page.figure({"data": [
-        {"type": "bar", "name": "base", "x": [p.phase for p in shown], "y": [p.base_ms for p in shown],
-         "marker": {"color": "#9ecae9"}},
-        {"type": "bar", "name": "new", "x": [p.phase for p in shown], "y": [p.new_ms for p in shown],
-         "marker": {"color": "#4c78a8"}},
-    ], "layout": _layout("Median ms per phase", "phase", "ms", barmode="group")})
+    page.figure(
+        {
+            "data": [
+                {
+                    "type": "bar",
+                    "name": "base",
+                    "x": [p.phase for p in shown],
+                    "y": [p.base_ms for p in shown],
+                    "marker": {"color": "#9ecae9"},
+                },
+                {
+                    "type": "bar",
+                    "name": "new",
+                    "x": [p.phase for p in shown],
+                    "y": [p.new_ms for p in shown],
+                    "marker": {"color": "#4c78a8"},
+                },
+            ],
+            "layout": _layout("Median ms per phase", "phase", "ms", barmode="group"),
+        }
+    )
     if c.buckets:
-        page.add("<h2>Buckets</h2>" + (f"<p class=\"facts\">{_esc(c.buckets_note)}</p>" if c.buckets_note else ""))
+        page.add("<h2>Buckets</h2>" + (f'<p class="facts">{_esc(c.buckets_note)}</p>' if c.buckets_note else ""))
         names = [f"b{b.index}" for b in c.buckets]
-        page.figure({"data": [
-            {"type": "bar", "name": "ready, base", "x": names, "y": [b.base_ready_ms for b in c.buckets],
-             "marker": {"color": "#a1d99b"}},
-            {"type": "bar", "name": "ready, new", "x": names, "y": [b.new_ready_ms for b in c.buckets],
-             "marker": {"color": "#31a354"}},
-            {"type": "bar", "name": "all-reduce, base", "x": names, "y": [b.base_allreduce_ms for b in c.buckets],
-             "marker": {"color": "#fdae6b"}},
-            {"type": "bar", "name": "all-reduce, new", "x": names, "y": [b.new_allreduce_ms for b in c.buckets],
-             "marker": {"color": "#e6550d"}},
-        ], "layout": _layout("Per bucket: ready (ms after forward end) and all-reduce (ms)", "bucket", "ms",
-                             barmode="group")})
+        page.figure(
+            {
+                "data": [
+                    {
+                        "type": "bar",
+                        "name": "ready, base",
+                        "x": names,
+                        "y": [b.base_ready_ms for b in c.buckets],
+                        "marker": {"color": "#a1d99b"},
+                    },
+                    {
+                        "type": "bar",
+                        "name": "ready, new",
+                        "x": names,
+                        "y": [b.new_ready_ms for b in c.buckets],
+                        "marker": {"color": "#31a354"},
+                    },
+                    {
+                        "type": "bar",
+                        "name": "all-reduce, base",
+                        "x": names,
+                        "y": [b.base_allreduce_ms for b in c.buckets],
+                        "marker": {"color": "#fdae6b"},
+                    },
+                    {
+                        "type": "bar",
+                        "name": "all-reduce, new",
+                        "x": names,
+                        "y": [b.new_allreduce_ms for b in c.buckets],
+                        "marker": {"color": "#e6550d"},
+                    },
+                ],
+                "layout": _layout(
+                    "Per bucket: ready (ms after forward end) and all-reduce (ms)", "bucket", "ms", barmode="group"
+                ),
+            }
+        )
     page.add("<h2>Findings</h2>")
     if not c.findings:
         page.add("<p>None in either run.</p>")
     else:
-        page.add(_table(["status", "severity", "code", "title", "fix"],
-                        [[f'<span class="{_esc(f.status)}">{_esc(f.status)}</span>', _esc(f.severity),
-                          f"<code>{_esc(f.code)}</code>", _esc(f.title), _esc(f.fix)] for f in c.findings], left=5))
+        page.add(
+            _table(
+                ["status", "severity", "code", "title", "fix"],
+                [
+                    [
+                        f'<span class="{_esc(f.status)}">{_esc(f.status)}</span>',
+                        _esc(f.severity),
+                        f"<code>{_esc(f.code)}</code>",
+                        _esc(f.title),
+                        _esc(f.fix),
+                    ]
+                    for f in c.findings
+                ],
+                left=5,
+            )
+        )
     page.add(f"<h2>Text</h2><pre>{_esc(render_compare(c))}</pre>")
     return page.html()

@@ -31,11 +31,17 @@ def rank_table(ranks: list[dict[str, Any]]) -> list[str]:
     rows = [head]
     for r in ranks:
         m = r["medians_ms"]
-        rows.append([str(r["rank"]), str(r["host"] or "?"), str(r["steps"]), r["status"]]
-                    + [_ms(m.get(name)) for name, _ in _COLUMNS])
+        rows.append(
+            [str(r["rank"]), str(r["host"] or "?"), str(r["steps"]), r["status"]]
+            + [_ms(m.get(name)) for name, _ in _COLUMNS]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    return ["  ".join(cell.rjust(w) if i >= 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-            for row in rows]
+    return [
+        "  ".join(
+            cell.rjust(w) if i >= 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
 
 
 def _stream_note(report: Report) -> str | None:
@@ -44,8 +50,10 @@ def _stream_note(report: Report) -> str | None:
     if not lost:
         return None
     ranks = ", ".join(f"{rank}: {n}" for rank, n in sorted(lost.items()))
-    return (f"the live stream dropped {sum(lost.values())} records (by rank {ranks}; receiver slow or down); "
-            "this report read them all from the rank files")
+    return (
+        f"the live stream dropped {sum(lost.values())} records (by rank {ranks}; receiver slow or down); "
+        "this report read them all from the rank files"
+    )
 
 
 def _lost_line(report: Report) -> str | None:
@@ -67,18 +75,25 @@ def render(report: Report) -> str:
     opts = run.get("ddp_options") or {}
     lines = [
         f"ddpdoctor report: {run['dir']}",
-        f"  world size {run['world_size']}, backend {run['backend']}, torch {run['torch']}, device {run['device']}, "
-        f"hosts {', '.join(run['hosts']) or '?'}",
-        f"  {stats['steps']} steps, {'finished' if run['finished'] else 'not finished (still running, or a rank died)'}",
-        *([f"  step statistics from every {run['steps_sampled_every']}th step of each rank and its last 128 steps"]
-          if run.get("steps_sampled_every", 1) > 1 else []),
+        f"  world size {run['world_size']}, backend {run['backend']}, torch {run['torch']}, "
+        f"device {run['device']}, hosts {', '.join(run['hosts']) or '?'}",
+        f"  {stats['steps']} steps, "
+        f"{'finished' if run['finished'] else 'not finished (still running, or a rank died)'}",
+        *(
+            [f"  step statistics from every {run['steps_sampled_every']}th step of each rank and its last 128 steps"]
+            if run.get("steps_sampled_every", 1) > 1
+            else []
+        ),
     ]
     if opts:
         lines.append(
-            f"  DDP: bucket_cap_mb={opts.get('bucket_cap_mb'):.3g} find_unused_parameters={opts.get('find_unused_parameters')} "
+            f"  DDP: bucket_cap_mb={opts.get('bucket_cap_mb'):.3g} "
+            f"find_unused_parameters={opts.get('find_unused_parameters')} "
             f"static_graph={opts.get('static_graph')} broadcast_buffers={opts.get('broadcast_buffers')} "
-            f"gradient_as_bucket_view={opts.get('gradient_as_bucket_view')} comm_hook={opts.get('comm_hook') or 'default'}"
-            if opts.get("bucket_cap_mb") is not None else f"  DDP: {opts}"
+            f"gradient_as_bucket_view={opts.get('gradient_as_bucket_view')} "
+            f"comm_hook={opts.get('comm_hook') or 'default'}"
+            if opts.get("bucket_cap_mb") is not None
+            else f"  DDP: {opts}"
         )
     if run["missing_ranks"]:
         lines.append(f"  missing rank files: {run['missing_ranks']}")
@@ -105,8 +120,11 @@ def render(report: Report) -> str:
             where = f" ranks {f.ranks}" if f.ranks else ""
             at = f" from step {f.step}" if f.step is not None else ""
             fix = f.fix.replace("\n", "\n           ")
-            lines += [f"  [{f.severity}] {f.code}: {f.title}{where}{at}", *("      " + line for line in f.detail.splitlines()),
-                  f"      fix: {fix}"]
+            lines += [
+                f"  [{f.severity}] {f.code}: {f.title}{where}{at}",
+                *("      " + line for line in f.detail.splitlines()),
+                f"      fix: {fix}",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -125,19 +143,36 @@ def render_markdown(report: Report) -> str:
         lines.append(stream[0].upper() + stream[1:] + ".")
     if run["corrupt_lines"] or run["unknown_lines"]:
         lines.append(f"Skipped {run['corrupt_lines']} corrupt and {run['unknown_lines']} unknown log lines.")
-    lines += ["", "## Per-rank medians (ms)", "",
-              "| rank | host | steps | status | " + " | ".join(short for _, short in _COLUMNS) + " |",
-              "|---|---|---:|---|" + "---:|" * len(_COLUMNS)]
+    lines += [
+        "",
+        "## Per-rank medians (ms)",
+        "",
+        "| rank | host | steps | status | " + " | ".join(short for _, short in _COLUMNS) + " |",
+        "|---|---|---:|---|" + "---:|" * len(_COLUMNS),
+    ]
     for r in report.ranks:
         m = r["medians_ms"]
-        lines.append(f"| {r['rank']} | {r['host'] or '?'} | {r['steps']} | {r['status']} | "
-                     + " | ".join(_ms(m.get(name)) for name, _ in _COLUMNS) + " |")
+        lines.append(
+            f"| {r['rank']} | {r['host'] or '?'} | {r['steps']} | {r['status']} | "
+            + " | ".join(_ms(m.get(name)) for name, _ in _COLUMNS)
+            + " |"
+        )
     lines += ["", "## Findings", ""]
     if not report.findings:
         lines.append("No findings.")
     for f in sorted(report.findings, key=lambda f: -SEVERITY_ORDER[f.severity]):
         where = f", ranks {f.ranks}" if f.ranks else ""
         at = f", from step {f.step}" if f.step is not None else ""
-        lines += [f"### {f.severity}: `{f.code}`: {f.title}", "", f"{f.detail} ({f.code}{where}{at})", "",
-                  "Fix:", "", "```", f.fix, "```", ""]
+        lines += [
+            f"### {f.severity}: `{f.code}`: {f.title}",
+            "",
+            f"{f.detail} ({f.code}{where}{at})",
+            "",
+            "Fix:",
+            "",
+            "```",
+            f.fix,
+            "```",
+            "",
+        ]
     return "\n".join(lines).rstrip() + "\n"

@@ -12,11 +12,15 @@ from ddpdoctor.cli.render_text import render, render_markdown
 from ddpdoctor.runlog import load_run
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("report", help="post-mortem analysis of a run dir")
     p.add_argument("run_dir", type=Path, help="the run dir (holds rank-NNNNN.jsonl files)")
-    p.add_argument("--format", choices=["text", "json", "markdown", "html"], default="text",
-                   help="html: one self-contained page with plots, readable offline (use with -o)")
+    p.add_argument(
+        "--format",
+        choices=["text", "json", "markdown", "html"],
+        default="text",
+        help="html: one self-contained page with plots, readable offline (use with -o)",
+    )
     p.add_argument("-o", "--output", type=Path, help="write the report to this file instead of stdout")
     p.add_argument("--fail-on", choices=["warning", "error"], help="exit 1 if a finding this severe or worse exists")
     p.set_defaults(func=run)

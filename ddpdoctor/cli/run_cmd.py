@@ -27,23 +27,40 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 _SI_KERNEL = 0x80
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("run", help="run a training command with every DDP model instrumented, no code change",
-                       description="Run CMD (e.g. torchrun ... train.py) with every DistributedDataParallel model "
-                                   "in every Python process it starts instrumented.")
-    p.add_argument("--run-dir", type=Path, default=None,
-                   help="where the ranks write (default: ddpdoctor-runs/<time>-<id>); on several nodes give "
-                        "every node the same dir on a shared filesystem")
-    p.add_argument("--endpoint", default=None, metavar="HOST:PORT",
-                   help="also stream every rank's records to `ddpdoctor watch --listen` or `ddpdoctor collect`")
-    p.add_argument("--hang-timeout", type=float, default=None, metavar="S",
-                   help="seconds without progress before the hang watchdog records where each rank is")
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a training command with every DDP model instrumented, no code change",
+        description="Run CMD (e.g. torchrun ... train.py) with every DistributedDataParallel model "
+        "in every Python process it starts instrumented.",
+    )
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="where the ranks write (default: ddpdoctor-runs/<time>-<id>); on several nodes give "
+        "every node the same dir on a shared filesystem",
+    )
+    p.add_argument(
+        "--endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="also stream every rank's records to `ddpdoctor watch --listen` or `ddpdoctor collect`",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds without progress before the hang watchdog records where each rank is",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the command to run")
     p.set_defaults(func=run)
 
 
-def child_env(run_dir: Path, endpoint: str | None, hang_timeout: float | None,
-              base: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(
+    run_dir: Path, endpoint: str | None, hang_timeout: float | None, base: dict[str, str] | None = None
+) -> dict[str, str]:
     """The environment CMD runs in: the hook first on PYTHONPATH, the settings in variables."""
     env = dict(os.environ if base is None else base)
     paths = [str(SITE_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE_DIR)]
@@ -66,8 +83,10 @@ def _default_run_dir(torchrun: torchrun_args.TorchrunArgs | None) -> Path:
         return _new_run_dir()
     name = torchrun_args.shared_run_name(torchrun)
     if name is None:
-        why = (f"torchrun may span {torchrun.max_nodes} nodes (--nnodes {torchrun.nnodes}) and without --rdzv-id "
-               "this node names its run dir alone")
+        why = (
+            f"torchrun may span {torchrun.max_nodes} nodes (--nnodes {torchrun.nnodes}) and without --rdzv-id "
+            "this node names its run dir alone"
+        )
     else:
         run_dir = Path(DEFAULT_ROOT) / name
         # Nodes wait for each other in the rendezvous before any rank writes, so a non-empty
@@ -75,8 +94,11 @@ def _default_run_dir(torchrun: torchrun_args.TorchrunArgs | None) -> Path:
         if not (run_dir.is_dir() and any(run_dir.iterdir())):
             return run_dir
         why = f"{run_dir} already holds a run of --rdzv-id {torchrun.rdzv_id!r}"
-    print(f"ddpdoctor run: warning: {why}; give every node the same --run-dir on a shared filesystem "
-          "to get one run", file=sys.stderr, flush=True)
+    print(
+        f"ddpdoctor run: warning: {why}; give every node the same --run-dir on a shared filesystem to get one run",
+        file=sys.stderr,
+        flush=True,
+    )
     return _new_run_dir()
 
 

@@ -10,12 +10,24 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePath
 
 #: torchrun's options that take no value (torch 2.13); every other option takes one.
-_FLAGS = {"-h", "--help", "--standalone", "-m", "--module", "--no-python", "--no_python", "--run-path",
-          "--run_path", "--virtual-local-rank", "--virtual_local_rank"}
+_FLAGS = {
+    "-h",
+    "--help",
+    "--standalone",
+    "-m",
+    "--module",
+    "--no-python",
+    "--no_python",
+    "--run-path",
+    "--run_path",
+    "--virtual-local-rank",
+    "--virtual_local_rank",
+}
 #: torchrun keeps one rendezvous store for all restarts unless this is "1" (c10d rendezvous only).
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -57,12 +69,12 @@ def _is_torchrun(cmd: list[str]) -> int | None:
     return None
 
 
-def parse(cmd: list[str], env: dict[str, str] | None = None) -> TorchrunArgs | None:
+def parse(cmd: list[str], env: Mapping[str, str] | None = None) -> TorchrunArgs | None:
     """torchrun's settings in ``cmd`` (None when CMD does not start torchrun)."""
     start = _is_torchrun(cmd)
     if start is None:
         return None
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     values: dict[str, str] = {}
     args = cmd[start:]
     i = 0
@@ -80,18 +92,22 @@ def parse(cmd: list[str], env: dict[str, str] | None = None) -> TorchrunArgs | N
         i += 1
 
     def get(dest: str, default: str) -> str:
-        return values.get(dest, env.get(f"PET_{dest.upper()}", default))
+        return values.get(dest, environ.get(f"PET_{dest.upper()}", default))
 
     try:
         restarts = int(get("max_restarts", "0"))
     except ValueError:
         restarts = 0
-    return TorchrunArgs(max_restarts=restarts, rdzv_backend=get("rdzv_backend", "static"),
-                        rdzv_id=get("rdzv_id", "none"), nnodes=get("nnodes", "1:1"),
-                        standalone="standalone" in values or env.get("PET_STANDALONE", "") not in ("", "0"))
+    return TorchrunArgs(
+        max_restarts=restarts,
+        rdzv_backend=get("rdzv_backend", "static"),
+        rdzv_id=get("rdzv_id", "none"),
+        nnodes=get("nnodes", "1:1"),
+        standalone="standalone" in values or environ.get("PET_STANDALONE", "") not in ("", "0"),
+    )
 
 
-def restart_advice(args: TorchrunArgs, env: dict[str, str] | None = None) -> str | None:
+def restart_advice(args: TorchrunArgs, env: Mapping[str, str] | None = None) -> str | None:
     """Why this torchrun's restarts may hang or fail, and what to change; None when they are fine.
 
     torch (2.13 included) keeps one rendezvous TCPStore for every restart round and the workers'
@@ -103,16 +119,20 @@ def restart_advice(args: TorchrunArgs, env: dict[str, str] | None = None) -> str
     """
     if args.max_restarts <= 0:
         return None
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     if args.backend == "static":
-        return ("torchrun's static rendezvous (--master-addr/--master-port) keeps one store across restarts: "
-                "restarted workers can read the failed attempt's addresses and fail or hang in "
-                "init_process_group. For --max-restarts to work use --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
-                f"(or --standalone) with {SHARE_STORE_ENV}=1 set.")
-    if args.backend == "c10d" and env.get(SHARE_STORE_ENV, "0") != "1":
-        return (f"torchrun's c10d rendezvous shares its store across restarts unless {SHARE_STORE_ENV}=1: "
-                "restarted workers can read the failed attempt's addresses and fail or hang in "
-                f"init_process_group. Set {SHARE_STORE_ENV}=1 for --max-restarts to work.")
+        return (
+            "torchrun's static rendezvous (--master-addr/--master-port) keeps one store across restarts: "
+            "restarted workers can read the failed attempt's addresses and fail or hang in "
+            "init_process_group. For --max-restarts to work use --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
+            f"(or --standalone) with {SHARE_STORE_ENV}=1 set."
+        )
+    if args.backend == "c10d" and environ.get(SHARE_STORE_ENV, "0") != "1":
+        return (
+            f"torchrun's c10d rendezvous shares its store across restarts unless {SHARE_STORE_ENV}=1: "
+            "restarted workers can read the failed attempt's addresses and fail or hang in "
+            f"init_process_group. Set {SHARE_STORE_ENV}=1 for --max-restarts to work."
+        )
     return None
 
 

@@ -10,7 +10,7 @@ from ddpdoctor.analysis.trace import chrome_trace
 from ddpdoctor.runlog import load_run
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("trace", help="write a Chrome/Perfetto trace of a run dir")
     p.add_argument("run_dir", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True, help="the trace file to write (.json)")

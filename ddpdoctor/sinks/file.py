@@ -57,7 +57,7 @@ class FileSink(BackgroundSink):
                 mark = len(buf)
                 try:
                     encode_into(record, buf)
-                except Exception as exc:  # a record that cannot be encoded is a bug: lose it, not the log
+                except Exception as exc:  # noqa: BLE001 - a record that cannot be encoded is a bug: lose it, not the log
                     del buf[mark:]
                     self._report(f"could not encode a {type(record).__name__} record: {exc}")
             self._write(buf)
@@ -83,4 +83,6 @@ class FileSink(BackgroundSink):
     def _report(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(f"ddpdoctor: {message}; training goes on, the log may be incomplete", LogWriteWarning, stacklevel=1)
+            warnings.warn(
+                f"ddpdoctor: {message}; training goes on, the log may be incomplete", LogWriteWarning, stacklevel=1
+            )

@@ -10,8 +10,8 @@ from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from ddpdoctor.analysis.live_view import Heatmap, LiveSnapshot
 from ddpdoctor.analysis.blame import NOISE_FLOOR_MS, NOISE_FLOOR_SHARE
+from ddpdoctor.analysis.live_view import Heatmap, LiveSnapshot
 from ddpdoctor_tui.formatting import lateness_colour
 
 CELL = 6  # characters per collective

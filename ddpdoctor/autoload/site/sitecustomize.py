@@ -34,7 +34,7 @@ class _PatchingLoader(importlib.abc.Loader):
             from ddpdoctor.autoload import patch
 
             patch(module)
-        except Exception as exc:  # never keep torch from importing
+        except Exception as exc:  # noqa: BLE001 - never keep torch from importing
             _warn(exc)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, resource readers, ...
@@ -61,8 +61,12 @@ class _Finder(importlib.abc.MetaPathFinder):
 def _warn(exc: BaseException) -> None:
     import warnings
 
-    warnings.warn(f"ddpdoctor run: could not hook DistributedDataParallel ({type(exc).__name__}: {exc}); "
-                  "training goes on unmonitored", RuntimeWarning, stacklevel=2)
+    warnings.warn(
+        f"ddpdoctor run: could not hook DistributedDataParallel ({type(exc).__name__}: {exc}); "
+        "training goes on unmonitored",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _chain() -> None:
