@@ -151,12 +151,18 @@ def _finding(rb: RankBlame, b: Blame, steps_by_rank: dict[int, list[Step]], bcas
     )
 
 
-def stragglers(steps_by_rank: dict[int, list[Step]], arrivals: list[StepArrivals]) -> list[Finding]:
+def stragglers(
+    steps_by_rank: dict[int, list[Step]], arrivals: list[StepArrivals], b: Blame | None = None
+) -> list[Finding]:
     """Ranks whose lateness at the collectives cost the others material time over ``arrivals``
-    (the whole run, or a live window), with the pattern, the phase and the fix."""
+    (the whole run, or a live window), with the pattern, the phase and the fix.
+
+    ``b``: the blame over exactly these ``arrivals`` when the caller already has it (the live view
+    also shows every rank's time lost from it); computed here otherwise."""
     if len(steps_by_rank) < 2 or len(arrivals) < 3:
         return []
-    b = blame(steps_by_rank, arrivals)
+    if b is None:
+        b = blame(steps_by_rank, arrivals)
     bcast = {sa.step: sa.bcast for sa in arrivals}
     return [_finding(rb, b, steps_by_rank, bcast) for rb in b.named()]
 
