@@ -26,6 +26,7 @@ whole run) and the live view (a sliding window) call the same code.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -117,6 +118,13 @@ def _margins(sa: StepArrivals) -> dict[int, tuple[float, int, float]]:
     return out
 
 
+def _median_without(ordered: list[float], value: float) -> float:
+    """The median of sorted ``ordered`` with one occurrence of ``value`` left out (0 if none left)."""
+    i = bisect_left(ordered, value)
+    rest = ordered[:i] + ordered[i + 1 :]
+    return median(rest) if rest else 0.0
+
+
 def _binomial_tail(k: int, n: int, p: float) -> float:
     """P(X >= k) for X ~ Binomial(n, p), in log space (n may be thousands of steps)."""
     if k <= n * p:
@@ -130,10 +138,17 @@ def _binomial_tail(k: int, n: int, p: float) -> float:
     return min(1.0, total)
 
 
-def blame(steps_by_rank: Mapping[int, Sequence[Step]], arrivals: Sequence[StepArrivals]) -> Blame:
+def blame(
+    steps_by_rank: Mapping[int, Sequence[Step]],
+    arrivals: Sequence[StepArrivals],
+    durations: Mapping[int, float] | None = None,
+) -> Blame:
     """Blame by time lost over ``arrivals`` (any window of steps: the whole run, or the live view's
-    recent steps); ``steps_by_rank`` gives the step durations (the same steps, or more)."""
-    durations = step_ms_of(steps_by_rank)
+    recent steps); ``steps_by_rank`` gives the step durations (the same steps, or more), or
+    ``durations`` when the caller has them already (``step_ms_of``: the live view blames two
+    windows of the same steps)."""
+    if durations is None:
+        durations = step_ms_of(steps_by_rank)
     window = tuple(sa.step for sa in arrivals)
     known = [durations[s] for s in window if s in durations]
     step_ms = median(known) if known else 0.0
@@ -149,19 +164,20 @@ def blame(steps_by_rank: Mapping[int, Sequence[Step]], arrivals: Sequence[StepAr
                 late.setdefault(r, []).append((sa.step, margin, where, waited))
     lost = {r: sum(m for _, m, _, _ in v) for r, v in late.items()}
     events = sum(len(v) for v in late.values())
+    ordered = sorted(lost[r] for r in ranks)  # for the median of the others, per rank in O(ranks)
     out: dict[int, RankBlame] = {}
     for r in ranks:
-        others = [o for o in ranks if o != r]
-        noise = median(lost[o] for o in others) if others else 0.0
+        noise = _median_without(ordered, lost[r])
         margins = [m for _, m, _, _ in late[r]]
-        other_margins = [m for o in others for _, m, _, _ in late[o]]
         excess = lost[r] - noise
-        chance = _binomial_tail(len(margins), events, 1.0 / len(ranks)) if len(ranks) >= 2 else 1.0
-        big = bool(margins) and median(margins) >= MAGNITUDE * max(floor, median(other_margins) if other_margins else 0.0)
         named = (len(ranks) >= 2 and len(margins) >= MIN_LATE_STEPS
                  and excess >= max(MIN_LOST_MS, MIN_LOST_SHARE * window_ms)
-                 and lost[r] >= DOMINANCE * noise
-                 and ((len(margins) >= 3 and chance <= CHANCE) or big))
+                 and lost[r] >= DOMINANCE * noise)
+        if named:  # material: is it chance? (rarely reached: these cost O(ranks))
+            chance = _binomial_tail(len(margins), events, 1.0 / len(ranks))
+            other_margins = [m for o in ranks if o != r for _, m, _, _ in late[o]]
+            big = median(margins) >= MAGNITUDE * max(floor, median(other_margins) if other_margins else 0.0)
+            named = (len(margins) >= 3 and chance <= CHANCE) or big
         out[r] = RankBlame(rank=r, lost_ms=lost[r], late_steps=tuple(s for s, _, _, _ in late[r]),
                            margins_ms=tuple(margins), worst=tuple(w for _, _, w, _ in late[r]),
                            others_waited_ms=sum(w for _, _, _, w in late[r]), noise_ms=noise, named=named)

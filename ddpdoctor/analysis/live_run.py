@@ -26,7 +26,7 @@ from statistics import median
 from typing import Literal, NamedTuple, cast
 
 from ddpdoctor.analysis import live_view
-from ddpdoctor.analysis.blame import blame
+from ddpdoctor.analysis.blame import blame, step_ms_of
 from ddpdoctor.analysis.bucket_size import RankBackward, bucket_size
 from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
 from ddpdoctor.analysis.clock_align import ClockOffsets, estimate_offsets
@@ -305,12 +305,15 @@ class LiveRun:
             for r, st in self._ranks.items()
         }
         window = [self._arrivals[s] for s in recent]
-        whole = blame(steps_by_rank, window)
+        durations = step_ms_of(steps_by_rank)
+        whole = blame(steps_by_rank, window, durations)
         found = {f.ranks[0]: f for f in stragglers(steps_by_rank, window, whole)}
         short = window[-SHORT_WINDOW:]
         if len(short) < len(window):
-            for f in stragglers(steps_by_rank, short):
-                found.setdefault(f.ranks[0], f)
+            recent_blame = blame(steps_by_rank, short, durations)
+            if any(rb.rank not in found for rb in recent_blame.named()):  # else: no finding to build
+                for f in stragglers(steps_by_rank, short, recent_blame):
+                    found.setdefault(f.ranks[0], f)
         self._lost_for_others = {r: rb.lost_ms for r, rb in whole.ranks.items()}
         self._stragglers = set(found)
         for rank, f in found.items():

@@ -35,6 +35,8 @@ DATA = "data loading (before forward)"
 BETWEEN = "between steps"
 GAP = "gap"
 BEFORE_FORWARD = {GAP, "optimizer"}
+#: Other ranks a straggler's phase durations are compared with (their median), at most.
+PHASE_OTHERS = 32
 
 PHASE_FIX = {
     DATA: (
@@ -84,13 +86,20 @@ def _phases(s: Step, previous: Step | None) -> dict[str, float]:
 
 
 def _phase_excess(rb: RankBlame, steps_by_rank: dict[int, list[Step]], bcast: dict[int, bool]) -> dict[str, list[float]]:
-    """Per phase, at each step ``rb.rank`` was late: its duration minus the other ranks' median (µs)."""
-    index = {r: {s.step: s for s in steps} for r, steps in steps_by_rank.items()}
-    others = [r for r in steps_by_rank if r != rb.rank]
+    """Per phase, at each step ``rb.rank`` was late: its duration minus the other ranks' median (µs).
+
+    The median is over at most ``PHASE_OTHERS`` other ranks, spread evenly over them: at 256 ranks
+    the median of 32 is as good a reference, for an eighth of the cost (the live view runs this
+    every other step)."""
+    others = [r for r in sorted(steps_by_rank) if r != rb.rank]
+    if len(others) > PHASE_OTHERS:
+        stride = len(others) / PHASE_OTHERS
+        others = [others[int(i * stride)] for i in range(PHASE_OTHERS)]
+    index = {r: {s.step: s for s in steps_by_rank[r]} for r in (*others, rb.rank)}
     out: dict[str, list[float]] = {}
     for step, worst in zip(rb.late_steps, rb.worst):
         phases = {}
-        for r in steps_by_rank:
+        for r in index:
             s = index[r].get(step)
             if s is not None:
                 phases[r] = _phases(s, index[r].get(step - 1))
