@@ -100,9 +100,16 @@ def step_ms_of(steps_by_rank: Mapping[int, Sequence[Step]]) -> dict[int, float]:
     return {k: median(v) for k, v in per.items()}
 
 
-def _margins(sa: StepArrivals) -> dict[int, tuple[float, int, float]]:
+#: Per rank latest at one of a step's collectives: (its largest margin over the runner-up in ms,
+#: that collective's index, the sum of the others' wait for it there in ms).
+Margins = dict[int, tuple[float, int, float]]
+
+
+def step_margins(sa: StepArrivals) -> Margins:
     """Per rank latest at one of this step's collectives: (its largest margin over the runner-up
-    in ms, that collective's index, the sum of the others' wait for it there in ms)."""
+    in ms, that collective's index, the sum of the others' wait for it there in ms).
+
+    A pure function of one step's arrivals: the live view computes it once per complete step."""
     out: dict[int, tuple[float, int, float]] = {}
     ranks = list(sa.lateness_us)
     if len(ranks) < 2:
@@ -142,11 +149,14 @@ def blame(
     steps_by_rank: Mapping[int, Sequence[Step]],
     arrivals: Sequence[StepArrivals],
     durations: Mapping[int, float] | None = None,
+    margins: Mapping[int, Margins] | None = None,
 ) -> Blame:
     """Blame by time lost over ``arrivals`` (any window of steps: the whole run, or the live view's
-    recent steps); ``steps_by_rank`` gives the step durations (the same steps, or more), or
-    ``durations`` when the caller has them already (``step_ms_of``: the live view blames two
-    windows of the same steps)."""
+    recent steps); ``steps_by_rank`` gives the step durations (the same steps, or more).
+
+    ``durations`` (step -> median ms over ranks, as ``step_ms_of``) and ``margins`` (step ->
+    ``step_margins``): what the caller has already; the live view keeps both per complete step
+    instead of recomputing them over its window at every check."""
     if durations is None:
         durations = step_ms_of(steps_by_rank)
     window = tuple(sa.step for sa in arrivals)
@@ -159,7 +169,8 @@ def blame(
     ranks = sorted({r for sa in arrivals for r in sa.lateness_us} | set(steps_by_rank))
     late: dict[int, list[tuple[int, float, int, float]]] = {r: [] for r in ranks}
     for sa in arrivals:
-        for r, (margin, where, waited) in _margins(sa).items():
+        at = margins.get(sa.step) if margins is not None else None
+        for r, (margin, where, waited) in (at if at is not None else step_margins(sa)).items():
             if margin >= floor:
                 late.setdefault(r, []).append((sa.step, margin, where, waited))
     lost = {r: sum(m for _, m, _, _ in v) for r, v in late.items()}

@@ -26,7 +26,7 @@ from statistics import median
 from typing import Literal, NamedTuple, cast
 
 from ddpdoctor.analysis import live_view
-from ddpdoctor.analysis.blame import blame, step_ms_of
+from ddpdoctor.analysis.blame import Margins, blame, step_margins
 from ddpdoctor.analysis.bucket_size import RankBackward, bucket_size
 from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
 from ddpdoctor.analysis.clock_align import ClockOffsets, estimate_offsets
@@ -122,6 +122,7 @@ class LiveRun:
         self._pending: dict[int, set[int]] = {}  # step -> ranks that logged it, until complete
         self._complete: deque[int] = deque(maxlen=self.history)
         self._arrivals: dict[int, StepArrivals] = {}
+        self._margins: dict[int, Margins] = {}  # per complete step: who held the others, by how much
         self._step_times: deque[StepTime] = deque(maxlen=self.history)
         self._clocks: ClockOffsets | None = None
         self._clock_age = 0
@@ -273,11 +274,13 @@ class LiveRun:
         found = arrivals({r: [s] for r, s in by_rank.items()}, self._clocks)
         if found:
             self._arrivals[step] = found[0]
+            self._margins[step] = step_margins(found[0])
         ends = [s.end_us / 1000.0 for s in by_rank.values() if s.end_us is not None]
         if ends:
             self._step_times.append(StepTime(step, min(ends), median(ends), max(ends)))
         if len(self._complete) == self._complete.maxlen:
             self._arrivals.pop(self._complete[0], None)
+            self._margins.pop(self._complete[0], None)
         self._complete.append(step)
 
     # -- cross-rank live findings ---------------------------------------------------------------
@@ -305,12 +308,12 @@ class LiveRun:
             for r, st in self._ranks.items()
         }
         window = [self._arrivals[s] for s in recent]
-        durations = step_ms_of(steps_by_rank)
-        whole = blame(steps_by_rank, window, durations)
+        durations = {st.step: st.median_ms for st in self._step_times}  # as blame.step_ms_of
+        whole = blame(steps_by_rank, window, durations, self._margins)
         found = {f.ranks[0]: f for f in stragglers(steps_by_rank, window, whole)}
         short = window[-SHORT_WINDOW:]
         if len(short) < len(window):
-            recent_blame = blame(steps_by_rank, short, durations)
+            recent_blame = blame(steps_by_rank, short, durations, self._margins)
             if any(rb.rank not in found for rb in recent_blame.named()):  # else: no finding to build
                 for f in stragglers(steps_by_rank, short, recent_blame):
                     found.setdefault(f.ranks[0], f)
