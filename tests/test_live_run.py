@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from ddpdoctor.events import (
 )
 from ddpdoctor.events.layout import rank_file_name
 from ddpdoctor.runlog import DirSource
+from ddpdoctor.runlog.source import RankRecord
 
 T0_NS = 1_700_000_000_000_000_000  # fixed wall clock: synthetic runs render the same every time
 
@@ -41,10 +44,14 @@ def synthetic_records(
     header: bool = True,
     end: str | None = "close",
     hang_at: int | None = None,
+    late_at: Callable[[int], dict[int, float]] | None = None,
 ) -> list[Any]:
     """One rank's records: a header and layout, steps whose buckets every rank leaves together
-    (the collective completes when the last rank arrives), a proc sample, an end or a stall."""
+    (the collective completes when the last rank arrives), a proc sample, an end or a stall.
+
+    ``late_at(step)``: rank -> ms late at that step (replaces ``straggler``: any rank, any step)."""
     out: list[Any] = []
+    clock_ns = T0_NS
     if header:
         out.append(
             Header(
@@ -72,9 +79,13 @@ def synthetic_records(
         straggling = straggle_from <= step and (straggle_until is None or step < straggle_until)
         late = late_ms if straggler is not None and straggling else 0.0
         mine = late if rank == straggler else 0.0
+        t0 = T0_NS + int(step * (step_ms + late) * 1e6)
+        if late_at is not None:
+            lates = late_at(step)
+            late, mine = max(lates.values(), default=0.0), lates.get(rank, 0.0)
+            t0, clock_ns = clock_ns, clock_ns + int((step_ms + late) * 1e6)
         ready = [30_000.0 + 10_000.0 * i + mine * 1000 for i in range(buckets)]
         done = [30_000.0 + 10_000.0 * i + late * 1000 + 2_000.0 for i in range(buckets)]
-        t0 = T0_NS + int(step * (step_ms + late) * 1e6)
         out.append(
             Step(
                 rank=rank,
@@ -187,6 +198,56 @@ def test_a_straggler_that_starts_mid_run_is_named_within_10_steps(tmp_path: Path
     finally:
         for f in files.values():
             f.close()
+
+
+def _feed_steps(
+    world: int, steps: int, late_at: Callable[[int], dict[int, float]], step_ms: float = 100.0
+) -> list[LiveSnapshot]:
+    """Feed a run step by step as the watcher would see it; one snapshot per step."""
+    live = LiveRun()
+    records = {
+        r: synthetic_records(r, world, range(steps), late_at=late_at, end=None, step_ms=step_ms) for r in range(world)
+    }
+    snaps = []
+    for r in range(world):
+        live.feed(RankRecord(r, 0, rec) for rec in records[r][:2])  # header, layout
+    for i in range(steps):
+        live.feed(RankRecord(r, 0, rec) for r in range(world) for rec in records[r][2:] if getattr(rec, "step", None) == i)
+        snaps.append(live.snapshot())
+    return snaps
+
+
+def test_a_periodic_straggler_is_named_live_with_its_period_and_cost() -> None:
+    # rank 0 spends 600 ms between steps every 8th step (a checkpoint on rank 0 only): late 4 times
+    # in 32 steps; a 10-step window holds at most 2 of them, the live window sees the period
+    snaps = _feed_steps(3, 40, lambda step: {0: 600.0} if step % 8 == 7 else {})
+    snap = snaps[-1]
+    f = next(f for f in snap.findings if f.code == "straggler")
+    assert f.ranks == [0] and f.evidence["pattern"] == "periodic" and f.evidence["every_n_steps"] == 8
+    assert {r.rank: r.status for r in snap.ranks} == {0: "straggler", 1: "running", 2: "running"}
+    # "cost to others": the wall time the run lost for each rank over the window
+    lost = {r.rank: r.lost_for_others_ms for r in snap.ranks}
+    assert lost[0] == pytest.approx(5 * 600.0) and lost[1] == lost[2] == 0.0
+    assert all(r.lost_for_others_ms is None for r in snaps[0].ranks)  # nothing computed before 3 steps
+
+
+@pytest.mark.parametrize("step_ms, late_ms", [(100.0, 40.0), (1000.0, 150.0)])
+def test_a_steady_straggler_is_named_within_10_steps_whatever_the_step_time(step_ms: float, late_ms: float) -> None:
+    # on 1 s steps, 150 ms late costs 3% of a 64-step window only after 13 steps: the last 10 name it sooner
+    snaps = _feed_steps(4, 90, lambda step: {3: late_ms} if step >= 70 else {}, step_ms=step_ms)
+    named = [s.view_step for s in snaps if any(f.code == "straggler" for f in s.findings)]
+    assert named and 70 <= named[0] < 80 and all(s.ranks[3].status == "straggler" for s in snaps[named[0] :])
+    assert not any(f.code == "straggler" for s in snaps[:70] for f in s.findings)
+
+
+def test_jitter_that_moves_between_ranks_is_never_blamed() -> None:
+    # every step one rank, drawn at random, is up to 15 ms late on a 100 ms step: no straggler, ever
+    rng = random.Random(7)
+    lates = [{rng.randrange(4): rng.uniform(0.0, 15.0)} for _ in range(150)]
+    snaps = _feed_steps(4, 150, lambda step: lates[step])
+    assert not [f for s in snaps for f in s.findings if f.code == "straggler"]
+    assert all(r.status == "running" for s in snaps for r in s.ranks)
+    assert all(r.lost_for_others_ms is not None and r.lost_for_others_ms < 200.0 for r in snaps[-1].ranks)
 
 
 def test_history_is_bounded(tmp_path: Path) -> None:

@@ -10,14 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from ddpdoctor.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "examples" / "zoo"
-RUNTIME_LANE = ("needs the runtime's sampled checks dense early (0, 1, 3, 7, 15, ...) and its final fingerprint "
-                "at close, taken outside a forward (after_broadcast false): the runtime lane's part of issue 16")
 
 
 def report(script: str, tmp_path: Path) -> dict[str, Any]:
@@ -39,7 +35,9 @@ def test_rank_0_busy_between_steps_every_8th_step(tmp_path: Path) -> None:
     f = by_code(report("straggler_between_steps", tmp_path))["straggler"]
     ev = f["evidence"]
     assert f["ranks"] == [0] and f["severity"] == "warning"
-    assert ev["pattern"] == "periodic" and ev["every_n_steps"] == 8 and ev["latest_in_steps"] == 4
+    assert ev["pattern"] == "periodic" and ev["every_n_steps"] == 8
+    # the four planted steps; a loaded machine may add a jitter step or two above the noise floor
+    assert {8, 16, 24, 32} <= set(ev["late_steps"]) and 4 <= ev["latest_in_steps"] <= 8
     assert ev["phase"] == "between steps" and ev["phase_excess_ms"]["between steps"] >= 500
     assert ev["time_lost_ms"] >= 4 * 550 and ev["first_step"] == 8
     assert "async_save" in f["fix"]
@@ -79,7 +77,6 @@ def test_find_unused_with_a_static_unused_set_suggests_static_graph(tmp_path: Pa
     assert f["evidence"]["post_forward_ms"] > 0 and "static_graph=True" in f["fix"]
 
 
-@pytest.mark.xfail(strict=False, reason=RUNTIME_LANE)
 def test_replicas_drifting_after_step_5_of_30_are_named_with_the_first_step(tmp_path: Path) -> None:
     f = by_code(report("replica_divergence_short_run", tmp_path))["replica-divergence"]
     ev = f["evidence"]
@@ -88,14 +85,12 @@ def test_replicas_drifting_after_step_5_of_30_are_named_with_the_first_step(tmp_
     assert f"from step {ev['first_step']}" in f["title"]
 
 
-@pytest.mark.xfail(strict=False, reason=RUNTIME_LANE)
 def test_redundant_buffer_broadcast_is_said_with_its_cost(tmp_path: Path) -> None:
     f = by_code(report("redundant_buffer_broadcast", tmp_path))["buffer-broadcast-cost"]
     assert f["evidence"]["broadcast_redundant"] is True and f["evidence"]["changing_buffers"] == ["mask"]
     assert f["evidence"]["predicted_saving_ms"] > 0 and "broadcast_buffers=False" in f["fix"]
 
 
-@pytest.mark.xfail(strict=False, reason=RUNTIME_LANE)
 def test_buffers_that_would_drift_make_turning_the_broadcast_off_unsafe(tmp_path: Path) -> None:
     f = by_code(report("buffer_broadcast_cost", tmp_path))["buffer-broadcast-cost"]
     assert f["evidence"]["broadcast_redundant"] is False and f["evidence"]["would_drift"] == ["feature_ema"]

@@ -26,6 +26,7 @@ whole run) and the live view (a sliding window) call the same code.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -99,9 +100,16 @@ def step_ms_of(steps_by_rank: Mapping[int, Sequence[Step]]) -> dict[int, float]:
     return {k: median(v) for k, v in per.items()}
 
 
-def _margins(sa: StepArrivals) -> dict[int, tuple[float, int, float]]:
+#: Per rank latest at one of a step's collectives: (its largest margin over the runner-up in ms,
+#: that collective's index, the sum of the others' wait for it there in ms).
+Margins = dict[int, tuple[float, int, float]]
+
+
+def step_margins(sa: StepArrivals) -> Margins:
     """Per rank latest at one of this step's collectives: (its largest margin over the runner-up
-    in ms, that collective's index, the sum of the others' wait for it there in ms)."""
+    in ms, that collective's index, the sum of the others' wait for it there in ms).
+
+    A pure function of one step's arrivals: the live view computes it once per complete step."""
     out: dict[int, tuple[float, int, float]] = {}
     ranks = list(sa.lateness_us)
     if len(ranks) < 2:
@@ -117,6 +125,13 @@ def _margins(sa: StepArrivals) -> dict[int, tuple[float, int, float]]:
     return out
 
 
+def _median_without(ordered: list[float], value: float) -> float:
+    """The median of sorted ``ordered`` with one occurrence of ``value`` left out (0 if none left)."""
+    i = bisect_left(ordered, value)
+    rest = ordered[:i] + ordered[i + 1 :]
+    return median(rest) if rest else 0.0
+
+
 def _binomial_tail(k: int, n: int, p: float) -> float:
     """P(X >= k) for X ~ Binomial(n, p), in log space (n may be thousands of steps)."""
     if k <= n * p:
@@ -130,10 +145,20 @@ def _binomial_tail(k: int, n: int, p: float) -> float:
     return min(1.0, total)
 
 
-def blame(steps_by_rank: Mapping[int, Sequence[Step]], arrivals: Sequence[StepArrivals]) -> Blame:
+def blame(
+    steps_by_rank: Mapping[int, Sequence[Step]],
+    arrivals: Sequence[StepArrivals],
+    durations: Mapping[int, float] | None = None,
+    margins: Mapping[int, Margins] | None = None,
+) -> Blame:
     """Blame by time lost over ``arrivals`` (any window of steps: the whole run, or the live view's
-    recent steps); ``steps_by_rank`` gives the step durations (the same steps, or more)."""
-    durations = step_ms_of(steps_by_rank)
+    recent steps); ``steps_by_rank`` gives the step durations (the same steps, or more).
+
+    ``durations`` (step -> median ms over ranks, as ``step_ms_of``) and ``margins`` (step ->
+    ``step_margins``): what the caller has already; the live view keeps both per complete step
+    instead of recomputing them over its window at every check."""
+    if durations is None:
+        durations = step_ms_of(steps_by_rank)
     window = tuple(sa.step for sa in arrivals)
     known = [durations[s] for s in window if s in durations]
     step_ms = median(known) if known else 0.0
@@ -144,24 +169,26 @@ def blame(steps_by_rank: Mapping[int, Sequence[Step]], arrivals: Sequence[StepAr
     ranks = sorted({r for sa in arrivals for r in sa.lateness_us} | set(steps_by_rank))
     late: dict[int, list[tuple[int, float, int, float]]] = {r: [] for r in ranks}
     for sa in arrivals:
-        for r, (margin, where, waited) in _margins(sa).items():
+        at = margins.get(sa.step) if margins is not None else None
+        for r, (margin, where, waited) in (at if at is not None else step_margins(sa)).items():
             if margin >= floor:
                 late.setdefault(r, []).append((sa.step, margin, where, waited))
     lost = {r: sum(m for _, m, _, _ in v) for r, v in late.items()}
     events = sum(len(v) for v in late.values())
+    ordered = sorted(lost[r] for r in ranks)  # for the median of the others, per rank in O(ranks)
     out: dict[int, RankBlame] = {}
     for r in ranks:
-        others = [o for o in ranks if o != r]
-        noise = median(lost[o] for o in others) if others else 0.0
+        noise = _median_without(ordered, lost[r])
         margins = [m for _, m, _, _ in late[r]]
-        other_margins = [m for o in others for _, m, _, _ in late[o]]
         excess = lost[r] - noise
-        chance = _binomial_tail(len(margins), events, 1.0 / len(ranks)) if len(ranks) >= 2 else 1.0
-        big = bool(margins) and median(margins) >= MAGNITUDE * max(floor, median(other_margins) if other_margins else 0.0)
         named = (len(ranks) >= 2 and len(margins) >= MIN_LATE_STEPS
                  and excess >= max(MIN_LOST_MS, MIN_LOST_SHARE * window_ms)
-                 and lost[r] >= DOMINANCE * noise
-                 and ((len(margins) >= 3 and chance <= CHANCE) or big))
+                 and lost[r] >= DOMINANCE * noise)
+        if named:  # material: is it chance? (rarely reached: these cost O(ranks))
+            chance = _binomial_tail(len(margins), events, 1.0 / len(ranks))
+            other_margins = [m for o in ranks if o != r for _, m, _, _ in late[o]]
+            big = median(margins) >= MAGNITUDE * max(floor, median(other_margins) if other_margins else 0.0)
+            named = (len(margins) >= 3 and chance <= CHANCE) or big
         out[r] = RankBlame(rank=r, lost_ms=lost[r], late_steps=tuple(s for s, _, _, _ in late[r]),
                            margins_ms=tuple(margins), worst=tuple(w for _, _, w, _ in late[r]),
                            others_waited_ms=sum(w for _, _, _, w in late[r]), noise_ms=noise, named=named)

@@ -8,8 +8,9 @@ kept under a typed ``FindingKey``. ``LiveRun.snapshot`` only reads: it projects 
 the frozen view of ``live_view`` (rows, heatmap, step times, findings) for the UI.
 
 The cross-rank analysis is the same as the report's (a finding is defined once): clock offsets
-from ``clock_align``, arrivals from ``bucket_wait``, stragglers from ``straggler`` over the last
-``window`` complete steps, lost ranks from ``lost``, hangs from ``hang`` (with each rank's
+from ``clock_align``, arrivals from ``bucket_wait``, blame and stragglers from ``blame`` and
+``straggler`` over a sliding window of complete steps (the last ``window``, long enough to see a
+period, and its last ``SHORT_WINDOW``, so a new steady straggler is named at once), lost ranks from ``lost``, hangs from ``hang`` (with each rank's
 latest steps logged without any all-reduce, which name a skipped backward), the bucket what-if
 from ``bucket_size``. No textual, no torch.
 """
@@ -25,6 +26,7 @@ from statistics import median
 from typing import Literal, NamedTuple, cast
 
 from ddpdoctor.analysis import live_view
+from ddpdoctor.analysis.blame import Margins, blame, step_margins
 from ddpdoctor.analysis.bucket_size import RankBackward, bucket_size
 from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
 from ddpdoctor.analysis.clock_align import ClockOffsets, estimate_offsets
@@ -38,9 +40,17 @@ from ddpdoctor.runlog.source import RankRecord, RecordSource, SourceHealth
 
 #: Steps of history kept per rank (the table, heatmap and chart can be stepped back over these).
 HISTORY = 200
-#: Complete steps the live straggler check looks at: short, so a new straggler is named within
-#: ~``WINDOW`` steps, long enough for the detector's majority rule to ignore one slow step.
-WINDOW = 10
+#: Complete steps the live blame looks at: long enough to see a rank late every 8 or 16 steps (a
+#: checkpoint or an evaluation on one rank) or on a third of the steps, as the report does over
+#: the whole run. The ranks table's "cost to others" is each rank's time lost over these steps.
+WINDOW = 64
+#: ... and the same rule over the last this many of them: a steady straggler's cost reaches the
+#: rule's share of the window's time within a few steps here, whatever the step time, so it is
+#: named within ~``SHORT_WINDOW`` steps of starting (over 64 steps a 10%-late rank of a 1 s step
+#: would need ~20).
+SHORT_WINDOW = 10
+#: Steps the clock offsets are estimated from (the median is stable long before).
+CLOCK_STEPS = 10
 #: Complete steps between two re-estimates of the clock offsets (they drift slowly).
 CLOCK_EVERY = 20
 #: From this many ranks on, the straggler check runs every other complete step.
@@ -105,18 +115,20 @@ class LiveRun:
     ) -> None:
         self.label = label
         self.attempt = attempt  # one elastic attempt per LiveRun: a restart starts a new one
-        self.history = max(history, window + 1)
-        self.window = window
+        self.history = max(history, SHORT_WINDOW + 1)
+        self.window = min(window, self.history - 1)  # the blame reads only steps still kept
         self._ranks: dict[int, _RankState] = {}
         self._world_size = 0
         self._pending: dict[int, set[int]] = {}  # step -> ranks that logged it, until complete
         self._complete: deque[int] = deque(maxlen=self.history)
         self._arrivals: dict[int, StepArrivals] = {}
+        self._margins: dict[int, Margins] = {}  # per complete step: who held the others, by how much
         self._step_times: deque[StepTime] = deque(maxlen=self.history)
         self._clocks: ClockOffsets | None = None
         self._clock_age = 0
         self._findings: dict[FindingKey, Finding] = {}  # in order of first appearance
         self._stragglers: set[int] = set()
+        self._lost_for_others: dict[int, float] = {}  # rank -> ms the others lost for it, over the window
         self._lost: set[int] = set()  # ranks lost, as of the last feed
         self._hung: set[int] = set()  # ranks waiting in a hang, as of the last feed
         self._checked_upto: int | None = None
@@ -256,22 +268,26 @@ class LiveRun:
             or self._clock_age >= CLOCK_EVERY
             or any(r not in self._clocks.offset_us for r in by_rank)
         ):
-            recent = {r: list(st.steps)[-self.window :] for r, st in self._ranks.items()}
+            recent = {r: list(st.steps)[-CLOCK_STEPS:] for r, st in self._ranks.items()}
             self._clocks, self._clock_age = estimate_offsets(recent), 0
         self._clock_age += 1
         found = arrivals({r: [s] for r, s in by_rank.items()}, self._clocks)
         if found:
             self._arrivals[step] = found[0]
+            self._margins[step] = step_margins(found[0])
         ends = [s.end_us / 1000.0 for s in by_rank.values() if s.end_us is not None]
         if ends:
             self._step_times.append(StepTime(step, min(ends), median(ends), max(ends)))
         if len(self._complete) == self._complete.maxlen:
             self._arrivals.pop(self._complete[0], None)
+            self._margins.pop(self._complete[0], None)
         self._complete.append(step)
 
     # -- cross-rank live findings ---------------------------------------------------------------
 
     def _check_stragglers(self) -> None:
+        """Blame over the window; stragglers are the ranks the rule names over it or over its last
+        ``SHORT_WINDOW`` steps (the finding from the longer window when both do: it sees the pattern)."""
         if not self._complete or self._complete[-1] == self._checked_upto or len(self._ranks) < 2:
             return
         # the check costs O(ranks x window): on large runs, every other step (still named within the window)
@@ -291,10 +307,20 @@ class LiveRun:
             r: [s for s in list(islice(reversed(st.steps), tail))[::-1] if s.step in wanted]
             for r, st in self._ranks.items()
         }
-        found = stragglers(steps_by_rank, [self._arrivals[s] for s in recent])
-        self._stragglers = {r for f in found for r in f.ranks}
-        for f in found:
-            key = _crossed("straggler", (f.ranks[0],))
+        window = [self._arrivals[s] for s in recent]
+        durations = {st.step: st.median_ms for st in self._step_times}  # as blame.step_ms_of
+        whole = blame(steps_by_rank, window, durations, self._margins)
+        found = {f.ranks[0]: f for f in stragglers(steps_by_rank, window, whole)}
+        short = window[-SHORT_WINDOW:]
+        if len(short) < len(window):
+            recent_blame = blame(steps_by_rank, short, durations, self._margins)
+            if any(rb.rank not in found for rb in recent_blame.named()):  # else: no finding to build
+                for f in stragglers(steps_by_rank, short, recent_blame):
+                    found.setdefault(f.ranks[0], f)
+        self._lost_for_others = {r: rb.lost_ms for r, rb in whole.ranks.items()}
+        self._stragglers = set(found)
+        for rank, f in found.items():
+            key = _crossed("straggler", (rank,))
             old = self._findings.get(key)
             seen = old.evidence["live_seen_at_step"] if old else self._checked_upto
             self._findings[key] = dataclasses.replace(
@@ -400,6 +426,7 @@ class LiveRun:
                     status=status,
                     arrivals=arr,
                     lateness=lat,
+                    lost_for_others_ms=self._lost_for_others.get(rank),
                 )
             )
         heat = None

@@ -52,7 +52,9 @@ class RankView:
     hang: Hang | None = None  # the watchdog's last word while stalled (phase, pending bucket, stack)
     buckets: tuple[BucketView, ...] = ()
     end_reason: str | None = None
-    #: ms the other ranks spent waiting for this one at the viewed step (None: not computed)
+    #: wall ms the run lost waiting for this rank over the live blame window (the last 64 complete
+    #: steps as of the latest check, as the status): the sum of its margins over the runner-up
+    #: above the noise floor (``analysis/blame.py``). None: not computed yet (fewer than 3 complete steps, one rank)
     lost_for_others_ms: float | None = None
 
 
@@ -163,8 +165,10 @@ def rank_row(
     status: str,
     arrivals: StepArrivals | None,
     lateness: Sequence[float] | None,
+    lost_for_others_ms: float | None = None,
 ) -> RankView:
-    """The ranks table's row of one rank at one step (``step`` None: it has logged none there)."""
+    """The ranks table's row of one rank at one step (``step`` None: it has logged none there);
+    ``lost_for_others_ms``: what it cost the others over the live window (from the blame)."""
     s = step
     bwd = (
         s.bwd_end_us - s.fwd_end_us if s is not None and s.bwd_end_us is not None and s.fwd_end_us is not None else None
@@ -186,6 +190,7 @@ def rank_row(
         hang=hang,
         buckets=bucket_views(s, lateness) if s is not None else (),
         end_reason=end.reason if end else None,
+        lost_for_others_ms=lost_for_others_ms,
     )
 
 

@@ -35,6 +35,8 @@ DATA = "data loading (before forward)"
 BETWEEN = "between steps"
 GAP = "gap"
 BEFORE_FORWARD = {GAP, "optimizer"}
+#: Other ranks a straggler's phase durations are compared with (their median), at most.
+PHASE_OTHERS = 32
 
 PHASE_FIX = {
     DATA: (
@@ -84,13 +86,20 @@ def _phases(s: Step, previous: Step | None) -> dict[str, float]:
 
 
 def _phase_excess(rb: RankBlame, steps_by_rank: dict[int, list[Step]], bcast: dict[int, bool]) -> dict[str, list[float]]:
-    """Per phase, at each step ``rb.rank`` was late: its duration minus the other ranks' median (µs)."""
-    index = {r: {s.step: s for s in steps} for r, steps in steps_by_rank.items()}
-    others = [r for r in steps_by_rank if r != rb.rank]
+    """Per phase, at each step ``rb.rank`` was late: its duration minus the other ranks' median (µs).
+
+    The median is over at most ``PHASE_OTHERS`` other ranks, spread evenly over them: at 256 ranks
+    the median of 32 is as good a reference, for an eighth of the cost (the live view runs this
+    every other step)."""
+    others = [r for r in sorted(steps_by_rank) if r != rb.rank]
+    if len(others) > PHASE_OTHERS:
+        stride = len(others) / PHASE_OTHERS
+        others = [others[int(i * stride)] for i in range(PHASE_OTHERS)]
+    index = {r: {s.step: s for s in steps_by_rank[r]} for r in (*others, rb.rank)}
     out: dict[str, list[float]] = {}
     for step, worst in zip(rb.late_steps, rb.worst):
         phases = {}
-        for r in steps_by_rank:
+        for r in index:
             s = index[r].get(step)
             if s is not None:
                 phases[r] = _phases(s, index[r].get(step - 1))
@@ -151,12 +160,18 @@ def _finding(rb: RankBlame, b: Blame, steps_by_rank: dict[int, list[Step]], bcas
     )
 
 
-def stragglers(steps_by_rank: dict[int, list[Step]], arrivals: list[StepArrivals]) -> list[Finding]:
+def stragglers(
+    steps_by_rank: dict[int, list[Step]], arrivals: list[StepArrivals], b: Blame | None = None
+) -> list[Finding]:
     """Ranks whose lateness at the collectives cost the others material time over ``arrivals``
-    (the whole run, or a live window), with the pattern, the phase and the fix."""
+    (the whole run, or a live window), with the pattern, the phase and the fix.
+
+    ``b``: the blame over exactly these ``arrivals`` when the caller already has it (the live view
+    also shows every rank's time lost from it); computed here otherwise."""
     if len(steps_by_rank) < 2 or len(arrivals) < 3:
         return []
-    b = blame(steps_by_rank, arrivals)
+    if b is None:
+        b = blame(steps_by_rank, arrivals)
     bcast = {sa.step: sa.bcast for sa in arrivals}
     return [_finding(rb, b, steps_by_rank, bcast) for rb in b.named()]
 

@@ -1,4 +1,11 @@
-"""unused-parameters and find-unused-unneeded, from the sampled gradient checks."""
+"""unused-parameters and find-unused-unneeded, from the sampled gradient checks.
+
+``find-unused-unneeded`` is always a warning: the flag's graph search after every forward is pure
+overhead when its answer never changes (PyTorch itself warns when it finds nothing unused). Its
+measured cost is evidence, not the severity: DDP's ``_post_forward`` is timed once per sample, a
+fraction of a millisecond on a small model, and a threshold on it would flip the severity with
+the machine's load.
+"""
 
 from __future__ import annotations
 
@@ -53,9 +60,8 @@ def unused_parameters(header: Header, samples: list[Unused], steps: list[Step], 
     step_us = [s.end_us for s in steps if s.end_us is not None]
     cost_ms = median(post) / 1000.0 if post else None
     share = (median(post) / median(step_us)) if post and step_us else None
-    severity = "warning" if share is not None and share >= 0.01 else "info"
     return [Finding(
-        code="find-unused-unneeded", severity=severity, ranks=[rank], step=samples[0].step,
+        code="find-unused-unneeded", severity="warning", ranks=[rank], step=samples[0].step,
         title="find_unused_parameters=True, but every parameter gets a gradient",
         detail=(f"In {len(samples)} sampled steps no parameter was unused. The flag makes DDP search the autograd "
                 f"graph after every forward{f' ({cost_ms:.2f} ms per step, {share:.1%} of the step)' if share is not None else ''}"
@@ -87,10 +93,9 @@ def static_unused_set(header: Header, samples: list[Unused], steps: list[Step], 
     step_us = [s.end_us for s in steps if s.end_us is not None]
     cost_ms = median(post) / 1000.0 if post else None
     share = median(post) / median(step_us) if post and step_us else None
-    severity = "warning" if share is not None and share >= 0.01 else "info"
     cost = f" ({cost_ms:.2f} ms per step, {share:.1%} of the step)" if cost_ms is not None and share is not None else ""
     return [Finding(
-        code="find-unused-unneeded", severity=severity, ranks=[rank], step=usable[0].step,
+        code="find-unused-unneeded", severity="warning", ranks=[rank], step=usable[0].step,
         title=f"find_unused_parameters=True finds the same {len(names)} unused parameter(s) at every step",
         detail=(f"{name_list(names)} got no gradient at each of the {len(usable)} sampled steps, always the same set. "
                 f"DDP still searches the autograd graph after every forward to find them{cost}, and all-reduces "

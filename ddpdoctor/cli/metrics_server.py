@@ -26,8 +26,6 @@ from ddpdoctor.runlog.source import RankRecord, SourceHealth
 from ddpdoctor.stream.listener import StreamLine, StreamListener
 
 SnapshotFn = Callable[[], "LiveSnapshot | None"]
-#: Where a snapshot row may carry the time a rank cost the others (the detection lane's numbers).
-LOST_FIELDS = ("lost_for_others_ms", "lost_ms", "cost_to_others_ms")
 PHASES = ("forward", "buffer_sync", "backward", "allreduce")
 HEALTHS = ("waiting", "ok", "warning", "error")
 
@@ -42,15 +40,6 @@ def parse_address(text: str) -> tuple[str, int]:
 
 def _s(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000.0
-
-
-def lost_for_others_ms(row: RankView) -> float | None:
-    """The time this rank cost the others, when the snapshot carries it; else its lateness."""
-    for name in LOST_FIELDS:
-        value = getattr(row, name, None)
-        if value is not None:
-            return float(value)
-    return row.late_ms
 
 
 def phase_ms(row: RankView) -> dict[str, float | None]:
@@ -171,7 +160,7 @@ class SnapshotCollector(Collector):
             ),
             "lost": g(
                 "ddpdoctor_rank_lost_for_others_seconds",
-                "time the other ranks lost waiting for this rank at the step",
+                "wall time the run lost waiting for this rank over the live view's last 64 complete steps",
                 labels=labels,
             ),
             "number": g("ddpdoctor_rank_step", "the rank's latest step number", labels=labels),
@@ -189,7 +178,7 @@ class SnapshotCollector(Collector):
                 add(fams["phase"], [*key, phase], _s(phase_ms(row).get(phase)))
             add(fams["wait"], key, _s(row.wait_ms))
             add(fams["late"], key, _s(row.late_ms))
-            add(fams["lost"], key, _s(lost_for_others_ms(row)))
+            add(fams["lost"], key, _s(row.lost_for_others_ms))
             add(fams["number"], key, row.step)
             for status in STATUSES:
                 fams["status"].add_metric([*key, status], 1.0 if row.status == status else 0.0)

@@ -149,11 +149,12 @@ class SampledChecks:
     def final(self, step: int) -> None:
         """The fingerprint at the end of the run (``close`` or a clean exit), delivered now.
 
-        DDP broadcasts buffers at the *next* forward, so when it does, broadcast buffers are not
-        compared (as for a fingerprint taken after a broadcast); parameters always are.
+        Taken outside any forward (``after_broadcast`` False): each rank's own buffers after its
+        own updates, which tells whether DDP's buffer broadcast is redundant or needed. Divergence
+        of broadcast buffers is still not reported (the next forward's broadcast resyncs them).
         """
         self.end_sample()
-        self.fingerprint(step, torch_compat.buffer_sync(self.ddp))
+        self.fingerprint(step, False)
         self.fingerprinter.drain()
 
     def _deliver_fingerprint(self, meta: Any, norms: list[float], sums: list[float]) -> None:

@@ -24,7 +24,7 @@ KEYS: tuple[tuple[str, str], ...] = (
 
 STATUSES: tuple[tuple[str, str], ...] = (
     ("running", "logging steps"),
-    ("straggler", "arrives late at the collectives (live straggler finding)"),
+    ("straggler", "costs the others material time at the collectives (live blame, last 64 steps)"),
     ("stalled", "the rank's hang watchdog saw no progress for hang_timeout"),
     ("hung", "stalled, and the hang detector says the run cannot go on"),
     ("finished / terminated / failed", "its log closed: normally, by a signal, by an exception"),
