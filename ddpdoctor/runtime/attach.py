@@ -141,13 +141,15 @@ class Attachment:
             if self._existing is not None:
                 state.inner_hook, state.inner_state, state.user_hook_name = self._existing
             self.hook_state = state
-        original_sync = ddp._sync_buffers if torch_compat.available("buffer_timing") else None
+        original = ddp._sync_buffers if torch_compat.available("buffer_timing") else None
         # The shadow lives in the instance's __dict__: a strong bound method there would be a
         # cycle through the instance, which reference counting alone never frees.
-        weak_sync = weakref.WeakMethod(original_sync) if inspect.ismethod(original_sync) else None
+        original_sync: Callable[[], Any] | None = (
+            weakref.WeakMethod(original) if inspect.ismethod(original) and original.__self__ is ddp
+            else (lambda: original) if original is not None else None)
 
         def sync_buffers() -> None:
-            return monitor.on_sync_buffers(weak_sync() if weak_sync is not None else original_sync)
+            return monitor.on_sync_buffers(original_sync())  # type: ignore[misc]
 
         self._sync_buffers = sync_buffers if original_sync is not None else None
         self._getstate = _state_without_ddpdoctor(ddp)
