@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from statistics import median
 from typing import Any
 
+from ddpdoctor.analysis.evidence import BufferEvidence
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.sizes import human_bytes, name_list
 from ddpdoctor.events import Fingerprint, Header, Step
@@ -27,25 +29,20 @@ def _bcast_stats(steps: list[Step]) -> tuple[float | None, float | None, int]:
     return (floor, median(total) / 1000.0 if total else None, nbytes)
 
 
-def constant_buffers(header: Header, prints: list[Fingerprint], steps: list[Step], rank: int) -> list[Finding]:
-    """Broadcast buffers that never changed since DDP was attached (version and values)."""
-    if not prints or not header.buffers:
+def constant_buffers(header: Header, prints: Sequence[Fingerprint] | BufferEvidence, steps: list[Step],
+                     rank: int) -> list[Finding]:
+    """Broadcast buffers that never changed since DDP was attached (version and values).
+
+    ``prints``: this rank's fingerprints under ``header``, or the running ``BufferEvidence`` of them.
+    """
+    evidence = prints if isinstance(prints, BufferEvidence) else BufferEvidence.of(header, prints)
+    if evidence.last_step is None or not header.buffers:
         return []
-    last = prints[-1]
-    if last.step < MIN_STEPS_CONSTANT or len(last.buffer_versions) != len(header.buffers):
+    if evidence.last_step < MIN_STEPS_CONSTANT or not evidence.last_complete:
         return []
     broadcast = [i for i, b in enumerate(header.buffers) if b.broadcast]
-    if not broadcast:
-        return []
-    usable = [p for p in prints if len(p.buffer_versions) == len(p.buffer_norms) == len(header.buffers)]
-    if len(usable) < 2:
-        return []
-    # The version counter is the cheap signal, but kernels that update buffers internally
-    # (BatchNorm's running statistics) do not bump it: the values must not have moved either.
-    constant = [i for i in broadcast
-                if all(p.buffer_versions[i] == header.buffers[i].version for p in usable)
-                and len({(p.buffer_norms[i], p.buffer_sums[i]) for p in usable}) == 1]
-    if not constant:
+    constant = evidence.constant()
+    if not broadcast or not constant:
         return []
     names = [header.buffers[i].name for i in constant]
     const_bytes = sum(header.buffers[i].bytes for i in constant)
@@ -65,13 +62,13 @@ def constant_buffers(header: Header, prints: list[Fingerprint], steps: list[Step
                f"    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, [{listed}])\n"
                "    model = DistributedDataParallel(net)")
     return [Finding(
-        code="constant-buffers", severity=severity, ranks=[rank], step=prints[0].step,
+        code="constant-buffers", severity=severity, ranks=[rank], step=evidence.first_step,
         title=f"{len(constant)} constant buffer(s) broadcast at every forward",
-        detail=(f"{name_list(names)} ({human_bytes(const_bytes)}) never changed in {last.step} steps, yet DDP "
+        detail=(f"{name_list(names)} ({human_bytes(const_bytes)}) never changed in {evidence.last_step} steps, yet DDP "
                 f"broadcasts them from rank 0 at every forward"
                 f"{f'; excluding them would save about {saving_ms:.2f} ms per step ({share:.1%})' if share is not None else ''}."),
         evidence={"names": names, "bytes_per_step": const_bytes, "broadcast_bytes_per_step": all_bytes,
-                  "broadcast_ms": bcast_ms, "saving_ms": saving_ms, "share_of_step": share, "steps_observed": last.step},
+                  "broadcast_ms": bcast_ms, "saving_ms": saving_ms, "share_of_step": share, "steps_observed": evidence.last_step},
         fix=fix,
     )]
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from ddpdoctor.analysis.evidence import FlagEvidence
 from ddpdoctor.analysis.findings import Finding
-from ddpdoctor.analysis.sizes import first_seen, human_bytes, name_list, param_bytes
+from ddpdoctor.analysis.sizes import human_bytes, name_list, param_bytes
 from ddpdoctor.events import GradFlags, Header
 
 REWRAP_FIX = (
@@ -13,10 +16,12 @@ REWRAP_FIX = (
 )
 
 
-def stale_requires_grad(header: Header, flags: list[GradFlags], rank: int) -> list[Finding]:
-    """Findings from the requires_grad changes one rank logged (``flags``) under ``header``."""
+def stale_requires_grad(header: Header, flags: Sequence[GradFlags] | FlagEvidence, rank: int) -> list[Finding]:
+    """Findings from the requires_grad changes one rank logged under ``header`` (``flags``: the
+    records, or the running ``FlagEvidence`` of them)."""
+    evidence = flags if isinstance(flags, FlagEvidence) else FlagEvidence.of(flags)
     out = []
-    frozen, frozen_step = first_seen(flags, "frozen")
+    frozen, frozen_step = list(evidence.frozen.names), evidence.frozen.first
     if frozen:
         nbytes = param_bytes(header, frozen)
         find_unused = bool(header.ddp_options.get("find_unused_parameters"))
@@ -36,7 +41,7 @@ def stale_requires_grad(header: Header, flags: list[GradFlags], rank: int) -> li
             evidence={"names": frozen, "bytes_per_step": nbytes, "find_unused_parameters": find_unused},
             fix=REWRAP_FIX,
         ))
-    unfrozen, unfrozen_step = first_seen(flags, "unfrozen")
+    unfrozen, unfrozen_step = list(evidence.unfrozen.names), evidence.unfrozen.first
     if unfrozen:
         nbytes = param_bytes(header, unfrozen)
         out.append(Finding(

@@ -9,38 +9,43 @@ the machine's load.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from statistics import median
 
+from ddpdoctor.analysis.evidence import UnusedEvidence
 from ddpdoctor.analysis.findings import Finding
-from ddpdoctor.analysis.sizes import first_seen, human_bytes, name_list, param_bytes
+from ddpdoctor.analysis.sizes import human_bytes, name_list, param_bytes
 from ddpdoctor.events import Header, Step, Unused
 
 #: Sampled steps without any unused parameter before find_unused_parameters=True is called needless.
 MIN_CLEAN_SAMPLES = 3
 
 
-def unused_parameters(header: Header, samples: list[Unused], steps: list[Step], rank: int,
+def unused_parameters(header: Header, samples: Sequence[Unused] | UnusedEvidence, steps: list[Step], rank: int,
                       frozen: bool = False) -> list[Finding]:
-    """Findings from one rank's sampled unused-parameter checks (``frozen``: some parameter DDP
-    reduces has lost requires_grad, which find_unused_parameters=True is then needed for)."""
-    if not samples:
+    """Findings from one rank's sampled unused-parameter checks (``samples``: the records, or the
+    running ``UnusedEvidence`` of them; ``frozen``: some parameter DDP reduces has lost
+    requires_grad, which find_unused_parameters=True is then needed for)."""
+    evidence = samples if isinstance(samples, UnusedEvidence) else UnusedEvidence.of(samples)
+    n_samples = evidence.samples
+    if not n_samples:
         return []
     find_unused = bool(header.ddp_options.get("find_unused_parameters"))
-    names, first = first_seen(samples, "names")
+    names, first = list(evidence.unused.names), evidence.unused.first
     if names:
         nbytes = param_bytes(header, names)
         if find_unused:
             # never used in any sample: dead weight; used in some: conditional branches, DDP copes
-            never = [n for n in names if all(n in s.names for s in samples)]
+            never = evidence.never_used()
             return [Finding(
-                code="unused-parameters", severity="warning" if never and len(samples) >= 2 else "info",
+                code="unused-parameters", severity="warning" if never and n_samples >= 2 else "info",
                 ranks=[rank], step=first,
                 title=f"{len(names)} parameter(s) produced no gradient",
                 detail=(f"{name_list(names)} received no gradient in sampled steps"
-                        f"{f' ({name_list(never)} in none of the {len(samples)} samples)' if never else ''}. "
+                        f"{f' ({name_list(never)} in none of the {n_samples} samples)' if never else ''}. "
                         "find_unused_parameters=True handles it, at the cost of a graph search every step; "
                         f"their {human_bytes(nbytes)} are still all-reduced (as zeros) unless unused on every rank."),
-                evidence={"names": names, "never_used": never, "bytes_per_step": nbytes, "samples": len(samples)},
+                evidence={"names": names, "never_used": never, "bytes_per_step": nbytes, "samples": n_samples},
                 fix=("If they are never used, delete them from the model (or wrap only the used part). If they are "
                      "used on some steps only, keep find_unused_parameters=True."),
             )]
@@ -54,19 +59,19 @@ def unused_parameters(header: Header, samples: list[Unused], steps: list[Step], 
             fix=("Use every parameter in the forward, or build DDP with find_unused_parameters=True:\n"
                  "    model = DistributedDataParallel(net, find_unused_parameters=True)"),
         )]
-    if not find_unused or frozen or len(samples) < MIN_CLEAN_SAMPLES:
+    if not find_unused or frozen or n_samples < MIN_CLEAN_SAMPLES:
         return []
-    post = [s.post_forward_us for s in samples if s.post_forward_us is not None]
+    post = evidence.post_forward_median_us()
     step_us = [s.end_us for s in steps if s.end_us is not None]
-    cost_ms = median(post) / 1000.0 if post else None
-    share = (median(post) / median(step_us)) if post and step_us else None
+    cost_ms = post / 1000.0 if post is not None else None
+    share = (post / median(step_us)) if post is not None and step_us else None
     return [Finding(
-        code="find-unused-unneeded", severity="warning", ranks=[rank], step=samples[0].step,
+        code="find-unused-unneeded", severity="warning", ranks=[rank], step=evidence.first_step,
         title="find_unused_parameters=True, but every parameter gets a gradient",
-        detail=(f"In {len(samples)} sampled steps no parameter was unused. The flag makes DDP search the autograd "
+        detail=(f"In {n_samples} sampled steps no parameter was unused. The flag makes DDP search the autograd "
                 f"graph after every forward{f' ({cost_ms:.2f} ms per step, {share:.1%} of the step)' if share is not None else ''}"
                 " and all-reduce a usage bitmap: pure overhead here."),
-        evidence={"samples": len(samples), "post_forward_ms": cost_ms, "share_of_step": share},
+        evidence={"samples": n_samples, "post_forward_ms": cost_ms, "share_of_step": share},
         fix="model = DistributedDataParallel(net, find_unused_parameters=False)  # the default",
     )]
 

@@ -20,6 +20,7 @@ Fault injection (tests): ``fail_at`` (or ``$DDPDOCTOR_TEST_FAIL_ATTACH``) names 
 
 from __future__ import annotations
 
+import inspect
 import os
 import weakref
 from collections.abc import Callable
@@ -41,6 +42,10 @@ SHADOWED = ("_sync_buffers", "_post_forward", "__getstate__", *comm_hook.SHADOWS
 
 #: The monitor attached to each DDP instance.
 _attached: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _nothing() -> None:
+    return None
 
 
 class AttachError(RuntimeError):
@@ -72,7 +77,7 @@ class Attachment:
     """ddpdoctor's changes to one DDP instance for one monitor (``open``, then ``detach``)."""
 
     def __init__(self, ddp: Any, monitor: Any) -> None:
-        self.ddp = ddp
+        self._ddp: Callable[[], Any] = weakref.ref(ddp)
         self.monitor = monitor
         self.header: Header | None = None
         self.hook_state: comm_hook.HookState | None = None
@@ -81,6 +86,16 @@ class Attachment:
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self._handles: list[Any] = []
         self._existing: tuple[Callable[..., Any], object, str] | None = None
+
+    @property
+    def ddp(self) -> Any:
+        """The DDP instance (None once detached, or once the script let it go): held weakly, so
+        that a model the script drops is freed by reference counting, as a plain DDP is."""
+        return self._ddp()
+
+    @ddp.setter
+    def ddp(self, ddp: Any) -> None:
+        self._ddp = weakref.ref(ddp) if ddp is not None else _nothing
 
     @classmethod
     def open(cls, ddp: Any, monitor: Any, header: Callable[[Any], Header],
@@ -105,6 +120,8 @@ class Attachment:
         except BaseException as exc:
             self._rollback()
             raise AttachError(step, exc) from exc
+        # done: the undo steps (a snapshot of the instance's state among them) are not needed
+        self._undo = []
         return self
 
     # -- validate and build: nothing changes -------------------------------------------
@@ -124,10 +141,15 @@ class Attachment:
             if self._existing is not None:
                 state.inner_hook, state.inner_state, state.user_hook_name = self._existing
             self.hook_state = state
-        original_sync = ddp._sync_buffers if torch_compat.available("buffer_timing") else None
+        original = ddp._sync_buffers if torch_compat.available("buffer_timing") else None
+        # The shadow lives in the instance's __dict__: a strong bound method there would be a
+        # cycle through the instance, which reference counting alone never frees.
+        original_sync: Callable[[], Any] | None = (
+            weakref.WeakMethod(original) if inspect.ismethod(original) and original.__self__ is ddp
+            else (lambda: original) if original is not None else None)
 
         def sync_buffers() -> None:
-            return monitor.on_sync_buffers(original_sync)
+            return monitor.on_sync_buffers(original_sync())  # type: ignore[misc]
 
         self._sync_buffers = sync_buffers if original_sync is not None else None
         self._getstate = _state_without_ddpdoctor(ddp)

@@ -1,5 +1,9 @@
 """Findings raised live on a rank: the analysis' detectors over this rank's own records.
 
+What a rank keeps is bounded: the last WINDOW steps, and for the sampled records (grad flags,
+unused parameters, fingerprints) the running evidence of ``analysis.evidence``, fed one record
+at a time; a check reads it at a cost that does not grow with the run.
+
 Each distinct problem is warned once (a ``DDPDoctorWarning`` subclass per family), written to
 the log as a ``finding`` record, and, when it is an error that is about to kill training, flushed
 to disk at once so that the log and stderr already say why when DDP raises.
@@ -13,6 +17,7 @@ from collections.abc import Callable
 
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
 from ddpdoctor.analysis.buffers import buffer_broadcast_cost, constant_buffers
+from ddpdoctor.analysis.evidence import BufferEvidence, FlagEvidence, UnusedEvidence
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
 from ddpdoctor.analysis.unused import unused_parameters
@@ -32,6 +37,8 @@ EVERY = 50
 WINDOW = 100
 #: Steps before the step-based checks first run (medians need a few).
 WARMUP = 20
+#: Findings kept in ``raised`` (the most recent; each is also in the log).
+RAISED_KEPT = 256
 
 
 def warn_finding(finding: Finding, rank: int, stacklevel: int = 3) -> None:
@@ -54,10 +61,13 @@ class LiveFindings:
         self._flush = flush
         self.header: Header | None = None
         self.steps: deque[Step] = deque(maxlen=WINDOW)
-        self.flags: list[GradFlags] = []
-        self.prints: list[Fingerprint] = []
-        self.unused: list[Unused] = []
-        self.raised: list[Finding] = []
+        # running evidence of the current DDP instance: bounded by the model, not by the run
+        self.flags = FlagEvidence()
+        self.unused = UnusedEvidence()
+        self.prints: BufferEvidence | None = None
+        self.raised: deque[Finding] = deque(maxlen=RAISED_KEPT)
+        # keys of findings raised: per code, names only grow (unused) or shrink (constant buffers)
+        # with the model's own parameters, so this is bounded by the model too
         self._seen: set[tuple[str, str, tuple[str, ...]]] = set()
         self._since_check = 0
         self._checked = False
@@ -74,19 +84,19 @@ class LiveFindings:
                 self.raise_findings(buffer_broadcast_cost(self.header, steps, self.rank) if self.header else [])
                 self.raise_findings(sync_during_accumulation(steps, self.rank))
         elif isinstance(record, GradFlags) and self.header is not None:
-            self.flags.append(record)
+            self.flags.add(record)
             self.raise_findings(stale_requires_grad(self.header, self.flags, self.rank))
         elif isinstance(record, Unused) and self.header is not None:
-            self.unused.append(record)
-            frozen = any(f.frozen for f in self.flags)
-            self.raise_findings(unused_parameters(self.header, self.unused, list(self.steps), self.rank, frozen))
-        elif isinstance(record, Fingerprint) and self.header is not None:
-            self.prints.append(record)
+            self.unused.add(record)
+            self.raise_findings(unused_parameters(self.header, self.unused, list(self.steps), self.rank,
+                                                  self.flags.any_frozen))
+        elif isinstance(record, Fingerprint) and self.prints is not None and self.header is not None:
+            self.prints.add(record)
             self.raise_findings(constant_buffers(self.header, self.prints, list(self.steps), self.rank))
         elif isinstance(record, Header):
             # a new DDP instance (rewrap): what was stale about the old one no longer applies
             self.header = record
-            self.flags, self.prints, self.unused = [], [], []
+            self.flags, self.unused, self.prints = FlagEvidence(), UnusedEvidence(), BufferEvidence(record)
             self.steps.clear()
 
     def raise_findings(self, findings: list[Finding]) -> None:

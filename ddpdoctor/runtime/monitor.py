@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -36,6 +38,10 @@ from ddpdoctor.sinks.tcp import ENDPOINT_ENV, stream_tee
 
 #: How often the buffer byte count is recomputed (buffers are rarely replaced).
 _BUFFER_BYTES_EVERY = 100
+
+def _nothing() -> None:
+    return None
+
 
 __all__ = ["CHECK_EVERY", "DisabledMonitor", "Monitor", "Options", "instrument", "monitor_of"]
 
@@ -62,6 +68,9 @@ class Monitor:
         self.path: Path | None = None
         self.run_dir: Path | None = None
         self.ddp_index = 0
+        # ddpdoctor's own time in its training-thread callbacks (forward hooks, buffer broadcast
+        # wrapper less the broadcast, bucket-ready, optimizer): steps, checks and live findings
+        self.own_ns = 0
         self.check_every = max(1, int(opts.check_every))
         self.hang_timeout = watchdog.hang_timeout_from_env(opts.hang_timeout)
         device = getattr(ddp, "device", torch.device("cpu"))
@@ -90,6 +99,20 @@ class Monitor:
         except BaseException:
             self._abandon_sink()
             raise
+
+    @property
+    def ddp(self) -> Any:
+        """The DDP model watched (None after close, or once the script let it go).
+
+        Held weakly: the model holds the monitor (its hooks), not the other way round, so a
+        model the script drops is freed by reference counting, as a plain DDP is, and a monitor
+        the script keeps after ``close`` keeps no model alive.
+        """
+        return self._ddp()
+
+    @ddp.setter
+    def ddp(self, ddp: Any) -> None:
+        self._ddp = weakref.ref(ddp) if ddp is not None else _nothing
 
     # -- attach / detach ---------------------------------------------------------------
 
@@ -224,12 +247,26 @@ class Monitor:
         """Steps recorded so far."""
         return self.recorder.steps_emitted
 
+    @property
+    def own_us(self) -> float:
+        """ddpdoctor's own time so far on the training thread, in µs: its forward hooks (steps
+        closed and emitted, sampled checks, live findings), the buffer-broadcast wrapper less the
+        broadcast, and bucket-ready. The comm library's completion callbacks are not counted."""
+        return self.own_ns / 1000.0
+
     # -- probes (hot path) ---------------------------------------------------------------
 
     def on_forward_pre(self, module: Any, args: Any) -> None:
+        t = time.perf_counter_ns()
+        try:
+            self._forward_pre(module)
+        finally:
+            self.own_ns += time.perf_counter_ns() - t
+
+    def _forward_pre(self, ddp: Any) -> None:
         if not self.probes.on["forward"] or not torch.is_grad_enabled():
             return
-        sync = bool(self.ddp.require_backward_grad_sync)
+        sync = bool(ddp.require_backward_grad_sync)
         try:
             previous = self.recorder.current
             self.recorder.forward_start(sync)
@@ -247,15 +284,18 @@ class Monitor:
     def on_forward_post(self, module: Any, args: Any, output: Any) -> None:
         if not self.probes.on["forward"]:
             return
+        t = time.perf_counter_ns()
         try:
             self.recorder.forward_end()
         except Exception as exc:
             self.probes.failed("forward", exc)
+        self.own_ns += time.perf_counter_ns() - t
 
     def on_sync_buffers(self, original: Any) -> None:
         """DDP's buffer broadcast, timed apart from the forward around it."""
         if not (self.probes.on["buffers"] and self.recorder.in_forward):
             return original()
+        t = time.perf_counter_ns()
         clock = self.recorder.clock
         try:
             start = clock.now()
@@ -263,10 +303,12 @@ class Monitor:
             self.probes.failed("buffers", exc)
             return original()
         self.recorder.in_broadcast = True
+        t_in = time.perf_counter_ns()
         try:
             original()
         finally:
             self.recorder.in_broadcast = False
+        t_out = time.perf_counter_ns()
         self.checks.bcast_in_forward = True
         try:
             end = clock.now()
@@ -277,10 +319,18 @@ class Monitor:
             self.recorder.buffers_broadcast(start, end, self._buffer_bytes)
         except Exception as exc:
             self.probes.failed("buffers", exc)
+        self.own_ns += time.perf_counter_ns() - t - (t_out - t_in)
         return None
 
     def on_bucket_ready(self, bucket: dist.GradBucket, index: int) -> OpenStep | None:
         """First thing in the comm hook: ready time, bytes, layout sample, backward-end callback."""
+        t = time.perf_counter_ns()
+        try:
+            return self._bucket_ready(bucket, index)
+        finally:
+            self.own_ns += time.perf_counter_ns() - t
+
+    def _bucket_ready(self, bucket: dist.GradBucket, index: int) -> OpenStep | None:
         step = self.recorder.bucket_ready(index, bucket)
         if step is None:
             return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import operator
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -64,7 +65,7 @@ class SampledChecks:
     """The checks of one monitor on one DDP instance (a new one after ``rewrap``)."""
 
     def __init__(self, ddp: Any, header: Header, check_every: int, emit: Any, rank: int, ddp_index: int) -> None:
-        self.ddp = ddp
+        self._ddp: Any = weakref.ref(ddp)
         self.check_every = max(1, int(check_every))
         self._emit = emit
         self.rank = rank
@@ -80,6 +81,15 @@ class SampledChecks:
         self.fingerprinter = Fingerprinter(self._deliver_fingerprint)
         self._grad_ready = torch_compat.available("grad_ready")
         self._post_forward = torch_compat.available("post_forward_timing", warn=False)
+
+    @property
+    def ddp(self) -> Any:
+        """The DDP instance (held weakly, as the monitor holds it; None once gone or closed)."""
+        return self._ddp()
+
+    @ddp.setter
+    def ddp(self, ddp: Any) -> None:
+        self._ddp = weakref.ref(ddp) if ddp is not None else lambda: None
 
     # -- every forward -------------------------------------------------------------------
 
@@ -170,8 +180,9 @@ class SampledChecks:
             return
         for handle in sample.handles:
             handle.remove()
-        if self.ddp is not None:
-            self.ddp.__dict__.pop("_post_forward", None)
+        ddp = self.ddp
+        if ddp is not None:
+            ddp.__dict__.pop("_post_forward", None)
         if not self._grad_ready:
             return
         names = [name for i, name in sample.hooked if i not in sample.seen]

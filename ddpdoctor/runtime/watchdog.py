@@ -16,6 +16,7 @@ import sys
 import threading
 import traceback
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from ddpdoctor.analysis.hang import COLLECTIVE_PHASES
@@ -102,15 +103,23 @@ def thread_stack(thread_id: int | None) -> list[str]:
 class _Watch:
     """Per-monitor state: last signature, when it last changed, whether a stall is open."""
 
-    __slots__ = ("monitor", "timeout", "last", "since", "stalled_at", "thread_id")
+    __slots__ = ("_monitor", "timeout", "last", "since", "stalled_at", "thread_id")
 
     def __init__(self, monitor: Watched, timeout: float, thread_id: int) -> None:
-        self.monitor = monitor
+        # weak: a monitor the script drops without close (and its model) is not kept by this thread
+        self._monitor = weakref.ref(monitor)
         self.timeout = timeout
         self.last: tuple[Any, ...] | None = None
         self.since = mono_ns()
         self.stalled_at: int | None = None
         self.thread_id = thread_id
+
+    @property
+    def monitor(self) -> Watched:
+        monitor = self._monitor()
+        if monitor is None:
+            raise ReferenceError("the watched monitor is gone")
+        return monitor
 
 
 class Watchdog:
@@ -157,9 +166,14 @@ class Watchdog:
         # its own frame: no monitor stays referenced from this thread while it sleeps (a closed
         # monitor, and through it a DDP model, must be freed when the script lets it go)
         with self._lock:
-            watches = list(self._watches.values())
-        for watch in watches:
-            monitor = watch.monitor
+            watches = list(self._watches.items())
+        for key, watch in watches:
+            monitor = watch._monitor()
+            if monitor is None:  # dropped without close
+                with self._lock:
+                    if self._watches.get(key) is watch:  # the id may be a newer monitor's by now
+                        del self._watches[key]
+                continue
             if monitor.closed or not monitor.probes.on["watchdog"]:
                 continue
             try:
