@@ -96,17 +96,20 @@ def lifetime_worker(rank: int, world_size: int, run_dir: str, case: str) -> dict
         gc.collect()
         gc.disable()
         try:
+            if case == "dropped_with_monitor":
+                mon = None  # as under `ddpdoctor run`: only the model held the monitor
             del model
             freed = ref() is None  # reference counting alone
         finally:
             gc.enable()
     threads = len(services().threads)
     kept_mon_alive = mon is not None  # the script still holds its monitor
+    ended = mon is None or mon.closed
     _train(keeper)  # the other model is still monitored
     keeper_steps = keeper_mon.steps
     keeper_mon.close()
     return {"freed": freed, "plain_freed_by_refcount": plain_freed_by_refcount, "threads": threads,
-            "kept_mon_alive": kept_mon_alive, "keeper_steps": keeper_steps}
+            "kept_mon_alive": kept_mon_alive, "keeper_steps": keeper_steps, "ended": ended}
 
 
 def test_a_closed_monitor_kept_by_the_script_does_not_keep_the_model_alive(tmp_path: Path) -> None:
@@ -122,3 +125,15 @@ def test_a_model_dropped_without_close_is_freed_by_reference_counting_as_plain_d
     assert r["plain_freed_by_refcount"], "plain DDP itself is not freed by reference counting here"
     assert r["freed"]
     assert r["keeper_steps"] >= 5
+
+
+def test_a_model_dropped_without_close_ends_its_log(tmp_path: Path) -> None:
+    """Dropped with nobody holding its monitor: the log is complete (every step, an End record)
+    when the model goes, not cut short or left open until exit; the other model's threads run on."""
+    import ddpdoctor
+
+    (r,) = run_ranks(lifetime_worker, 1, args=(str(tmp_path), "dropped_with_monitor"), timeout=120)
+    assert r["freed"] and r["ended"] and r["threads"] == 2
+    log = ddpdoctor.load_run(tmp_path / "model").ranks[0]
+    assert [s.step for s in log.steps] == [0, 1, 2]
+    assert log.end is not None and log.end.reason == "close"

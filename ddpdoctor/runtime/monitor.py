@@ -39,6 +39,14 @@ from ddpdoctor.sinks.tcp import ENDPOINT_ENV, stream_tee
 #: How often the buffer byte count is recomputed (buffers are rarely replaced).
 _BUFFER_BYTES_EVERY = 100
 
+def _close_released(monitor: Monitor) -> None:
+    """The model was freed without ``close``: end its log (run from DDP's finalizer)."""
+    try:
+        monitor.close()
+    except Exception:  # noqa: BLE001 - a finalizer must never raise into the code that dropped the model
+        pass
+
+
 def _nothing() -> None:
     return None
 
@@ -128,6 +136,7 @@ class Monitor:
         assert attachment.header is not None
         self.ddp = ddp
         self.attachment = attachment
+        self._close_when_released(ddp)
         self._param_names = {id(p): n for n, p in ddp.module.named_parameters()}
         self._buffer_bytes = 0
         self._buffer_bytes_age = _BUFFER_BYTES_EVERY
@@ -140,6 +149,18 @@ class Monitor:
         elif attachment.hook_state is not None:
             self.recorder.set_comm_hook(attachment.hook_state.user_hook_name)
         return attachment
+
+    def _close_when_released(self, ddp: Any) -> None:
+        """Close when the script lets ``ddp`` go without closing: its log ends (last step, End
+        record, sink thread joined) when training with that model ends, as it did when the model
+        lived until exit. The finalizer holds this monitor, never the model; ``close`` detaches it.
+        """
+        old = getattr(self, "_released", None)
+        if old is not None:
+            old.detach()  # rewrap: the old instance no longer ends this log
+        released = weakref.finalize(ddp, _close_released, self)
+        released.atexit = False  # at exit, exit_flush closes (reason "exit")
+        self._released = released
 
     @property
     def hook_state(self) -> Any:
@@ -387,6 +408,9 @@ class Monitor:
 
     def _close(self, reason: str, timeout: float, final: bool) -> None:
         # every part guarded: whatever fails, the rest still runs and the End record is written
+        released = getattr(self, "_released", None)
+        if released is not None:
+            released.detach()  # the finalizer's reference to this monitor goes
         self._services.leave(self)
         try:
             self.recorder.close()
