@@ -146,6 +146,21 @@ def buffer_sync(ddp: Any) -> bool:
     return bool(value)
 
 
+def first_bucket_bytes_cap(ddp: Any) -> int | None:
+    """The first bucket's byte cap: from the bucket config (torch 2.13+), else as torch 2.5 to 2.12
+    compute it (``dist._DEFAULT_FIRST_BUCKET_BYTES`` when ``bucket_cap_mb`` was left at its
+    default, else ``bucket_bytes_cap``); None where neither can be read."""
+    config = getattr(ddp, "_bucket_config", None)
+    if config is not None and getattr(config, "first_bucket_bytes_cap", None) is not None:
+        return int(config.first_bucket_bytes_cap)
+    cap = getattr(ddp, "bucket_bytes_cap", None)
+    default = getattr(ddp, "bucket_bytes_cap_default", None)
+    if cap is None or default is None:
+        return None
+    first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", None) if default else cap
+    return int(first) if first is not None else None
+
+
 def constructor_accepts(name: str) -> bool:
     """Whether DDP's constructor takes the keyword ``name`` on this torch."""
     return name in inspect.signature(TorchDDP.__init__).parameters
