@@ -25,8 +25,7 @@ def main() -> None:
     run_dir = train(args.run_dir, args.steps)
     if dist.get_rank() == 0:
         print(f"ddpdoctor log: {run_dir}")
-    # The DDP model is gone by now (it lived in train()): destroying the process group while a
-    # reducer still holds it can abort at interpreter exit on torch 2.13 gloo.
+    # The DDP model is gone by now (it lived in train()), and so is everything of it ddpdoctor held.
     dist.destroy_process_group()
 
 

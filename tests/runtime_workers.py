@@ -14,6 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpdoctor
+from ddpdoctor.runtime import torch_compat
 from tests.models import DelayNet, batches, make_model
 
 BUCKET_CAP_MB = 0.01  # ~10 KB: SmallNet's ~60 KB of gradients fall into several buckets
@@ -72,8 +73,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "static_graph": {"static_graph": True},
     "bucket_view": {"gradient_as_bucket_view": True},
     "no_buffer_sync": {"broadcast_buffers": False},
-    "forward_sync_off": {"forward_sync_buffers": False},
 }
+if torch_compat.constructor_accepts("forward_sync_buffers"):
+    # torch 2.13's new spelling of the same switch (2.12 and older have only broadcast_buffers)
+    VARIANTS["forward_sync_off"] = {"forward_sync_buffers": False}
 
 
 def train(ddp: torch.nn.Module, rank: int, steps: int = 6) -> list[float]:

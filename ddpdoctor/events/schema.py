@@ -160,7 +160,8 @@ class Fingerprint(_Record, tag="fingerprint", kw_only=True):
     """Cheap fingerprints of parameters and buffers, taken by every rank at the same sampled steps.
 
     Lists follow the header's ``params`` and ``buffers`` order: the L2 norm and the sum of each
-    tensor, and each buffer's version counter (in-place changes since creation).
+    tensor, and each buffer's version counter (in-place changes since creation, less the bumps of
+    DDP's own buffer broadcasts, which some torch releases count).
     """
 
     step: int

@@ -11,6 +11,8 @@ rebuilt the way DDP itself rebuilds it when unpickled, with the same parameters
 
 from __future__ import annotations
 
+import atexit
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -69,8 +71,57 @@ def mean_allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) ->
     return process_group.allreduce([tensor]).get_future()
 
 
-def _first(fut: torch.futures.Future[Any]) -> Any:
-    return fut.value()[0]
+class _Then:
+    """A bucket future's callback: unwraps ``mean_allreduce``'s one-element list and marks the
+    bucket done (``recorder`` None: nothing to time).
+
+    The gloo worker thread that completes the future runs it, then drops it, which needs the
+    GIL. One that has run is kept in ``_ran`` (weakly) until the worker has let it go: at exit
+    ``release_callbacks`` waits for that, so no worker still needs the GIL once the interpreter
+    is finalizing (where a thread that asks for it is made to exit and the process aborts).
+    """
+
+    __slots__ = ("recorder", "probes", "step", "index", "unwrap", "__weakref__")
+
+    def __init__(self, recorder: Any, probes: Any, step: Any, index: int, unwrap: bool) -> None:
+        self.recorder = recorder
+        self.probes = probes
+        self.step = step
+        self.index = index
+        self.unwrap = unwrap
+
+    def __call__(self, f: torch.futures.Future[Any]) -> Any:
+        try:
+            if self.recorder is not None:
+                try:
+                    self.recorder.bucket_done(self.step, self.index)
+                except Exception as exc:
+                    self.probes.failed("buckets", exc)
+            return f.value()[0] if self.unwrap else f.value()
+        finally:
+            _ran.add(self)
+
+
+#: Callbacks that have run and that a gloo worker may not have released yet.
+_ran: weakref.WeakSet[_Then] = weakref.WeakSet()
+#: How long the exit waits, at most, for the workers to release them.
+RELEASE_WAIT_S = 1.0
+
+
+def _then(fut: torch.futures.Future[Any], callback: _Then) -> torch.futures.Future[Any]:
+    return torch_compat.without_backward_context(fut.then, callback)  # type: ignore[no-any-return]
+
+
+def release_callbacks(timeout: float = RELEASE_WAIT_S) -> bool:
+    """Wait until no gloo worker still holds a callback of ours (at exit, before the interpreter
+    finalizes; the GIL is free meanwhile). True when none is left."""
+    deadline = time.monotonic() + timeout
+    while len(_ran) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return not len(_ran)
+
+
+atexit.register(release_callbacks)
 
 
 def timed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -87,25 +138,20 @@ def timed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
         except Exception as exc:
             monitor.probes.failed("buckets", exc)
             step = None
-    fut = inner(state.inner_state, bucket)  # the user's errors propagate untouched
+    if unwrap:  # ddpdoctor's own all-reduce: its gloo work holds no Python context
+        fut = torch_compat.without_backward_context(inner, state.inner_state, bucket)
+    else:
+        fut = inner(state.inner_state, bucket)  # the user's errors propagate untouched
     if step is None:
-        return fut.then(_first) if unwrap else fut
+        return _then(fut, _Then(None, None, None, index, True)) if unwrap else fut
     recorder = monitor.recorder
     probes = monitor.probes
     try:
         recorder.bucket_launched(step, index)
     except Exception as exc:
         probes.failed("buckets", exc)
-        return fut.then(_first) if unwrap else fut
-
-    def done(f: torch.futures.Future[Any]) -> Any:
-        try:
-            recorder.bucket_done(step, index)
-        except Exception as exc:
-            probes.failed("buckets", exc)
-        return f.value()[0] if unwrap else f.value()
-
-    return fut.then(done)
+        return _then(fut, _Then(None, None, None, index, True)) if unwrap else fut
+    return _then(fut, _Then(recorder, probes, step, index, unwrap))
 
 
 def bucket_info(bucket: dist.GradBucket, names: dict[int, str]) -> BucketInfo:

@@ -18,13 +18,12 @@ from ddpdoctor.runtime.clocks import mono_ns, wall_ns
 
 def ddp_options(ddp: Any) -> dict[str, Any]:
     """DDP's constructor options as the instance holds them (both spellings of buffer sync)."""
-    config = getattr(ddp, "_bucket_config", None)
     cap_bytes = getattr(ddp, "bucket_bytes_cap", None)
     forward_sync = torch_compat.buffer_sync(ddp)  # both spellings (2.13 renamed it)
     options: dict[str, Any] = {
         "bucket_cap_mb": cap_bytes / 2**20 if cap_bytes else None,
         "bucket_bytes_cap": cap_bytes,
-        "first_bucket_bytes_cap": getattr(config, "first_bucket_bytes_cap", None),
+        "first_bucket_bytes_cap": torch_compat.first_bucket_bytes_cap(ddp),
         "find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", False)),
         "static_graph": bool(getattr(ddp, "static_graph", False)),
         "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),

@@ -10,6 +10,13 @@ and a one-shot timing of DDP's ``_post_forward`` (the graph search ``find_unused
 costs). ``final`` takes one more fingerprint at the end of the run, so replicas are compared at
 the end of a run of any length.
 
+A fingerprint's buffer versions leave out what DDP's own buffer broadcast adds: on some torch
+releases (2.5) the broadcast copies into every broadcast buffer, on every rank, and so bumps its
+version counter at every forward, though nothing changed it. How much one broadcast bumps each
+buffer is measured once, around the first sampled broadcast (versions read before DDP's forward
+and again before the wrapped module's), and each fingerprint subtracts that times the broadcasts
+counted since attach. Where the broadcast bumps nothing (2.13, 2.14) this subtracts zero.
+
 What a check keeps is bounded: one sample in progress at a time, and the hooks it adds are
 removed when it ends.
 """
@@ -50,7 +57,7 @@ def is_sampled(step: int, check_every: int) -> bool:
 class _Sample:
     """A sampled step in progress: which reduced parameters received a gradient, and when."""
 
-    __slots__ = ("step", "seen", "t0_mono_ns", "hooked", "handles", "post_forward_us")
+    __slots__ = ("step", "seen", "t0_mono_ns", "hooked", "handles", "post_forward_us", "pre_versions")
 
     def __init__(self, step: int, t0_mono_ns: int) -> None:
         self.step = step
@@ -59,6 +66,8 @@ class _Sample:
         self.hooked: list[tuple[int, str]] = []
         self.handles: list[Any] = []
         self.post_forward_us: float | None = None
+        #: buffer versions before DDP's forward (only until the broadcast's own bumps are known)
+        self.pre_versions: list[int] | None = None
 
 
 class SampledChecks:
@@ -78,6 +87,9 @@ class SampledChecks:
         self.flags = [p.requires_grad for p in header.params]
         self.sample: _Sample | None = None
         self.bcast_in_forward = False  # set by the monitor when DDP broadcast buffers in this forward
+        self.broadcasts = 0  # DDP's buffer broadcasts since attach (counted by the monitor)
+        #: per buffer, how much one broadcast bumps its version (None: not measured yet)
+        self.broadcast_bumps: list[int] | None = None
         self.fingerprinter = Fingerprinter(self._deliver_fingerprint)
         self._grad_ready = torch_compat.available("grad_ready")
         self._post_forward = torch_compat.available("post_forward_timing", warn=False)
@@ -116,6 +128,8 @@ class SampledChecks:
 
     def begin_sample(self, step: int, t0_mono_ns: int) -> None:
         sample = self.sample = _Sample(step, t0_mono_ns)
+        if self.broadcast_bumps is None:
+            sample.pre_versions = self._buffer_versions()
         seen = sample.seen
         now = time.monotonic_ns
         if self._grad_ready:
@@ -148,12 +162,24 @@ class SampledChecks:
             return
         handle = sample.handles.pop()  # this hook: once per sample
         handle.remove()
+        if self.broadcast_bumps is None and self.bcast_in_forward and sample.pre_versions is not None:
+            after = self._buffer_versions()
+            if len(after) == len(sample.pre_versions):  # only DDP's broadcast ran in between
+                self.broadcast_bumps = [max(0, a - b) for a, b in zip(after, sample.pre_versions)]
         self.fingerprint(sample.step, self.bcast_in_forward)
+
+    def _buffer_versions(self) -> list[int]:
+        return [int(b._version) for _, b in self.ddp.module.named_buffers()]
 
     def fingerprint(self, step: int, after_broadcast: bool) -> None:
         """Fingerprint every parameter and buffer now, as of ``step``."""
         buffers = [b for _, b in self.ddp.module.named_buffers()]
-        meta = (step, len(self.params), [int(b._version) for b in buffers], after_broadcast)
+        versions = [int(b._version) for b in buffers]
+        bumps = self.broadcast_bumps
+        if bumps is not None and len(bumps) == len(versions) and self.broadcasts:
+            # what DDP's own broadcasts added is no change of the buffer's (see the module docstring)
+            versions = [v - self.broadcasts * d for v, d in zip(versions, bumps)]
+        meta = (step, len(self.params), versions, after_broadcast)
         self.fingerprinter.take(self.params + buffers, meta)
 
     def final(self, step: int) -> None:

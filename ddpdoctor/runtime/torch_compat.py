@@ -146,6 +146,21 @@ def buffer_sync(ddp: Any) -> bool:
     return bool(value)
 
 
+def first_bucket_bytes_cap(ddp: Any) -> int | None:
+    """The first bucket's byte cap: from the bucket config (torch 2.13+), else as torch 2.5 to 2.12
+    compute it (``dist._DEFAULT_FIRST_BUCKET_BYTES`` when ``bucket_cap_mb`` was left at its
+    default, else ``bucket_bytes_cap``); None where neither can be read."""
+    config = getattr(ddp, "_bucket_config", None)
+    if config is not None and getattr(config, "first_bucket_bytes_cap", None) is not None:
+        return int(config.first_bucket_bytes_cap)
+    cap = getattr(ddp, "bucket_bytes_cap", None)
+    default = getattr(ddp, "bucket_bytes_cap_default", None)
+    if cap is None or default is None:
+        return None
+    first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", None) if default else cap
+    return int(first) if first is not None else None
+
+
 def constructor_accepts(name: str) -> bool:
     """Whether DDP's constructor takes the keyword ``name`` on this torch."""
     return name in inspect.signature(TorchDDP.__init__).parameters
@@ -164,6 +179,39 @@ def buffer_sync_kwargs(enabled: bool) -> dict[str, bool]:
 
 
 # -- private calls, each behind its feature -----------------------------------------------
+
+_TLS_CONTEXT = "context"
+_tls_context_ok: bool | None = None
+
+
+def _probe_tls_context() -> bool:
+    global _tls_context_ok
+    names = ("_is_key_in_tls", "_get_obj_in_tls", "_stash_obj_in_tls", "_remove_obj_from_tls")
+    _tls_context_ok = all(callable(getattr(torch._C, n, None)) for n in names)
+    return _tls_context_ok
+
+
+def without_backward_context(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with the Python ``contextvars.Context`` that torch (2.13+) stashes in the
+    thread-local state for the length of a backward taken out for the call, then put back.
+
+    Why: a gloo work or a future callback made during backward copies the thread-local state,
+    that Context included. When a gloo worker thread drops the last reference to it while the
+    interpreter is finalizing, releasing the Context needs the GIL, the thread is made to exit,
+    and the process dies by ``std::terminate`` (SIGABRT). The all-reduces and callbacks
+    ddpdoctor's comm hook makes hold no Python context that way. Where torch stashes none
+    (2.12 and older) this is a plain call.
+    """
+    ok = _tls_context_ok if _tls_context_ok is not None else _probe_tls_context()
+    if not ok or not torch._C._is_key_in_tls(_TLS_CONTEXT):
+        return fn(*args)
+    saved = torch._C._get_obj_in_tls(_TLS_CONTEXT)
+    torch._C._remove_obj_from_tls(_TLS_CONTEXT)
+    try:
+        return fn(*args)
+    finally:
+        torch._C._stash_obj_in_tls(_TLS_CONTEXT, saved)
+
 
 
 def logging_data(ddp: Any) -> dict[str, Any]:
