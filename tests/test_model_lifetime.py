@@ -108,8 +108,14 @@ def lifetime_worker(rank: int, world_size: int, run_dir: str, case: str) -> dict
     _train(keeper)  # the other model is still monitored
     keeper_steps = keeper_mon.steps
     keeper_mon.close()
-    return {"freed": freed, "plain_freed_by_refcount": plain_freed_by_refcount, "threads": threads,
-            "kept_mon_alive": kept_mon_alive, "keeper_steps": keeper_steps, "ended": ended}
+    return {
+        "freed": freed,
+        "plain_freed_by_refcount": plain_freed_by_refcount,
+        "threads": threads,
+        "kept_mon_alive": kept_mon_alive,
+        "keeper_steps": keeper_steps,
+        "ended": ended,
+    }
 
 
 def test_a_closed_monitor_kept_by_the_script_does_not_keep_the_model_alive(tmp_path: Path) -> None:

@@ -94,5 +94,11 @@ def fit_comm_model(steps_by_rank: dict[int, list[Step]], skip_steps: int = 2) ->
         return None
     latency, slope, r2, sizes = line
     errors = [abs(latency + slope * n - us) / us for n, us in best.values() if us > 0]
-    return CommModel(latency_us=latency, us_per_byte=slope, samples=len(best), sizes=sizes, r2=r2,
-                     median_abs_error_pct=100.0 * median(errors) if errors else 0.0)
+    return CommModel(
+        latency_us=latency,
+        us_per_byte=slope,
+        samples=len(best),
+        sizes=sizes,
+        r2=r2,
+        median_abs_error_pct=100.0 * median(errors) if errors else 0.0,
+    )

@@ -34,8 +34,9 @@ def _in(step: int, first: int, nxt: int | None) -> bool:
     return step >= first and (nxt is None or step < nxt)
 
 
-def rank_findings(log: RankLog, bcast_cost_ms: float | None = None,
-                  exposed_floor: dict[int, float] | None = None) -> list[Finding]:
+def rank_findings(
+    log: RankLog, bcast_cost_ms: float | None = None, exposed_floor: dict[int, float] | None = None
+) -> list[Finding]:
     """What one rank's own log shows, one DDP instance (header segment) at a time."""
     out: list[Finding] = []
     for header, first, nxt in log.segments():
@@ -78,8 +79,16 @@ def merge(findings: list[Finding]) -> list[Finding]:
 
 
 def _from_record(r: FindingRecord) -> Finding:
-    return Finding(code=r.code, severity=r.severity, title=r.title, detail=r.detail, fix=r.fix,  # type: ignore[arg-type]
-                   ranks=list(r.ranks) or [r.rank], step=r.step, evidence=dict(r.evidence))
+    return Finding(
+        code=r.code,
+        severity=r.severity,
+        title=r.title,
+        detail=r.detail,
+        fix=r.fix,  # type: ignore[arg-type]
+        ranks=list(r.ranks) or [r.rank],
+        step=r.step,
+        evidence=dict(r.evidence),
+    )
 
 
 #: Codes a rank may log from evidence that is not in the log itself (``check_replicas`` compares
@@ -95,9 +104,12 @@ def _whole_run(f: Finding, run: Run, looked_at: int) -> Finding:
     if stride <= 1 or not looked_at or total <= looked_at:
         return f
     estimate = f.evidence["time_lost_ms"] * total / looked_at
-    return replace(f, detail=f"{f.detail} The report read every {stride}th step: over all {total} steps, about "
-                             f"{estimate / 1000.0:.1f} s were lost.",
-                   evidence={**f.evidence, "steps_sampled_every": stride, "estimated_run_lost_ms": round(estimate, 1)})
+    return replace(
+        f,
+        detail=f"{f.detail} The report read every {stride}th step: over all {total} steps, about "
+        f"{estimate / 1000.0:.1f} s were lost.",
+        evidence={**f.evidence, "steps_sampled_every": stride, "estimated_run_lost_ms": round(estimate, 1)},
+    )
 
 
 def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Finding]:
@@ -116,10 +128,16 @@ def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Findin
     derived += hangs_in_run(run)
     derived += bucket_size_in_run(run)
     codes = {f.code for f in derived}
-    logged = [_from_record(r) for log in run.ranks.values() for r in log.findings
-              if r.code in LOGGED_EVIDENCE_CODES and r.code not in codes]
+    logged = [
+        _from_record(r)
+        for log in run.ranks.values()
+        for r in log.findings
+        if r.code in LOGGED_EVIDENCE_CODES and r.code not in codes
+    ]
     merged = merge(derived + logged)
     verdict = broadcast_redundancy(header, {r: log.fingerprints for r, log in run.ranks.items()}) if header else None
-    advised = {"exposed-communication": lambda f: advise_communication(run, f),
-               "buffer-broadcast-cost": lambda f: advise_broadcast(f, verdict)}
+    advised = {
+        "exposed-communication": lambda f: advise_communication(run, f),
+        "buffer-broadcast-cost": lambda f: advise_broadcast(f, verdict),
+    }
     return [advised[f.code](f) if f.code in advised else f for f in merged]

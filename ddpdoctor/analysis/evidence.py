@@ -132,8 +132,9 @@ class BufferEvidence:
         # The version counter is the cheap signal, but kernels that update buffers internally
         # (BatchNorm's running statistics) do not bump it: the values must not have moved either.
         for i in range(n):
-            if self._constant[i] and (record.buffer_versions[i] != buffers[i].version
-                                      or values[i] != self._reference[i]):
+            if self._constant[i] and (
+                record.buffer_versions[i] != buffers[i].version or values[i] != self._reference[i]
+            ):
                 self._constant[i] = False
 
     def constant(self) -> list[int]:

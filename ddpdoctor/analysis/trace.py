@@ -16,9 +16,17 @@ from ddpdoctor.runlog import Run
 STEP_TID = 0
 
 
-def _slice(name: str, pid: int, tid: int, start: float, end: float, args: dict[str, Any] | None = None) -> dict[str, Any]:
-    event: dict[str, Any] = {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": round(start, 3),
-                             "dur": round(max(0.0, end - start), 3)}
+def _slice(
+    name: str, pid: int, tid: int, start: float, end: float, args: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    event: dict[str, Any] = {
+        "name": name,
+        "ph": "X",
+        "pid": pid,
+        "tid": tid,
+        "ts": round(start, 3),
+        "dur": round(max(0.0, end - start), 3),
+    }
     if args:
         event["args"] = args
     return event
@@ -37,15 +45,19 @@ def chrome_trace(run: Run) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     for rank, log in sorted(run.ranks.items()):
         host = log.header.host if log.header else "?"
-        events += [_meta("process_name", rank, 0, f"rank {rank} ({host})"),
-                   {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
-                   _meta("thread_name", rank, STEP_TID, "step")]
+        events += [
+            _meta("process_name", rank, 0, f"rank {rank} ({host})"),
+            {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+            _meta("thread_name", rank, STEP_TID, "step"),
+        ]
         buckets_named: set[int] = set()
         # each step is anchored on its own wall-clock reading, which can differ by microseconds from
         # the previous step's monotonic duration: a step's tail must not cross into the next step
-        next_start = {a.step: clocks.aligned_us(rank, b.t0_wall_ns, 0.0) - origin
-                      for a, b in zip(log.steps, log.steps[1:])}
+        next_start = {
+            a.step: clocks.aligned_us(rank, b.t0_wall_ns, 0.0) - origin for a, b in zip(log.steps, log.steps[1:])
+        }
         for s in log.steps:
+
             def at(rel: float | None, s=s) -> float | None:
                 return None if rel is None else clocks.aligned_us(rank, s.t0_wall_ns, rel) - origin
 
@@ -58,8 +70,16 @@ def chrome_trace(run: Run) -> dict[str, Any]:
                 events.append(_slice("forward", rank, STEP_TID, fwd_start, fwd_end, step_args))
             if s.bcast_start_us is not None and s.bcast_us is not None:
                 start = at(s.bcast_start_us)
-                events.append(_slice("buffer broadcast", rank, STEP_TID, start, start + s.bcast_us,
-                                     {"bytes": s.bcast_bytes, **step_args}))
+                events.append(
+                    _slice(
+                        "buffer broadcast",
+                        rank,
+                        STEP_TID,
+                        start,
+                        start + s.bcast_us,
+                        {"bytes": s.bcast_bytes, **step_args},
+                    )
+                )
             bwd_end, sync_end = at(s.bwd_end_us), at(s.sync_end_us)
             if fwd_end is not None and bwd_end is not None:
                 events.append(_slice("backward", rank, STEP_TID, fwd_end, bwd_end, step_args))
@@ -81,7 +101,18 @@ def chrome_trace(run: Run) -> dict[str, Any]:
                     buckets_named.add(i)
                     events.append(_meta("thread_name", rank, i + 1, f"bucket {i}"))
                 nbytes = s.b_bytes[i] if i < len(s.b_bytes) else None
-                events.append(_slice(f"all-reduce bucket {i}", rank, i + 1, at(launch), at(done),
-                                     {"bytes": nbytes, "ready_us": ready, **step_args}))
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"run_dir": str(run.dir), "clock_offsets_us": {str(r): v for r, v in clocks.offset_us.items()}}}
+                events.append(
+                    _slice(
+                        f"all-reduce bucket {i}",
+                        rank,
+                        i + 1,
+                        at(launch),
+                        at(done),
+                        {"bytes": nbytes, "ready_us": ready, **step_args},
+                    )
+                )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"run_dir": str(run.dir), "clock_offsets_us": {str(r): v for r, v in clocks.offset_us.items()}},
+    }

@@ -94,6 +94,7 @@ def _test_offset_ns() -> int:
 
 _OFFSET_NS = _test_offset_ns()
 if _OFFSET_NS:  # rebound here, at import, so the hot path costs nothing when it is off
+
     def wall_ns() -> int:
         return time.time_ns() + _OFFSET_NS
 

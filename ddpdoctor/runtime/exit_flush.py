@@ -77,8 +77,10 @@ class ExitFlush:
             try:
                 monitor.close(reason=reason, timeout=GRACE_S)
             except BaseException as exc:  # at exit or in a signal handler: say it, never raise
-                _say(f"ddpdoctor: closing a log at {reason} failed ({type(exc).__name__}: {exc}); "
-                     "the log may end without its end record")
+                _say(
+                    f"ddpdoctor: closing a log at {reason} failed ({type(exc).__name__}: {exc}); "
+                    "the log may end without its end record"
+                )
 
     def flush_all(self) -> None:
         """Flush every live monitor's sink (any thread); nothing is closed."""

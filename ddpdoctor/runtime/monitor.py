@@ -39,6 +39,7 @@ from ddpdoctor.sinks.tcp import ENDPOINT_ENV, stream_tee
 #: How often the buffer byte count is recomputed (buffers are rarely replaced).
 _BUFFER_BYTES_EVERY = 100
 
+
 def _close_released(monitor: Monitor) -> None:
     """The model was freed without ``close``: end its log (run from DDP's finalizer)."""
     try:
@@ -63,8 +64,9 @@ class Monitor:
     ``run_dir``). Raises ``AttachError`` when it cannot attach (DDP then is as it was).
     """
 
-    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, options: Options | None = None,
-                 **overrides: Any) -> None:
+    def __init__(
+        self, ddp: torch.nn.parallel.DistributedDataParallel, options: Options | None = None, **overrides: Any
+    ) -> None:
         if "run_dir_path" in overrides:
             overrides["run_dir"] = overrides.pop("run_dir_path")
         opts = self.options = Options.of(options, **overrides)
@@ -91,19 +93,33 @@ class Monitor:
                 endpoint = os.environ.get(ENDPOINT_ENV) or None
             self.endpoint = endpoint
             if self.endpoint:
-                self.sink = stream_tee(self.sink, self.endpoint, rank=self.rank, ddp=self.ddp_index,
-                                       run=self.run_dir.name if self.run_dir else "",
-                                       attempt=run_dir.elastic_attempt())
-            self.recorder = StepRecorder(self.rank, self.ddp_index, self.emit,
-                                         CudaClock() if self._cuda else HostClock())
+                self.sink = stream_tee(
+                    self.sink,
+                    self.endpoint,
+                    rank=self.rank,
+                    ddp=self.ddp_index,
+                    run=self.run_dir.name if self.run_dir else "",
+                    attempt=run_dir.elastic_attempt(),
+                )
+            self.recorder = StepRecorder(
+                self.rank, self.ddp_index, self.emit, CudaClock() if self._cuda else HostClock()
+            )
             self.live = LiveFindings(self.rank, self.ddp_index, self.emit, self._flush_now)
             self._bwd_queued: OpenStep | None = None
             self._backward_end_ok = torch_compat.available("backward_end")
             svc = services()
             self._services = svc
-            self.attachment = self._attach(ddp, "attach", extra=(
-                ("services", lambda: svc.join(self, opts.proc_interval, self.hang_timeout), lambda: svc.leave(self)),
-            ))
+            self.attachment = self._attach(
+                ddp,
+                "attach",
+                extra=(
+                    (
+                        "services",
+                        lambda: svc.join(self, opts.proc_interval, self.hang_timeout),
+                        lambda: svc.leave(self),
+                    ),
+                ),
+            )
         except BaseException:
             self._abandon_sink()
             raise
@@ -129,8 +145,15 @@ class Monitor:
         first = self.recorder.next_index
 
         def header(ddp: Any) -> Header:
-            return build_header(ddp, self.rank, self.ddp_index, self.run_dir.name if self.run_dir else "",
-                                self.recorder.clock.name, reason=reason, first_step=first)
+            return build_header(
+                ddp,
+                self.rank,
+                self.ddp_index,
+                self.run_dir.name if self.run_dir else "",
+                self.recorder.clock.name,
+                reason=reason,
+                first_step=first,
+            )
 
         attachment = Attachment.open(ddp, self, header, extra=extra)
         assert attachment.header is not None
@@ -144,8 +167,9 @@ class Monitor:
         self.emit(attachment.header)
         if attachment.timing_off is not None:
             self.probes.on["buckets"] = False
-            warnings.warn(f"ddpdoctor: per-bucket timing is off: {attachment.timing_off}", CommHookWarning,
-                          stacklevel=5)
+            warnings.warn(
+                f"ddpdoctor: per-bucket timing is off: {attachment.timing_off}", CommHookWarning, stacklevel=5
+            )
         elif attachment.hook_state is not None:
             self.recorder.set_comm_hook(attachment.hook_state.user_hook_name)
         return attachment
@@ -190,8 +214,11 @@ class Monitor:
             try:
                 self._attach(ddp, reason="rewrap")
             except AttachError as exc:
-                warnings.warn(f"ddpdoctor could not follow the model into its new DDP ({exc}); training goes on "
-                              "unmonitored", ProbeDisabledWarning, stacklevel=3)
+                warnings.warn(
+                    f"ddpdoctor could not follow the model into its new DDP ({exc}); training goes on unmonitored",
+                    ProbeDisabledWarning,
+                    stacklevel=3,
+                )
                 self.closed = True
                 self.attachment = None  # type: ignore[assignment]
                 self._close(f"error: {exc.step}", 5.0, final=False)
@@ -429,8 +456,16 @@ class Monitor:
             self._detach()
         except Exception as exc:
             self.probes.failed("forward", exc)
-        self.emit(End(rank=self.rank, ddp=self.ddp_index, t_mono_ns=mono_ns(), t_wall_ns=wall_ns(),
-                      steps=self.recorder.steps_emitted, reason=reason))
+        self.emit(
+            End(
+                rank=self.rank,
+                ddp=self.ddp_index,
+                t_mono_ns=mono_ns(),
+                t_wall_ns=wall_ns(),
+                steps=self.recorder.steps_emitted,
+                reason=reason,
+            )
+        )
         try:
             self.sink.close(timeout)
         except Exception as exc:
@@ -444,7 +479,9 @@ class Monitor:
     def __enter__(self) -> Monitor:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close(reason="close" if exc_type is None else f"error: {exc_type.__name__}")
 
 
@@ -505,6 +542,9 @@ def instrument(
             return existing
         return Monitor(ddp_model, opts)
     except Exception as exc:
-        warnings.warn(f"ddpdoctor could not attach to the model ({type(exc).__name__}: {exc}); "
-                      "training goes on unmonitored", ProbeDisabledWarning, stacklevel=2)
+        warnings.warn(
+            f"ddpdoctor could not attach to the model ({type(exc).__name__}: {exc}); training goes on unmonitored",
+            ProbeDisabledWarning,
+            stacklevel=2,
+        )
         return DisabledMonitor()  # type: ignore[return-value]

@@ -17,8 +17,19 @@ class Probes:
     calls ``failed(name, exc)``, which switches the probe off, warns once and tells the log.
     """
 
-    NAMES = ("forward", "buffers", "buckets", "backward_end", "optimizer", "layout", "emit", "proc", "checks", "live",
-             "watchdog")
+    NAMES = (
+        "forward",
+        "buffers",
+        "buckets",
+        "backward_end",
+        "optimizer",
+        "layout",
+        "emit",
+        "proc",
+        "checks",
+        "live",
+        "watchdog",
+    )
 
     def __init__(self, report: Callable[[str, str], None]) -> None:
         self.on: dict[str, bool] = dict.fromkeys(self.NAMES, True)

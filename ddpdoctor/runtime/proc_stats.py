@@ -39,9 +39,14 @@ class ProcSampler:
         mem = self._process.memory_info()
         dev, dev_max = source.device_memory()
         return ProcSample(
-            rank=source.rank, ddp=source.ddp_index, t_mono_ns=mono_ns(), t_wall_ns=wall_ns(),
-            cpu_pct=self._process.cpu_percent(None), rss_bytes=mem.rss,
-            dev_mem_bytes=dev, dev_max_mem_bytes=dev_max,
+            rank=source.rank,
+            ddp=source.ddp_index,
+            t_mono_ns=mono_ns(),
+            t_wall_ns=wall_ns(),
+            cpu_pct=self._process.cpu_percent(None),
+            rss_bytes=mem.rss,
+            dev_mem_bytes=dev,
+            dev_max_mem_bytes=dev_max,
         )
 
     def stop(self, timeout: float = 2.0) -> None:

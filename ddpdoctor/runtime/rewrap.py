@@ -66,8 +66,10 @@ def rewrap(ddp_model: TorchDDP, **overrides: Any) -> TorchDDP:
     accepted = set(inspect.signature(TorchDDP.__init__).parameters) - {"self", "module"}
     unknown = sorted(set(overrides) - accepted)
     if unknown:
-        raise TypeError(f"rewrap: DistributedDataParallel (torch {torch_compat.TORCH_VERSION}) takes no "
-                        f"option(s) {', '.join(unknown)}")
+        raise TypeError(
+            f"rewrap: DistributedDataParallel (torch {torch_compat.TORCH_VERSION}) takes no "
+            f"option(s) {', '.join(unknown)}"
+        )
     options = constructor_options(ddp_model) | overrides
     if "forward_sync_buffers" in overrides:
         options.pop("broadcast_buffers", None)

@@ -122,8 +122,9 @@ class SampledChecks:
             for i, (p, reduced) in enumerate(zip(self.params, self.reduced)):
                 if reduced and p.requires_grad:
                     sample.hooked.append((i, self.names[i]))
-                    sample.handles.append(p.register_post_accumulate_grad_hook(
-                        lambda _p, i=i: seen.__setitem__(i, now())))
+                    sample.handles.append(
+                        p.register_post_accumulate_grad_hook(lambda _p, i=i: seen.__setitem__(i, now()))
+                    )
         # after DDP's own pre-forward (buffer broadcast), right before the wrapped module runs
         sample.handles.append(self.ddp.module.register_forward_pre_hook(self._on_module_pre))
         if not self._post_forward:
@@ -169,9 +170,19 @@ class SampledChecks:
 
     def _deliver_fingerprint(self, meta: Any, norms: list[float], sums: list[float]) -> None:
         step, n, versions, after_broadcast = meta
-        self._emit(Fingerprint(rank=self.rank, ddp=self.ddp_index, step=step, param_norms=norms[:n],
-                               param_sums=sums[:n], buffer_norms=norms[n:], buffer_sums=sums[n:],
-                               buffer_versions=versions, after_broadcast=after_broadcast))
+        self._emit(
+            Fingerprint(
+                rank=self.rank,
+                ddp=self.ddp_index,
+                step=step,
+                param_norms=norms[:n],
+                param_sums=sums[:n],
+                buffer_norms=norms[n:],
+                buffer_sums=sums[n:],
+                buffer_versions=versions,
+                after_broadcast=after_broadcast,
+            )
+        )
 
     def end_sample(self) -> None:
         """Remove the sample's hooks and emit what it saw (idempotent)."""
@@ -188,5 +199,13 @@ class SampledChecks:
         names = [name for i, name in sample.hooked if i not in sample.seen]
         t0, seen = sample.t0_mono_ns, sample.seen
         ready = [round((seen[i] - t0) / 1000.0, 1) if i in seen else None for i in range(len(self.params))]
-        self._emit(Unused(rank=self.rank, ddp=self.ddp_index, step=sample.step, names=names,
-                          post_forward_us=sample.post_forward_us, param_ready_us=ready))
+        self._emit(
+            Unused(
+                rank=self.rank,
+                ddp=self.ddp_index,
+                step=sample.step,
+                names=names,
+                post_forward_us=sample.post_forward_us,
+                param_ready_us=ready,
+            )
+        )

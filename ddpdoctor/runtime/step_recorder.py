@@ -28,9 +28,25 @@ class OpenStep:
     """Marks of the step in progress (plain slots: this is the hot path)."""
 
     __slots__ = (
-        "index", "t0", "t0_mono_ns", "t0_wall_ns", "micro", "fwd_start", "fwd_end", "bcast",
-        "bcast_bytes", "bwd_end", "ready", "launch", "done", "nbytes", "opt_start", "opt_end",
-        "end", "synced_forward", "layout",
+        "index",
+        "t0",
+        "t0_mono_ns",
+        "t0_wall_ns",
+        "micro",
+        "fwd_start",
+        "fwd_end",
+        "bcast",
+        "bcast_bytes",
+        "bwd_end",
+        "ready",
+        "launch",
+        "done",
+        "nbytes",
+        "opt_start",
+        "opt_end",
+        "end",
+        "synced_forward",
+        "layout",
     )
 
     def __init__(self, index: int, t0: Mark) -> None:
@@ -218,9 +234,17 @@ class StepRecorder:
         clock = self.clock
         resolved = clock.always_ready or clock.ready(step.marks())
         if not resolved:  # the GPU never passed these events in time: keep what the host knows
-            record = Step(rank=self.rank, ddp=self.ddp_index, step=step.index, t0_mono_ns=step.t0_mono_ns,
-                          t0_wall_ns=step.t0_wall_ns, micro=step.micro, b_bytes=step.nbytes,
-                          bcast_bytes=step.bcast_bytes, clock=clock.name)
+            record = Step(
+                rank=self.rank,
+                ddp=self.ddp_index,
+                step=step.index,
+                t0_mono_ns=step.t0_mono_ns,
+                t0_wall_ns=step.t0_wall_ns,
+                micro=step.micro,
+                b_bytes=step.nbytes,
+                bcast_bytes=step.bcast_bytes,
+                clock=clock.name,
+            )
         else:
             us = clock.us
             t0 = step.t0
@@ -278,8 +302,16 @@ class StepRecorder:
                     reason = "rebuilt"
                 else:
                     reason = "changed"
-                self.emit(Layout(rank=self.rank, ddp=self.ddp_index, step=step.index, reason=reason, buckets=buckets,
-                                 comm_hook=self.comm_hook))
+                self.emit(
+                    Layout(
+                        rank=self.rank,
+                        ddp=self.ddp_index,
+                        step=step.index,
+                        reason=reason,
+                        buckets=buckets,
+                        comm_hook=self.comm_hook,
+                    )
+                )
                 self._last_layout = signature
                 self._last_hook = self.comm_hook
                 self._last_bytes = [b.bytes for b in buckets]
