@@ -20,7 +20,6 @@ from tests.ddp_harness import run_ranks
 
 
 def _model() -> Any:
-    import torch
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 

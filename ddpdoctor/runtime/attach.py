@@ -7,10 +7,10 @@ reverse order and ``AttachError`` says which step failed: DDP is left exactly as
 hooks, still all-reducing through its own reducer), and nothing refers to it.
 
 The changes that cannot be undone come last: the comm hook (a reducer takes exactly one, for
-good), and, when the reducer was rebuilt, removing the old reducer's autograd hooks. A comm hook the user registered *before* ``instrument``
-means a fresh reducer: it is built beside the old one (whose autograd hooks stay in place
-until the new reducer carries ddpdoctor's hook), and only then are the old reducer's hooks
-removed. After ``detach`` the timed hook stays registered and passes every bucket to the inner
+good), and, when the reducer was rebuilt, removing the old reducer's autograd hooks. A comm hook
+the user registered *before* ``instrument`` means a fresh reducer: it is built beside the old
+one (whose autograd hooks stay in place until the new reducer carries ddpdoctor's hook), and
+only then are the old reducer's hooks removed. After ``detach`` the timed hook stays registered and passes every bucket to the inner
 (the user's, or DDP's own) hook without timing anything, and later ``register_comm_hook``
 calls still fill that inner slot, under DDP's own "only once" rule.
 
@@ -28,7 +28,6 @@ from typing import Any
 
 from ddpdoctor.events import Header
 from ddpdoctor.runtime import comm_hook, torch_compat
-from ddpdoctor.runtime.header import build_header
 
 #: Every step of the transaction, in order ("validate" and "build" change nothing).
 STEPS = (
@@ -277,7 +276,7 @@ class Attachment:
             _, undo = self._undo.pop()
             try:
                 undo()
-            except Exception:  # undo the rest regardless; the caller reports the failed step
+            except Exception:  # noqa: BLE001, S110 - undo the rest regardless; the caller reports the failed step
                 pass
         if self.hook_state is not None:
             self.hook_state.detach()

@@ -42,7 +42,7 @@ def ddp_options(ddp: Any) -> dict[str, Any]:
         logged = torch_compat.logging_data(ddp)
         options["comm_hook"] = logged.get("comm_hook") or None
         options["gloo_num_threads"] = logged.get("gloo_num_threads")
-    except Exception:
+    except Exception:  # noqa: BLE001, S110 - private DDP logging data is optional; attaching must never break training
         pass
     return options
 
@@ -61,7 +61,7 @@ def build_header(
     world_size = group.size() if group is not None else 1
     try:
         backend = str(dist.get_backend(group))
-    except Exception:
+    except Exception:  # noqa: BLE001 - the backend name is optional; attaching must never break training
         backend = ""
     ignore = set(getattr(ddp, "parameters_to_ignore", None) or [])
     params = [

@@ -44,7 +44,7 @@ def _close_released(monitor: Monitor) -> None:
     """The model was freed without ``close``: end its log (run from DDP's finalizer)."""
     try:
         monitor.close()
-    except Exception:  # noqa: BLE001 - a finalizer must never raise into the code that dropped the model
+    except Exception:  # noqa: BLE001, S110 - a finalizer must never raise into the code that dropped the model
         pass
 
 
@@ -229,7 +229,7 @@ class Monitor:
         if checks is not None and not self.closed:
             try:
                 checks.end_sample()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("checks", exc)
 
     def _open_file_sink(self, explicit: str | os.PathLike[str] | None) -> Sink:
@@ -237,7 +237,7 @@ class Monitor:
         if explicit is None and not os.environ.get(run_dir.RUN_DIR_ENV) and dist.is_initialized():
             try:
                 store = torch_compat.default_store()
-            except Exception:
+            except Exception:  # noqa: BLE001 - no store means rank-local naming; attaching must never break training
                 store = None
         self.run_dir = run_dir.resolve(explicit, self.rank, store, "0")
         self.path, self.ddp_index = run_dir.rank_file(self.run_dir, self.rank)
@@ -252,7 +252,7 @@ class Monitor:
         """Attach failed: stop the sink's threads; a log file left empty is removed."""
         try:
             self.sink.close(1.0)
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - a failed attach is already being reported; its cleanup must never break training
             pass
         if self.path is not None:
             try:
@@ -268,12 +268,12 @@ class Monitor:
         if self.probes.on["emit"]:
             try:
                 self.sink.emit(record)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("emit", exc)
         if self.probes.on["live"]:
             try:
                 self.live.observe(record)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("live", exc)
 
     def _flush_now(self) -> None:
@@ -283,7 +283,7 @@ class Monitor:
         """Make what was emitted so far durable (any thread; e.g. on SIGTERM). Never raises."""
         try:
             return self.sink.flush(timeout=timeout)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - flush runs on any thread, SIGTERM included: never raises
             self.probes.failed("emit", exc)
             return False
 
@@ -320,13 +320,13 @@ class Monitor:
             self.recorder.forward_start(sync)
             step = self.recorder.current
             self.checks.bcast_in_forward = False
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("forward", exc)
             return
         if self.probes.on["checks"]:
             try:
                 self.checks.on_step_start(step.index, step.t0_mono_ns, sync, step is not previous)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("checks", exc)
 
     def on_forward_post(self, module: Any, args: Any, output: Any) -> None:
@@ -335,7 +335,7 @@ class Monitor:
         t = time.perf_counter_ns()
         try:
             self.recorder.forward_end()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("forward", exc)
         self.own_ns += time.perf_counter_ns() - t
 
@@ -347,7 +347,7 @@ class Monitor:
         clock = self.recorder.clock
         try:
             start = clock.now()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("buffers", exc)
             return original()
         self.recorder.in_broadcast = True
@@ -365,7 +365,7 @@ class Monitor:
                 self._buffer_bytes = sum(b.numel() * b.element_size() for b in self.ddp.modules_buffers)
                 self._buffer_bytes_age = 0
             self.recorder.buffers_broadcast(start, end, self._buffer_bytes)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("buffers", exc)
         self.own_ns += time.perf_counter_ns() - t - (t_out - t_in)
         return None
@@ -387,7 +387,7 @@ class Monitor:
                 from ddpdoctor.runtime.comm_hook import bucket_info
 
                 self.recorder.bucket_layout(step, index, bucket_info(bucket, self._param_names))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("layout", exc)
         if self._bwd_queued is not step and self._backward_end_ok and self.probes.on["backward_end"]:
             self._bwd_queued = step
@@ -395,14 +395,14 @@ class Monitor:
                 # Final callbacks run when the autograd graph is done, before DDP's own
                 # finalization waits for the all-reduces: that instant is "backward compute end".
                 torch_compat.queue_backward_callback(lambda: self._on_backward_end(step))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("backward_end", exc)
         return step
 
     def _on_backward_end(self, step: OpenStep) -> None:
         try:
             self.recorder.backward_end(step)
-        except Exception as exc:  # an exception here would surface inside loss.backward()
+        except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); it must never break training
             self.probes.failed("backward_end", exc)
 
     def on_optimizer(self, start: bool) -> None:
@@ -413,7 +413,7 @@ class Monitor:
                 self.recorder.optimizer_start()
             else:
                 self.recorder.optimizer_end()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("optimizer", exc)
 
     def device_memory(self) -> tuple[int | None, int | None]:
@@ -441,7 +441,7 @@ class Monitor:
         self._services.leave(self)
         try:
             self.recorder.close()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - closing must never break training
             self.probes.failed("emit", exc)
         checks = getattr(self, "checks", None)
         if checks is not None and self.probes.on["checks"]:
@@ -450,11 +450,11 @@ class Monitor:
                     checks.final(self.recorder.next_index)
                 checks.end_sample()
                 checks.fingerprinter.poll()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - closing must never break training
                 self.probes.failed("checks", exc)
         try:
             self._detach()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - closing must never break training
             self.probes.failed("forward", exc)
         self.emit(
             End(
@@ -468,7 +468,7 @@ class Monitor:
         )
         try:
             self.sink.close(timeout)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - closing must never break training
             self.probes.failed("emit", exc)
         # Let the model go: a monitor kept by the user must not keep DDP's reducer (and its process
         # group) alive past destroy_process_group.
@@ -541,7 +541,7 @@ def instrument(
         if existing is not None:
             return existing
         return Monitor(ddp_model, opts)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - attaching must never break the user's training
         warnings.warn(
             f"ddpdoctor could not attach to the model ({type(exc).__name__}: {exc}); training goes on unmonitored",
             ProbeDisabledWarning,

@@ -51,5 +51,5 @@ class Probes:
         )
         try:
             self._report(name, detail)
-        except Exception:  # the log itself may be what failed
+        except Exception:  # noqa: BLE001, S110 - the log itself may be what failed; already warned above
             pass

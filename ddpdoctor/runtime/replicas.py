@@ -11,10 +11,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.events import BufferInfo, Fingerprint, Header, ParamInfo
-from ddpdoctor.runtime.fingerprints import tensor_values
-from ddpdoctor.runtime.live_findings import warn_finding
 from ddpdoctor.runtime import torch_compat
 from ddpdoctor.runtime.attach import monitor_of
+from ddpdoctor.runtime.fingerprints import tensor_values
+from ddpdoctor.runtime.live_findings import warn_finding
 
 
 def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True) -> list[Finding]:

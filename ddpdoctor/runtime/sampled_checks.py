@@ -21,8 +21,6 @@ import time
 import weakref
 from typing import Any
 
-import torch
-
 from ddpdoctor.events import Fingerprint, GradFlags, Header, Unused
 from ddpdoctor.runtime import torch_compat
 from ddpdoctor.runtime.clocks import HostClock
@@ -108,8 +106,12 @@ class SampledChecks:
         if flags == self.flags:
             return
         self.flags = flags
-        frozen = [n for n, r, f in zip(self.names, self.reduced, flags) if r and not f]
-        unfrozen = [n for n, r, f, i in zip(self.names, self.reduced, flags, self.ignored) if f and not r and not i]
+        frozen = [n for n, r, f in zip(self.names, self.reduced, flags, strict=False) if r and not f]
+        unfrozen = [
+            n
+            for n, r, f, i in zip(self.names, self.reduced, flags, self.ignored, strict=False)
+            if f and not r and not i
+        ]
         self._emit(GradFlags(rank=self.rank, ddp=self.ddp_index, step=step, frozen=frozen, unfrozen=unfrozen))
 
     # -- sampled steps --------------------------------------------------------------------
@@ -119,7 +121,7 @@ class SampledChecks:
         seen = sample.seen
         now = time.monotonic_ns
         if self._grad_ready:
-            for i, (p, reduced) in enumerate(zip(self.params, self.reduced)):
+            for i, (p, reduced) in enumerate(zip(self.params, self.reduced, strict=False)):
                 if reduced and p.requires_grad:
                     sample.hooked.append((i, self.names[i]))
                     sample.handles.append(

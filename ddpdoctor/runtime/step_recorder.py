@@ -224,9 +224,8 @@ class StepRecorder:
     def _drain(self, force: bool) -> None:
         while self._pending:
             step = self._pending[0]
-            if not self.clock.ready(step.marks()):
-                if not force and len(self._pending) < MAX_PENDING_STEPS:
-                    return
+            if not self.clock.ready(step.marks()) and not force and len(self._pending) < MAX_PENDING_STEPS:
+                return
             self._pending.pop(0)
             self._emit_step(step)
 
