@@ -10,9 +10,10 @@ The changes that cannot be undone come last: the comm hook (a reducer takes exac
 good), and, when the reducer was rebuilt, removing the old reducer's autograd hooks. A comm hook
 the user registered *before* ``instrument`` means a fresh reducer: it is built beside the old
 one (whose autograd hooks stay in place until the new reducer carries ddpdoctor's hook), and
-only then are the old reducer's hooks removed. After ``detach`` the timed hook stays registered and passes every bucket to the inner
-(the user's, or DDP's own) hook without timing anything, and later ``register_comm_hook``
-calls still fill that inner slot, under DDP's own "only once" rule.
+only then are the old reducer's hooks removed. After ``detach`` the timed hook stays registered
+and passes every bucket to the inner (the user's, or DDP's own) hook without timing anything,
+and later ``register_comm_hook`` calls still fill that inner slot, under DDP's own "only once"
+rule.
 
 Fault injection (tests): ``fail_at`` (or ``$DDPDOCTOR_TEST_FAIL_ATTACH``) names a step of
 ``STEPS`` to fail at.
