@@ -117,7 +117,7 @@ def test_jitter_that_moves_between_ranks_is_not_blamed() -> None:
     for seed in range(20):
         rng = random.Random(seed)
         spikes = {(rng.randrange(2), s): rng.uniform(10, 60) for s in range(12) if rng.random() < 0.25}
-        short = timeline(2, 12, gap=lambda r, s: spikes.get((r, s), 0.0))
+        short = timeline(2, 12, gap=lambda r, s, spikes=spikes: spikes.get((r, s), 0.0))
         assert found(short) == [], seed
 
 

@@ -70,7 +70,7 @@ def replay(
 ) -> float:
     """Predicted step time (µs) of ``sample`` with ``buckets``."""
     # ready times without the delay the measured hooks added to later gradients
-    measured = sorted(zip(sample.measured_buckets, sample.measured_bytes))
+    measured = sorted(zip(sample.measured_buckets, sample.measured_bytes, strict=False))
     base = {i: t - sum(hook.us(n) for r, n in measured if r < t) for i, t in sample.ready_us.items()}
     ready_at = sorted((max(base[i] for i in b), sum(nbytes[i] for i in b)) for b in buckets if b)
     delay, end = 0.0, 0.0
@@ -143,7 +143,7 @@ def hook_cost(steps: list[Step], skip_steps: int = 2) -> HookCost:
         (int(n), la - r)
         for s in steps
         if s.step >= skip_steps
-        for r, la, n in zip(s.b_ready_us, s.b_launch_us, s.b_bytes)
+        for r, la, n in zip(s.b_ready_us, s.b_launch_us, s.b_bytes, strict=False)
         if r is not None and la is not None and n is not None
     ]
     line = fit_line(points)

@@ -7,7 +7,7 @@ from statistics import median
 from typing import Any
 
 from ddpdoctor.analysis.evidence import BufferEvidence
-from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.findings import Finding, Severity
 from ddpdoctor.analysis.sizes import human_bytes, name_list
 from ddpdoctor.events import Fingerprint, Header, Step
 
@@ -52,11 +52,12 @@ def constant_buffers(
     everything = len(constant) == len(broadcast)
     saving_ms = None if bcast_ms is None else bcast_ms * (1.0 if everything else const_bytes / max(1, all_bytes))
     share = saving_ms / step_ms if saving_ms is not None and step_ms else None
-    severity = "warning" if share is not None and share >= 0.01 else "info"
+    severity: Severity = "warning" if share is not None and share >= 0.01 else "info"
     if everything:
         fix = (
             "No buffer changes during training: stop broadcasting them at every forward:\n"
-            "    model = DistributedDataParallel(net, broadcast_buffers=False)  # torch>=2.13: forward_sync_buffers=False"
+            "    model = DistributedDataParallel(net, broadcast_buffers=False)"
+            "  # torch>=2.13: forward_sync_buffers=False"
         )
     else:
         listed = ", ".join(repr(n) for n in names[:20])
@@ -66,6 +67,7 @@ def constant_buffers(
             f"    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, [{listed}])\n"
             "    model = DistributedDataParallel(net)"
         )
+    saving = f"; excluding them would save about {saving_ms:.2f} ms per step ({share:.1%})" if share is not None else ""
     return [
         Finding(
             code="constant-buffers",
@@ -76,7 +78,7 @@ def constant_buffers(
             detail=(
                 f"{name_list(names)} ({human_bytes(const_bytes)}) never changed in {evidence.last_step} steps, yet DDP "
                 f"broadcasts them from rank 0 at every forward"
-                f"{f'; excluding them would save about {saving_ms:.2f} ms per step ({share:.1%})' if share is not None else ''}."
+                f"{saving}."
             ),
             evidence={
                 "names": names,
@@ -197,7 +199,8 @@ def advise_broadcast(cost: Finding, verdict: dict[str, Any] | None) -> Finding:
         )
         fix = (
             "Every rank updates its buffers identically: stop the per-forward broadcast:\n"
-            "    model = DistributedDataParallel(net, broadcast_buffers=False)  # torch>=2.13: forward_sync_buffers=False\n"
+            "    model = DistributedDataParallel(net, broadcast_buffers=False)"
+            "  # torch>=2.13: forward_sync_buffers=False\n"
             "ddpdoctor's final fingerprint will tell if they ever drift apart (buffer-divergence)."
         )
     else:

@@ -55,7 +55,7 @@ def estimate_offsets(steps_by_rank: dict[int, list[Step]]) -> ClockOffsets:
             a - b
             for step, times in mine.items()
             if step in ref and len(ref[step]) == len(times)
-            for a, b in zip(times, ref[step])
+            for a, b in zip(times, ref[step], strict=False)
         ]
         if deltas:
             offsets[rank] = median(deltas)

@@ -107,7 +107,8 @@ def advise_communication(run: Run, exposed: Finding) -> Finding:
     if "bucket_cap_step_ms" in p and p["bucket_cap_step_ms"] < measured * 0.98:
         parts.append(f"with bucket_cap_mb={p['recommended_bucket_cap_mb']:g} about {p['bucket_cap_step_ms']:.1f} ms")
         fixes.append(
-            f"Start all-reduces earlier: DistributedDataParallel(net, bucket_cap_mb={p['recommended_bucket_cap_mb']:g})."
+            "Start all-reduces earlier: "
+            f"DistributedDataParallel(net, bucket_cap_mb={p['recommended_bucket_cap_mb']:g})."
         )
     elif "bucket_cap_step_ms" in p:
         parts.append(

@@ -174,7 +174,7 @@ def mann_whitney_p(a: list[float], b: list[float]) -> float | None:
         t = j - i + 1
         ties += t**3 - t
         i = j + 1
-    r1 = sum(r for r, (_, side) in zip(ranks, pooled) if side == 0)
+    r1 = sum(r for r, (_, side) in zip(ranks, pooled, strict=True) if side == 0)
     u1 = r1 - n1 * (n1 + 1) / 2.0
     mu = n1 * n2 / 2.0
     n = n1 + n2
@@ -333,7 +333,7 @@ def compare(base: Run, new: Run, base_report: Report, new_report: Report) -> Com
     note = None
     if len(ba) != len(bb):
         note = f"the bucket layouts differ ({len(ba)} buckets in base, {len(bb)} in new): buckets compared by index"
-    elif any(x[0] != y[0] for x, y in zip(ba, bb)):
+    elif any(x[0] != y[0] for x, y in zip(ba, bb, strict=False)):
         note = "bucket sizes differ between the runs: buckets compared by index"
     buckets = []
     for i in range(max(len(ba), len(bb))):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
 from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
@@ -16,7 +16,7 @@ from ddpdoctor.analysis.buffers import (
 )
 from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.analysis.comm_advice import advise_communication
-from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
+from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding, Severity
 from ddpdoctor.analysis.from_run import bucket_size_in_run, hangs_in_run, lost_in_run
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
@@ -81,10 +81,10 @@ def merge(findings: list[Finding]) -> list[Finding]:
 def _from_record(r: FindingRecord) -> Finding:
     return Finding(
         code=r.code,
-        severity=r.severity,
+        severity=cast(Severity, r.severity),  # the record holds a str; the runtime writes only these
         title=r.title,
         detail=r.detail,
-        fix=r.fix,  # type: ignore[arg-type]
+        fix=r.fix,
         ranks=list(r.ranks) or [r.rank],
         step=r.step,
         evidence=dict(r.evidence),

@@ -125,7 +125,7 @@ class BufferEvidence:
         if not len(record.buffer_versions) == len(record.buffer_norms) == len(record.buffer_sums) == n:
             return
         self.usable += 1
-        values = list(zip(record.buffer_norms, record.buffer_sums))
+        values = list(zip(record.buffer_norms, record.buffer_sums, strict=False))
         if not self._reference:
             self._reference = values
             self._constant = [True] * n

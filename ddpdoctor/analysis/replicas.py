@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
-from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.findings import Finding, Severity
 from ddpdoctor.analysis.sizes import name_list
 from ddpdoctor.events import Fingerprint, Header
 
@@ -24,7 +25,7 @@ BUFFER_FIX = (
 )
 
 
-def _odd_ranks(values: dict[int, tuple[float, ...]]) -> list[int]:
+def _odd_ranks(values: Mapping[int, tuple[float, ...]]) -> list[int]:
     """Ranks whose value is not the most common one (all of them on a tie)."""
     counts = Counter(values.values())
     (top, n), *rest = counts.most_common()
@@ -87,10 +88,11 @@ def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -
             if len(set(vals.values())) > 1:
                 bad_buffers[buf.name] = (step, _odd_ranks(vals), _rel_diff([v[0] for v in vals.values()]))
     out = []
-    for code, bad, what, fix, severity in (
+    checks: tuple[tuple[str, dict[str, tuple[int, list[int], float]], str, str, Severity], ...] = (
         ("replica-divergence", bad_params, "parameter", RESYNC_FIX, "error"),
         ("buffer-divergence", bad_buffers, "buffer", BUFFER_FIX, "warning"),
-    ):
+    )
+    for code, bad, what, fix, severity in checks:
         if not bad:
             continue
         names = list(bad)
@@ -114,7 +116,8 @@ def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -
                     f"{name_list(names)} are not identical on every rank: {since} "
                     f"(ranks {ranks} differ from the others; largest relative difference "
                     f"{max(v[2] for v in bad.values()):.2e}; steps compared: {_steps_text(compared)}). "
-                    f"The cause ran between step {last_equal if last_equal is not None else 'the start'} and step {first}."
+                    "The cause ran between step "
+                    f"{last_equal if last_equal is not None else 'the start'} and step {first}."
                 ),
                 evidence={
                     "names": names,

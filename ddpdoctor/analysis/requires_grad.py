@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ddpdoctor.analysis.evidence import FlagEvidence
-from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.findings import Finding, Severity
 from ddpdoctor.analysis.sizes import human_bytes, name_list, param_bytes
 from ddpdoctor.events import GradFlags, Header
 
@@ -25,6 +25,7 @@ def stale_requires_grad(header: Header, flags: Sequence[GradFlags] | FlagEvidenc
     if frozen:
         nbytes = param_bytes(header, frozen)
         find_unused = bool(header.ddp_options.get("find_unused_parameters"))
+        severity: Severity
         if find_unused:
             severity, consequence = (
                 "warning",

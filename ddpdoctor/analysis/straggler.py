@@ -106,7 +106,7 @@ def _phase_excess(
         others = [others[int(i * stride)] for i in range(PHASE_OTHERS)]
     index = {r: {s.step: s for s in steps_by_rank[r]} for r in (*others, rb.rank)}
     out: dict[str, list[float]] = {}
-    for step, worst in zip(rb.late_steps, rb.worst):
+    for step, worst in zip(rb.late_steps, rb.worst, strict=True):
         phases = {}
         for r in index:
             s = index[r].get(step)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddpdoctor.analysis.clock_align import estimate_offsets
+from ddpdoctor.events import Step
 from ddpdoctor.runlog import Run
 
 STEP_TID = 0
@@ -54,22 +55,26 @@ def chrome_trace(run: Run) -> dict[str, Any]:
         # each step is anchored on its own wall-clock reading, which can differ by microseconds from
         # the previous step's monotonic duration: a step's tail must not cross into the next step
         next_start = {
-            a.step: clocks.aligned_us(rank, b.t0_wall_ns, 0.0) - origin for a, b in zip(log.steps, log.steps[1:])
+            a.step: clocks.aligned_us(rank, b.t0_wall_ns, 0.0) - origin
+            for a, b in zip(log.steps, log.steps[1:], strict=False)
         }
         for s in log.steps:
+            # defaults bind this iteration's step and rank (the helpers are only called within it)
+            def at_us(rel: float, s: Step = s, rank: int = rank) -> float:
+                return clocks.aligned_us(rank, s.t0_wall_ns, rel) - origin
 
-            def at(rel: float | None, s=s) -> float | None:
-                return None if rel is None else clocks.aligned_us(rank, s.t0_wall_ns, rel) - origin
+            def at(rel: float | None, s: Step = s, rank: int = rank) -> float | None:
+                return None if rel is None else at_us(rel, s, rank)
 
             step_args = {"step": s.step, "micro": s.micro}
-            t0 = at(0.0)
+            t0 = at_us(0.0)
             if s.micro and s.fwd_start_us:
-                events.append(_slice("no_sync micro-steps", rank, STEP_TID, t0, at(s.fwd_start_us), step_args))
-            fwd_start, fwd_end = at(s.fwd_start_us), at(s.fwd_end_us)
+                events.append(_slice("no_sync micro-steps", rank, STEP_TID, t0, at_us(s.fwd_start_us), step_args))
+            fwd_start, fwd_end = at_us(s.fwd_start_us), at(s.fwd_end_us)
             if fwd_end is not None:
                 events.append(_slice("forward", rank, STEP_TID, fwd_start, fwd_end, step_args))
             if s.bcast_start_us is not None and s.bcast_us is not None:
-                start = at(s.bcast_start_us)
+                start = at_us(s.bcast_start_us)
                 events.append(
                     _slice(
                         "buffer broadcast",
@@ -94,7 +99,7 @@ def chrome_trace(run: Run) -> dict[str, Any]:
             rest_from = opt_end if opt_end is not None else sync_end
             if end is not None and rest_from is not None:
                 events.append(_slice("data / other", rank, STEP_TID, rest_from, end, step_args))
-            for i, (ready, launch, done) in enumerate(zip(s.b_ready_us, s.b_launch_us, s.b_done_us)):
+            for i, (ready, launch, done) in enumerate(zip(s.b_ready_us, s.b_launch_us, s.b_done_us, strict=False)):
                 if launch is None or done is None:
                     continue
                 if i not in buckets_named:
@@ -106,8 +111,8 @@ def chrome_trace(run: Run) -> dict[str, Any]:
                         f"all-reduce bucket {i}",
                         rank,
                         i + 1,
-                        at(launch),
-                        at(done),
+                        at_us(launch),
+                        at_us(done),
                         {"bytes": nbytes, "ready_us": ready, **step_args},
                     )
                 )

@@ -83,6 +83,7 @@ def unused_parameters(
     step_us = [s.end_us for s in steps if s.end_us is not None]
     cost_ms = post / 1000.0 if post is not None else None
     share = (post / median(step_us)) if post is not None and step_us else None
+    cost = f" ({cost_ms:.2f} ms per step, {share:.1%} of the step)" if share is not None else ""
     return [
         Finding(
             code="find-unused-unneeded",
@@ -92,7 +93,7 @@ def unused_parameters(
             title="find_unused_parameters=True, but every parameter gets a gradient",
             detail=(
                 f"In {n_samples} sampled steps no parameter was unused. The flag makes DDP search the autograd "
-                f"graph after every forward{f' ({cost_ms:.2f} ms per step, {share:.1%} of the step)' if share is not None else ''}"
+                f"graph after every forward{cost}"
                 " and all-reduce a usage bitmap: pure overhead here."
             ),
             evidence={"samples": n_samples, "post_forward_ms": cost_ms, "share_of_step": share},
