@@ -169,10 +169,14 @@ class Attachment:
             else None
         )
 
-        def sync_buffers() -> None:
-            return monitor.on_sync_buffers(original_sync())  # type: ignore[misc]
+        self._sync_buffers = None
+        if original_sync is not None:
+            get_original = original_sync
 
-        self._sync_buffers = sync_buffers if original_sync is not None else None
+            def sync_buffers() -> Any:
+                return monitor.on_sync_buffers(get_original())
+
+            self._sync_buffers = sync_buffers
         self._getstate = _state_without_ddpdoctor(ddp)
 
     def _plan(
@@ -313,11 +317,11 @@ def _state_without_ddpdoctor(ddp: Any) -> Callable[[], dict[str, Any]]:
     ddp_ref = weakref.ref(ddp)
 
     def __getstate__() -> dict[str, Any]:
-        ddp = ddp_ref()
+        ddp: Any = ddp_ref()  # called on the instance itself: it is alive
         monitor = monitor_of(ddp)
         if monitor is not None:
             monitor.quiesce()  # a sample in progress holds hooks on the parameters: end it
-        state = type(ddp).__getstate__(ddp)
+        state: dict[str, Any] = type(ddp).__getstate__(ddp)
         for name in SHADOWED:
             state.pop(name, None)
         if "ddpdoctor" in state:  # the drop-in class's attribute: a copy is not monitored

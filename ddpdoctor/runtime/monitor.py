@@ -317,8 +317,7 @@ class Monitor:
         sync = bool(ddp.require_backward_grad_sync)
         try:
             previous = self.recorder.current
-            self.recorder.forward_start(sync)
-            step = self.recorder.current
+            step = self.recorder.forward_start(sync)
             self.checks.bcast_in_forward = False
         except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("forward", exc)
@@ -339,7 +338,7 @@ class Monitor:
             self.probes.failed("forward", exc)
         self.own_ns += time.perf_counter_ns() - t
 
-    def on_sync_buffers(self, original: Any) -> None:
+    def on_sync_buffers(self, original: Any) -> Any:
         """DDP's buffer broadcast, timed apart from the forward around it."""
         if not (self.probes.on["buffers"] and self.recorder.in_forward):
             return original()
@@ -472,7 +471,7 @@ class Monitor:
             self.probes.failed("emit", exc)
         # Let the model go: a monitor kept by the user must not keep DDP's reducer (and its process
         # group) alive past destroy_process_group.
-        self.ddp = None  # type: ignore[assignment]
+        self.ddp = None
         if checks is not None:
             checks.ddp = None
 
@@ -537,7 +536,7 @@ def instrument(
         overrides["run_dir"] = run_dir
     opts = Options.of(options, **overrides)  # a mistyped keyword is the caller's error: raise it
     try:
-        existing = monitor_of(ddp_model)
+        existing: Monitor | None = monitor_of(ddp_model)
         if existing is not None:
             return existing
         return Monitor(ddp_model, opts)

@@ -122,7 +122,8 @@ class StepRecorder:
 
     # -- forward ---------------------------------------------------------------------------
 
-    def forward_start(self, sync: bool) -> None:
+    def forward_start(self, sync: bool) -> OpenStep:
+        """Open (or continue) the step this forward belongs to, and return it."""
         now = self.clock.now()
         step = self.current
         if step is not None and (step.ready or (sync and step.synced_forward)):
@@ -140,6 +141,7 @@ class StepRecorder:
             step.micro += 1
         self.in_forward = True
         self.in_sync_forward = sync
+        return step
 
     def forward_end(self) -> None:
         if self.in_sync_forward and self.current is not None:
@@ -240,7 +242,9 @@ class StepRecorder:
                 t0_mono_ns=step.t0_mono_ns,
                 t0_wall_ns=step.t0_wall_ns,
                 micro=step.micro,
-                b_bytes=step.nbytes,
+                # per-bucket lists hold None for a bucket not seen this step (``_put`` pads): the
+                # schema's element types do not say so; readers skip None
+                b_bytes=step.nbytes,  # type: ignore[arg-type]
                 bcast_bytes=step.bcast_bytes,
                 clock=clock.name,
             )
@@ -249,14 +253,20 @@ class StepRecorder:
             t0 = step.t0
             bcast_us = fwd_us = sync_end = None
             bcast_start = None
+            # us() is None only for a missing mark: broadcast marks come in pairs, and fwd_start and
+            # fwd_end are checked below, so these sums and differences are of floats
             if step.bcast:
-                bcast_us = sum(us(a, b) for a, b, _ in step.bcast)
+                bcast_us = sum(us(a, b) for a, b, _ in step.bcast)  # type: ignore[misc]
                 bcast_start = us(t0, step.bcast[0][0])
             if step.fwd_start is not None and step.fwd_end is not None:
-                fwd_us = us(step.fwd_start, step.fwd_end) - sum(us(a, b) for a, b, sync in step.bcast if sync)
+                fwd_us = us(step.fwd_start, step.fwd_end) - sum(  # type: ignore[operator]
+                    us(a, b)  # type: ignore[misc]
+                    for a, b, sync in step.bcast
+                    if sync
+                )
             done = [us(t0, m) for m in step.done]
             if done and None not in done:
-                sync_end = max(done)
+                sync_end = max(done)  # type: ignore[type-var]  # None was ruled out just above
             record = Step(
                 rank=self.rank,
                 ddp=self.ddp_index,
@@ -271,10 +281,13 @@ class StepRecorder:
                 bcast_bytes=step.bcast_bytes,
                 fwd_end_us=us(t0, step.fwd_end),
                 bwd_end_us=us(t0, step.bwd_end),
-                b_ready_us=[us(t0, m) for m in step.ready],
-                b_launch_us=[us(t0, m) for m in step.launch],
-                b_done_us=done,
-                b_bytes=step.nbytes,  # the step is closed: its lists are handed over, not copied
+                # per-bucket lists hold None for a bucket not seen this step (``_put`` pads): the
+                # schema's element types do not say so; readers skip None
+                b_ready_us=[us(t0, m) for m in step.ready],  # type: ignore[misc]
+                b_launch_us=[us(t0, m) for m in step.launch],  # type: ignore[misc]
+                b_done_us=done,  # type: ignore[arg-type]
+                # the step is closed: its lists are handed over, not copied
+                b_bytes=step.nbytes,  # type: ignore[arg-type]
                 sync_end_us=sync_end,
                 opt_start_us=us(t0, step.opt_start),
                 opt_end_us=us(t0, step.opt_end),
