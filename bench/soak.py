@@ -78,11 +78,16 @@ def main() -> None:
     x, y = torch.randn(16, 32), torch.randn(16, 8)
     with tempfile.TemporaryDirectory() as run_dir:
         mon = ddpdoctor.instrument(model, run_dir, check_every=args.check_every)
-        print(f"soak: 1 rank, {steps} steps, check_every={args.check_every}, "
-              f"{sum(is_sampled(i, args.check_every) for i in range(steps))} sampled checks, "
-              f"blocks of {block} steps, torch {torch.__version__}", flush=True)
-        print(f"{'block':>5} {'steps':>7} {'checks':>7} {'RSS MiB':>8} {'own µs/step':>12} "
-              f"{'p50 checked':>12} {'p50 other':>10} {'step ms p50':>12}")
+        print(
+            f"soak: 1 rank, {steps} steps, check_every={args.check_every}, "
+            f"{sum(is_sampled(i, args.check_every) for i in range(steps))} sampled checks, "
+            f"blocks of {block} steps, torch {torch.__version__}",
+            flush=True,
+        )
+        print(
+            f"{'block':>5} {'steps':>7} {'checks':>7} {'RSS MiB':>8} {'own µs/step':>12} "
+            f"{'p50 checked':>12} {'p50 other':>10} {'step ms p50':>12}"
+        )
         rows = []
         checks = 0
         for b in range(args.blocks):
@@ -104,19 +109,24 @@ def main() -> None:
                 checks += sampled
             own_us = (mon.own_ns - own0) / 1000.0 / block
             rows.append((rss_mib(), own_us))
-            print(f"{b:>5} {(b + 1) * block:>7} {checks:>7} {rows[-1][0]:>8.1f} {own_us:>12.1f} "
-                  f"{statistics.median(checked) if checked else float('nan'):>12.1f} "
-                  f"{statistics.median(other) if other else float('nan'):>10.1f} "
-                  f"{statistics.median(times) * 1000:>12.3f}", flush=True)
+            print(
+                f"{b:>5} {(b + 1) * block:>7} {checks:>7} {rows[-1][0]:>8.1f} {own_us:>12.1f} "
+                f"{statistics.median(checked) if checked else float('nan'):>12.1f} "
+                f"{statistics.median(other) if other else float('nan'):>10.1f} "
+                f"{statistics.median(times) * 1000:>12.3f}",
+                flush=True,
+            )
         mon.close()
         size = sum(p.stat().st_size for p in Path(run_dir).rglob("*") if p.is_file())
     # the first block holds the warm-up (allocator, first checks): growth is measured after it
     rss = [r for r, _ in rows[1:]]
     own = [o for _, o in rows[1:]]
     half = len(own) // 2
-    print(f"RSS blocks 1..{len(rows) - 1}: {rss[0]:.1f} -> {rss[-1]:.1f} MiB ({rss[-1] - rss[0]:+.1f}); "
-          f"own µs/step: first half median {statistics.median(own[:half]):.1f}, "
-          f"second half median {statistics.median(own[half:]):.1f}; log {size / 2**20:.1f} MiB on disk")
+    print(
+        f"RSS blocks 1..{len(rows) - 1}: {rss[0]:.1f} -> {rss[-1]:.1f} MiB ({rss[-1] - rss[0]:+.1f}); "
+        f"own µs/step: first half median {statistics.median(own[:half]):.1f}, "
+        f"second half median {statistics.median(own[half:]):.1f}; log {size / 2**20:.1f} MiB on disk"
+    )
     dist.destroy_process_group()
     os._exit(0)
 

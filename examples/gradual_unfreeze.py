@@ -55,9 +55,11 @@ def train(rank: int, run_dir: str, wrong: bool) -> None:
                 loss.backward()
                 optimizer.step()
         findings = ddpdoctor.check_replicas(model, warn=wrong)
-    trained = sum(not torch.equal(a, b) for a, b in zip(initial, net.parameters()))
-    print(f"rank {rank}: {trained}/{len(initial)} parameter tensors trained, replicas identical: {not findings}",
-          flush=True)
+    trained = sum(not torch.equal(a, b) for a, b in zip(initial, net.parameters(), strict=True))
+    print(
+        f"rank {rank}: {trained}/{len(initial)} parameter tensors trained, replicas identical: {not findings}",
+        flush=True,
+    )
 
 
 def _entry(rank: int, port: int, run_dir: str, wrong: bool) -> None:

@@ -1,7 +1,7 @@
 """A plain DDP training script with ddpdoctor attached: run it with torchrun.
 
-    torchrun --standalone --nproc-per-node 2 examples/train_instrumented.py --run-dir runs/example
-    ddpdoctor report runs/example
+torchrun --standalone --nproc-per-node 2 examples/train_instrumented.py --run-dir runs/example
+ddpdoctor report runs/example
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def main() -> None:
 def train(run_dir: str | None, steps: int) -> str:
     rank = dist.get_rank()
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                        nn.Linear(256, 10))
+    net = nn.Sequential(
+        nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+    )
     model = DDP(net, bucket_cap_mb=0.25)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)

@@ -20,16 +20,49 @@ from tests.models import DelayNet, batches, make_model
 BUCKET_CAP_MB = 0.01  # ~10 KB: SmallNet's ~60 KB of gradients fall into several buckets
 
 COLLECTIVES = [
-    "all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_object", "all_gather_into_tensor",
-    "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "gather", "scatter", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
-    "batch_isend_irecv", "_broadcast_coalesced",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "_broadcast_coalesced",
 ]
 
 
-PG_METHODS = ["allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base", "barrier", "reduce",
-              "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "alltoall", "alltoall_base", "send",
-              "recv", "recv_anysource"]
+PG_METHODS = [
+    "allreduce",
+    "allreduce_coalesced",
+    "broadcast",
+    "allgather",
+    "_allgather_base",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "alltoall",
+    "alltoall_base",
+    "send",
+    "recv",
+    "recv_anysource",
+]
 
 
 class CollectiveCounter:
@@ -117,8 +150,12 @@ def train_with_rebuild(ddp: DDP, rank: int, rebuild: Callable[[DDP], DDP], calls
     monitor = getattr(ddp, "ddpdoctor", None)
     if monitor is not None:
         monitor.close()
-    return {"losses": losses, "type": type(ddp).__qualname__, "find_unused": ddp.find_unused_parameters,
-            "cap": ddp.bucket_bytes_cap}
+    return {
+        "losses": losses,
+        "type": type(ddp).__qualname__,
+        "find_unused": ddp.find_unused_parameters,
+        "cap": ddp.bucket_bytes_cap,
+    }
 
 
 def sum_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real (not string) annotations
@@ -155,7 +192,9 @@ def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             out["instr"] = train(ddp, rank)
         monitor.close()
     out["instr_counts"] = c.counts
-    out["instr_warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, ddpdoctor.DDPDoctorWarning)]
+    out["instr_warnings"] = [
+        f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, ddpdoctor.DDPDoctorWarning)
+    ]
     out["instr_path"] = str(monitor.path)
 
     # torch's fp16 compression hook, registered BEFORE instrument
@@ -203,8 +242,9 @@ def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         warnings.simplefilter("always")
         out["probe"] = train(ddp, rank)
     monitor.close()
-    out["probe_warnings"] = [(w.category.__name__, str(w.message)) for w in caught
-                             if issubclass(w.category, ddpdoctor.DDPDoctorWarning)]
+    out["probe_warnings"] = [
+        (w.category.__name__, str(w.message)) for w in caught if issubclass(w.category, ddpdoctor.DDPDoctorWarning)
+    ]
 
     # an unwritable run dir (its parent is a regular file)
     blocker = root / f"not-a-dir-{rank}"
@@ -215,8 +255,9 @@ def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         monitor = ddpdoctor.instrument(ddp, run_dir=blocker / "run")
         out["unwritable"] = train(ddp, rank)
         monitor.close()
-    out["unwritable_warnings"] = [(w.category.__name__, str(w.message)) for w in caught
-                                  if issubclass(w.category, ddpdoctor.DDPDoctorWarning)]
+    out["unwritable_warnings"] = [
+        (w.category.__name__, str(w.message)) for w in caught if issubclass(w.category, ddpdoctor.DDPDoctorWarning)
+    ]
     out["unwritable_path"] = monitor.path
 
     # other DDP options: every one of them trains the same with ddpdoctor attached
@@ -235,11 +276,13 @@ def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         return new
 
     hook_calls: list[int] = []
-    by_hand = train_with_rebuild(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True),
-                                 rank, rebuilt_by_hand, hook_calls)
+    by_hand = train_with_rebuild(
+        DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True), rank, rebuilt_by_hand, hook_calls
+    )
     rewrap_calls: list[int] = []
-    model = ddpdoctor.DistributedDataParallel(make_model(), bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True,
-                                              ddpdoctor_run_dir=root / "rewrap")
+    model = ddpdoctor.DistributedDataParallel(
+        make_model(), bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True, ddpdoctor_run_dir=root / "rewrap"
+    )
     out["rewrap"] = train_with_rebuild(model, rank, ddpdoctor.rewrap, rewrap_calls)
     out["rewrap_by_hand"] = by_hand
     out["rewrap_hook_calls"] = (len(hook_calls), len(rewrap_calls))
@@ -313,9 +356,14 @@ def _param_sums(model: torch.nn.Module) -> list[float]:
 
 def _ddp_surface(ddp: DDP) -> dict[str, Any]:
     """What must be exactly as before after a failed attach."""
-    return {"dict": sorted(ddp.__dict__), "pre": list(ddp._forward_pre_hooks), "post": list(ddp._forward_hooks),
-            "module_pre": list(ddp.module._forward_pre_hooks), "reducer": id(ddp.reducer),
-            "comm_hooks": len(getattr(ddp, "_comm_hooks", []))}
+    return {
+        "dict": sorted(ddp.__dict__),
+        "pre": list(ddp._forward_pre_hooks),
+        "post": list(ddp._forward_hooks),
+        "module_pre": list(ddp.module._forward_pre_hooks),
+        "reducer": id(ddp.reducer),
+        "comm_hooks": len(getattr(ddp, "_comm_hooks", [])),
+    }
 
 
 def attach_fault_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:

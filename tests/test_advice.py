@@ -16,12 +16,15 @@ from ddpdoctor.runlog import Run
 HEADER = Header(
     rank=0,
     ddp_options={"find_unused_parameters": True},
-    params=[ParamInfo(name="a", shape=[10], dtype="float32", numel=10, requires_grad=True),
-            ParamInfo(name="aux", shape=[5], dtype="float32", numel=5, requires_grad=True)],
-    buffers=[BufferInfo(name="counter", shape=[1], dtype="float32", bytes=4, broadcast=True, version=0, checksum=0.0),
-             BufferInfo(name="running_mean", shape=[4], dtype="float32", bytes=16, broadcast=True, version=0,
-                        checksum=0.0),
-             BufferInfo(name="table", shape=[4], dtype="float32", bytes=16, broadcast=True, version=0, checksum=8.0)],
+    params=[
+        ParamInfo(name="a", shape=[10], dtype="float32", numel=10, requires_grad=True),
+        ParamInfo(name="aux", shape=[5], dtype="float32", numel=5, requires_grad=True),
+    ],
+    buffers=[
+        BufferInfo(name="counter", shape=[1], dtype="float32", bytes=4, broadcast=True, version=0, checksum=0.0),
+        BufferInfo(name="running_mean", shape=[4], dtype="float32", bytes=16, broadcast=True, version=0, checksum=0.0),
+        BufferInfo(name="table", shape=[4], dtype="float32", bytes=16, broadcast=True, version=0, checksum=8.0),
+    ],
 )
 
 
@@ -46,11 +49,33 @@ def test_divergence_names_the_first_compared_step_and_the_last_identical_one() -
 
 
 def test_broadcast_buffers_copied_between_forwards_are_not_divergence() -> None:
-    after = {r: [Fingerprint(rank=r, step=3, param_norms=[1.0, 1.0], param_sums=[1.0, 1.0],
-                             buffer_norms=[1.0, 1.0, 1.0], buffer_sums=[1.0, 1.0, 1.0], after_broadcast=True)]
-             for r in (0, 1)}
-    final = {r: [Fingerprint(rank=r, step=30, param_norms=[1.0, 1.0], param_sums=[1.0, 1.0],
-                             buffer_norms=[1.0, 1.0 + r, 1.0], buffer_sums=[1.0, 1.0 + r, 1.0])] for r in (0, 1)}
+    after = {
+        r: [
+            Fingerprint(
+                rank=r,
+                step=3,
+                param_norms=[1.0, 1.0],
+                param_sums=[1.0, 1.0],
+                buffer_norms=[1.0, 1.0, 1.0],
+                buffer_sums=[1.0, 1.0, 1.0],
+                after_broadcast=True,
+            )
+        ]
+        for r in (0, 1)
+    }
+    final = {
+        r: [
+            Fingerprint(
+                rank=r,
+                step=30,
+                param_norms=[1.0, 1.0],
+                param_sums=[1.0, 1.0],
+                buffer_norms=[1.0, 1.0 + r, 1.0],
+                buffer_sums=[1.0, 1.0 + r, 1.0],
+            )
+        ]
+        for r in (0, 1)
+    }
     prints = {r: after[r] + final[r] for r in (0, 1)}
     assert compare_fingerprints(HEADER, prints) == []  # the next forward's broadcast puts them back in step
 
@@ -77,12 +102,26 @@ def test_a_changing_unused_set_gets_no_static_advice() -> None:
 
 
 def _final(rank: int, counter: float, mean: float, after: bool = False) -> Fingerprint:
-    return Fingerprint(rank=rank, step=30, buffer_norms=[counter, mean, 4.0], buffer_sums=[counter, mean, 8.0],
-                       buffer_versions=[30, 0, 0], after_broadcast=after)
+    return Fingerprint(
+        rank=rank,
+        step=30,
+        buffer_norms=[counter, mean, 4.0],
+        buffer_sums=[counter, mean, 8.0],
+        buffer_versions=[30, 0, 0],
+        after_broadcast=after,
+    )
 
 
-COST = Finding(code="buffer-broadcast-cost", severity="warning", title="t", detail="d", fix="f", ranks=[0, 1], step=0,
-               evidence={"broadcast_ms": 2.0})
+COST = Finding(
+    code="buffer-broadcast-cost",
+    severity="warning",
+    title="t",
+    detail="d",
+    fix="f",
+    ranks=[0, 1],
+    step=0,
+    evidence={"broadcast_ms": 2.0},
+)
 
 
 def test_buffers_identical_outside_the_broadcast_make_it_redundant() -> None:
@@ -103,8 +142,16 @@ def test_buffers_that_differ_outside_the_broadcast_make_turning_it_off_unsafe() 
 
 
 def test_communication_advice_without_samples_halves_the_exposed_time() -> None:
-    exposed = Finding(code="exposed-communication", severity="warning", title="t", detail="d.", fix="f", ranks=[0, 1],
-                      step=0, evidence={"exposed_ms": 10.0, "allreduce_ms": 14.0, "step_ms": 30.0})
+    exposed = Finding(
+        code="exposed-communication",
+        severity="warning",
+        title="t",
+        detail="d.",
+        fix="f",
+        ranks=[0, 1],
+        step=0,
+        evidence={"exposed_ms": 10.0, "allreduce_ms": 14.0, "step_ms": 30.0},
+    )
     f = advise_communication(Run(dir=Path(".")), exposed)
     assert f.evidence["predicted"]["compress_hook_step_ms"] == 23.0  # 30 - min(10, 14 / 2)
     assert "bf16_compress_hook" in f.fix and "23.0 ms" in f.detail

@@ -17,17 +17,33 @@ from ddpdoctor.events import BufferInfo, Fingerprint, GradFlags, Header, ParamIn
 HEADER = Header(
     rank=0,
     ddp_options={"find_unused_parameters": False},
-    params=[ParamInfo(name="a", shape=[10], dtype="float32", numel=10, requires_grad=True),
-            ParamInfo(name="b", shape=[5], dtype="float16", numel=5, requires_grad=True)],
-    buffers=[BufferInfo(name="table", shape=[4], dtype="float32", bytes=16, broadcast=True, version=0),
-             BufferInfo(name="stat", shape=[4], dtype="float32", bytes=16, broadcast=True, version=0)],
+    params=[
+        ParamInfo(name="a", shape=[10], dtype="float32", numel=10, requires_grad=True),
+        ParamInfo(name="b", shape=[5], dtype="float16", numel=5, requires_grad=True),
+    ],
+    buffers=[
+        BufferInfo(name="table", shape=[4], dtype="float32", bytes=16, broadcast=True, version=0),
+        BufferInfo(name="stat", shape=[4], dtype="float32", bytes=16, broadcast=True, version=0),
+    ],
 )
 
 
 def _step(i: int, opt: bool = True, bcast: float | None = None, end: float = 10_000.0) -> Step:
-    return Step(rank=0, step=i, t0_mono_ns=0, t0_wall_ns=0, b_ready_us=[100.0], b_done_us=[200.0], b_bytes=[64],
-                sync_end_us=200.0, opt_start_us=300.0 if opt else None, opt_end_us=400.0 if opt else None,
-                bcast_us=bcast, bcast_bytes=32 if bcast else 0, end_us=end)
+    return Step(
+        rank=0,
+        step=i,
+        t0_mono_ns=0,
+        t0_wall_ns=0,
+        b_ready_us=[100.0],
+        b_done_us=[200.0],
+        b_bytes=[64],
+        sync_end_us=200.0,
+        opt_start_us=300.0 if opt else None,
+        opt_end_us=400.0 if opt else None,
+        bcast_us=bcast,
+        bcast_bytes=32 if bcast else 0,
+        end_us=end,
+    )
 
 
 def test_frozen_is_an_error_without_find_unused_and_counts_bytes() -> None:
@@ -61,8 +77,10 @@ def test_broadcast_cost_uses_the_floor_not_the_waits() -> None:
 
 
 def test_constant_buffers_need_both_version_and_values_unchanged() -> None:
-    prints = [Fingerprint(rank=0, step=s, buffer_norms=[1.0, float(s)], buffer_sums=[2.0, float(s)],
-                          buffer_versions=[0, 0]) for s in (0, 1, 3, 5)]
+    prints = [
+        Fingerprint(rank=0, step=s, buffer_norms=[1.0, float(s)], buffer_sums=[2.0, float(s)], buffer_versions=[0, 0])
+        for s in (0, 1, 3, 5)
+    ]
     (f,) = constant_buffers(HEADER, prints, [_step(i, bcast=500.0) for i in range(6)], 0)
     assert f.evidence["names"] == ["table"]  # "stat" kept its version but its values moved
 
@@ -79,7 +97,9 @@ def test_replica_comparison_names_the_odd_rank_out() -> None:
 
 def test_merge_unites_ranks_and_keeps_the_worst() -> None:
     a = Finding(code="x", severity="info", title="t", detail="d", fix="f", ranks=[1], step=9, evidence={"names": ["p"]})
-    b = Finding(code="x", severity="error", title="T", detail="D", fix="F", ranks=[0], step=3, evidence={"names": ["q"]})
+    b = Finding(
+        code="x", severity="error", title="T", detail="D", fix="F", ranks=[0], step=3, evidence={"names": ["q"]}
+    )
     (m,) = merge([a, b])
     assert (m.severity, m.ranks, m.step, m.title, m.evidence["names"]) == ("error", [0, 1], 3, "T", ["p", "q"])
 
@@ -88,15 +108,37 @@ def test_exposed_communication_by_share_of_step() -> None:
     from ddpdoctor.analysis.straggler import exposed_communication
 
     def step(i: int, exposed_us: float) -> Step:
-        return Step(rank=0, step=i, t0_mono_ns=0, t0_wall_ns=0, fwd_end_us=10_000.0, bwd_end_us=50_000.0,
-                    b_ready_us=[20_000.0, 49_000.0], b_done_us=[30_000.0, 50_000.0 + exposed_us],
-                    sync_end_us=50_000.0 + exposed_us, end_us=100_000.0)
+        return Step(
+            rank=0,
+            step=i,
+            t0_mono_ns=0,
+            t0_wall_ns=0,
+            fwd_end_us=10_000.0,
+            bwd_end_us=50_000.0,
+            b_ready_us=[20_000.0, 49_000.0],
+            b_done_us=[30_000.0, 50_000.0 + exposed_us],
+            sync_end_us=50_000.0 + exposed_us,
+            end_us=100_000.0,
+        )
 
     assert exposed_communication([step(i, 5_000.0) for i in range(6)], 0) == []  # 5%: hidden enough
     (f,) = exposed_communication([step(i, 40_000.0) for i in range(6)], 0)
     assert f.severity == "warning" and f.evidence["exposed_ms"] == 40.0 and 0 < f.evidence["overlap_ratio"] < 1
-    tiny = [Step(rank=0, step=i, t0_mono_ns=0, t0_wall_ns=0, fwd_end_us=300.0, bwd_end_us=1000.0,
-                 b_ready_us=[900.0], b_done_us=[2500.0], sync_end_us=2500.0, end_us=3000.0) for i in range(6)]
+    tiny = [
+        Step(
+            rank=0,
+            step=i,
+            t0_mono_ns=0,
+            t0_wall_ns=0,
+            fwd_end_us=300.0,
+            bwd_end_us=1000.0,
+            b_ready_us=[900.0],
+            b_done_us=[2500.0],
+            sync_end_us=2500.0,
+            end_us=3000.0,
+        )
+        for i in range(6)
+    ]
     (small,) = exposed_communication(tiny, 0)  # half of a 3 ms step, but 1.5 ms: the latency floor, info
     assert small.severity == "info" and small.evidence["share_of_step"] == 0.5
 
@@ -106,8 +148,7 @@ def test_a_straggler_of_part_of_a_run_is_named_with_its_steps(tmp_path) -> None:
     from tests.test_live_run import write_run
 
     def stragglers(**kwargs: object) -> list[Finding]:
-        run = ddpdoctor.load_run(write_run(tmp_path / str(len(list(tmp_path.iterdir()))), world=4, steps=300,
-                                           **kwargs))
+        run = ddpdoctor.load_run(write_run(tmp_path / str(len(list(tmp_path.iterdir()))), world=4, steps=300, **kwargs))
         return [f for f in ddpdoctor.analyze(run).findings if f.code == "straggler"]
 
     # slow for 60 of 300 steps: the whole-run test (latest in 60% of the steps) cannot name it

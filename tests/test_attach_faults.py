@@ -36,7 +36,9 @@ def test_a_failed_attach_step_leaves_ddp_as_it_was(faults: list[dict[str, Any]],
         assert r["disabled"] and not r["registered"]
         assert r["surface_same"], "DDP's hooks or attributes changed"
         assert r["new_threads"] == []
-        assert any(f"attach step '{step}' failed" in w and "injected failure" in w for w in r["warnings"]), r["warnings"]
+        assert any(f"attach step '{step}' failed" in w and "injected failure" in w for w in r["warnings"]), r[
+            "warnings"
+        ]
 
 
 def test_every_attach_step_is_covered() -> None:

@@ -17,8 +17,15 @@ T0_NS = 1_700_000_000_000_000_000
 Delay = Callable[[int, int], float]  # (rank, step) -> ms
 
 
-def timeline(world: int, steps: int, *, gap: Delay = lambda r, s: 0.0, backward: Delay = lambda r, s: 0.0,
-             fwd_ms: float = 20.0, bwd_ms: float = 30.0) -> dict[int, list[Step]]:
+def timeline(
+    world: int,
+    steps: int,
+    *,
+    gap: Delay = lambda r, s: 0.0,
+    backward: Delay = lambda r, s: 0.0,
+    fwd_ms: float = 20.0,
+    bwd_ms: float = 30.0,
+) -> dict[int, list[Step]]:
     """Steps of ``world`` ranks: ``gap`` ms before a rank's forward (between steps), ``backward`` ms
     added to its backward; two buckets; the all-reduce ends 2 ms after the last rank is ready."""
     out: dict[int, list[Step]] = {r: [] for r in range(world)}
@@ -38,12 +45,25 @@ def timeline(world: int, steps: int, *, gap: Delay = lambda r, s: 0.0, backward:
             base = t0[r]
             end = (t0s[r][s + 1] - base) * 1000 if s + 1 < steps else None
             b1 = (ready[r] - base) * 1000
-            out[r].append(Step(
-                rank=r, step=s, t0_mono_ns=int(base * 1e6), t0_wall_ns=T0_NS + int(base * 1e6), fwd_us=fwd_ms * 1000,
-                fwd_end_us=fwd_ms * 1000, bwd_end_us=b1, b_ready_us=[b1 - 10_000.0 if b1 > 10_000 else b1 / 2, b1],
-                b_launch_us=[b1 - 9_900.0, b1 + 100], b_done_us=[(done - base) * 1000 - 1000, (done - base) * 1000],
-                b_bytes=[1 << 20, 1 << 20], sync_end_us=(done - base) * 1000, opt_start_us=(done - base) * 1000,
-                opt_end_us=(done - base) * 1000 + 1000, end_us=end))
+            out[r].append(
+                Step(
+                    rank=r,
+                    step=s,
+                    t0_mono_ns=int(base * 1e6),
+                    t0_wall_ns=T0_NS + int(base * 1e6),
+                    fwd_us=fwd_ms * 1000,
+                    fwd_end_us=fwd_ms * 1000,
+                    bwd_end_us=b1,
+                    b_ready_us=[b1 - 10_000.0 if b1 > 10_000 else b1 / 2, b1],
+                    b_launch_us=[b1 - 9_900.0, b1 + 100],
+                    b_done_us=[(done - base) * 1000 - 1000, (done - base) * 1000],
+                    b_bytes=[1 << 20, 1 << 20],
+                    sync_end_us=(done - base) * 1000,
+                    opt_start_us=(done - base) * 1000,
+                    opt_end_us=(done - base) * 1000 + 1000,
+                    end_us=end,
+                )
+            )
     return out
 
 
@@ -97,7 +117,7 @@ def test_jitter_that_moves_between_ranks_is_not_blamed() -> None:
     for seed in range(20):
         rng = random.Random(seed)
         spikes = {(rng.randrange(2), s): rng.uniform(10, 60) for s in range(12) if rng.random() < 0.25}
-        short = timeline(2, 12, gap=lambda r, s: spikes.get((r, s), 0.0))
+        short = timeline(2, 12, gap=lambda r, s, spikes=spikes: spikes.get((r, s), 0.0))
         assert found(short) == [], seed
 
 

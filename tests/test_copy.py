@@ -77,17 +77,23 @@ def copy_worker(rank: int, world_size: int, run_dir: str, how: str, check_every:
     steps_later = mon.steps
     mon.close()
     return {
-        "leftovers": leftovers, "hooks": hooks, "plain_hooks": plain_hooks, "comm_hooks": len(user_hooks),
+        "leftovers": leftovers,
+        "hooks": hooks,
+        "plain_hooks": plain_hooks,
+        "comm_hooks": len(user_hooks),
         "twin_moved": not torch.equal(start, twin_params),
         "twin_same_on_all_ranks": all(torch.equal(gathered[0], g) for g in gathered),
-        "steps_at_copy": steps_at_copy, "steps_later": steps_later, "log": str(mon.path),
+        "steps_at_copy": steps_at_copy,
+        "steps_later": steps_later,
+        "log": str(mon.path),
     }
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "save_load"])
 @pytest.mark.parametrize("check_every", [1, 1000])  # 1: a sample is in progress at copy time
 def test_copy_of_an_instrumented_ddp_is_a_plain_ddp_and_the_original_stays_instrumented(
-        tmp_path: Path, how: str, check_every: int) -> None:
+    tmp_path: Path, how: str, check_every: int
+) -> None:
     from ddpdoctor.runlog import load_run
 
     results = run_ranks(copy_worker, 2, args=(str(tmp_path), how, check_every), timeout=120)

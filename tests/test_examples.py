@@ -18,14 +18,31 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_example_under_torchrun_writes_one_file_per_rank(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DDPDOCTOR_RUN_DIR"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-         str(ROOT / "examples" / "train_instrumented.py"), "--steps", "5"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(ROOT / "examples" / "train_instrumented.py"),
+            "--steps",
+            "5",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert "terminate called" not in proc.stderr, proc.stderr[-3000:]  # no rank aborts at teardown
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("ddpdoctor log: "))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("ddpdoctor log: "))
     run = ddpdoctor.load_run(tmp_path / line.removeprefix("ddpdoctor log: "))
     assert sorted(run.ranks) == [0, 1]
     assert [run.ranks[r].header.local_rank for r in (0, 1)] == [0, 1]
@@ -38,17 +55,34 @@ def test_exit_right_after_backward_never_aborts(tmp_path: Path) -> None:
     for attempt in range(3):
         run_dir = tmp_path / f"run-{attempt}"
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-             str(ROOT / "tests" / "scripts" / "exit_after_backward.py"), str(run_dir)],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(free_port()),
+                str(ROOT / "tests" / "scripts" / "exit_after_backward.py"),
+                str(run_dir),
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
         )
         assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
         assert proc.returncode == 0, proc.stderr[-3000:]
         run = ddpdoctor.load_run(run_dir)
         assert sorted(run.ranks) == [0, 1]
-        assert all(log.end is not None and log.end.reason == "exit" and len(log.steps) == 3
-                   for log in run.ranks.values())
+        assert all(
+            log.end is not None and log.end.reason == "exit" and len(log.steps) == 3 for log in run.ranks.values()
+        )
 
 
 def test_ddpdoctor_calls_hold_no_backward_context() -> None:

@@ -19,8 +19,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "train_until_killed.py"
 
 def _start(rank: int, world: int, port: int, run_dir: Path, stall_after: int = -1) -> subprocess.Popen[bytes]:
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port), STALL_AFTER=str(stall_after))
-    return subprocess.Popen([sys.executable, str(SCRIPT), str(run_dir)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(run_dir)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
 
 
 def _wait_for_steps(tail: RankFileTail, n: int, timeout: float) -> None:

@@ -212,7 +212,9 @@ def _feed_steps(
     for r in range(world):
         live.feed(RankRecord(r, 0, rec) for rec in records[r][:2])  # header, layout
     for i in range(steps):
-        live.feed(RankRecord(r, 0, rec) for r in range(world) for rec in records[r][2:] if getattr(rec, "step", None) == i)
+        live.feed(
+            RankRecord(r, 0, rec) for r in range(world) for rec in records[r][2:] if getattr(rec, "step", None) == i
+        )
         snaps.append(live.snapshot())
     return snaps
 

@@ -20,7 +20,6 @@ from tests.ddp_harness import run_ranks
 
 
 def _model() -> Any:
-    import torch
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -108,8 +107,14 @@ def lifetime_worker(rank: int, world_size: int, run_dir: str, case: str) -> dict
     _train(keeper)  # the other model is still monitored
     keeper_steps = keeper_mon.steps
     keeper_mon.close()
-    return {"freed": freed, "plain_freed_by_refcount": plain_freed_by_refcount, "threads": threads,
-            "kept_mon_alive": kept_mon_alive, "keeper_steps": keeper_steps, "ended": ended}
+    return {
+        "freed": freed,
+        "plain_freed_by_refcount": plain_freed_by_refcount,
+        "threads": threads,
+        "kept_mon_alive": kept_mon_alive,
+        "keeper_steps": keeper_steps,
+        "ended": ended,
+    }
 
 
 def test_a_closed_monitor_kept_by_the_script_does_not_keep_the_model_alive(tmp_path: Path) -> None:

@@ -59,7 +59,11 @@ def test_log_records_steps_buckets_layout_and_header(core: Any) -> None:
         assert h.ddp_options["find_unused_parameters"] is False
         assert abs(h.ddp_options["bucket_cap_mb"] - 0.01) < 1e-4
         assert {p.name for p in h.params} >= {"body.0.weight", "head.bias"} and all(p.requires_grad for p in h.params)
-        assert {b.name for b in h.buffers} == {"body.1.running_mean", "body.1.running_var", "body.1.num_batches_tracked"}
+        assert {b.name for b in h.buffers} == {
+            "body.1.running_mean",
+            "body.1.running_var",
+            "body.1.num_batches_tracked",
+        }
         assert all(b.broadcast for b in h.buffers)
         assert [s.step for s in log.steps] == list(range(6))
         assert [s.micro for s in log.steps] == [0, 0, 1, 0, 0, 1]
@@ -69,7 +73,7 @@ def test_log_records_steps_buckets_layout_and_header(core: Any) -> None:
             n = len(s.b_ready_us)
             # DDP reduces the first iteration in one bucket, then rebuilds in autograd order
             assert n >= (3 if s.step else 1) and len(s.b_launch_us) == len(s.b_done_us) == len(s.b_bytes) == n
-            for ready, launch, done in zip(s.b_ready_us, s.b_launch_us, s.b_done_us):
+            for ready, launch, done in zip(s.b_ready_us, s.b_launch_us, s.b_done_us, strict=True):
                 assert s.fwd_end_us <= ready <= launch <= done
             assert s.bwd_end_us is not None and max(s.b_ready_us) <= s.bwd_end_us
             assert s.sync_end_us == max(s.b_done_us)
@@ -121,8 +125,13 @@ def test_a_hook_registered_after_instrument_is_the_one_the_report_names(core: An
     report = ddpdoctor.analyze(run)
     assert report.run["ddp_options"]["comm_hook"] == "sum_hook"
     assert "comm_hook=sum_hook" in render(report)
-    cli = subprocess.run([sys.executable, "-m", "ddpdoctor", "report", str(tmp / "custom"), "--format", "json"],
-                         check=False, capture_output=True, text=True, timeout=120)
+    cli = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "report", str(tmp / "custom"), "--format", "json"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert json.loads(cli.stdout)["run"]["ddp_options"]["comm_hook"] == "sum_hook", cli.stderr
 
     # registered after three steps: a layout record with the same buckets says so from step 3 on
@@ -194,8 +203,11 @@ def test_other_ddp_options_train_identically_and_are_recorded(core: Any) -> None
         for name, (plain, instr, steps) in r["variants"].items():
             assert instr == plain, name
             assert steps == 6, name
-    for name, key, value in [("find_unused", "find_unused_parameters", True), ("static_graph", "static_graph", True),
-                             ("bucket_view", "gradient_as_bucket_view", True)]:
+    for name, key, value in [
+        ("find_unused", "find_unused_parameters", True),
+        ("static_graph", "static_graph", True),
+        ("bucket_view", "gradient_as_bucket_view", True),
+    ]:
         options = ddpdoctor.load_run(tmp / f"variant-{name}").ranks[0].header.ddp_options
         assert options[key] is value, name
     # both spellings of the same switch, where this torch has the new one (2.13+)

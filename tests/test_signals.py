@@ -48,11 +48,33 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen[str], timeout: float) ->
 
 @pytest.mark.parametrize(("when", "signame"), [("after", "TERM"), ("before", "TERM"), ("after", "INT")])
 def test_preemption_handler_runs_as_without_ddpdoctor(tmp_path: Path, when: str, signame: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT), str(tmp_path), when, signame]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(SCRIPT),
+        str(tmp_path),
+        when,
+        signame,
+    ]
     argv = [sys.executable, "-m", "ddpdoctor", "run", "--run-dir", str(tmp_path / "run"), "--", *cmd]
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         pids = [tmp_path / f"pid-{r}" for r in (0, 1)]
         _wait_for(pids, proc, timeout=120)

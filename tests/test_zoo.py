@@ -19,8 +19,9 @@ ZOO = ROOT / "examples" / "zoo"
 
 
 def run_script(script: Path, run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(script), str(run_dir), *args], capture_output=True, text=True,
-                          timeout=240, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(script), str(run_dir), *args], capture_output=True, text=True, timeout=240, cwd=ROOT
+    )
 
 
 def findings(run_dir: Path) -> dict[str, dict[str, Any]]:
@@ -42,10 +43,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("script, args, code, severity, names, succeeds", CASES,
-                         ids=[f"{c[0]}{''.join(c[1])}" for c in CASES])
-def test_zoo_script_raises_its_finding(tmp_path: Path, script: str, args: tuple[str, ...], code: str,
-                                       severity: str, names: list[str] | None, succeeds: bool) -> None:
+@pytest.mark.parametrize(
+    "script, args, code, severity, names, succeeds", CASES, ids=[f"{c[0]}{''.join(c[1])}" for c in CASES]
+)
+def test_zoo_script_raises_its_finding(
+    tmp_path: Path,
+    script: str,
+    args: tuple[str, ...],
+    code: str,
+    severity: str,
+    names: list[str] | None,
+    succeeds: bool,
+) -> None:
     proc = run_script(ZOO / f"{script}.py", tmp_path / "run", *args)
     assert (proc.returncode == 0) is succeeds, proc.stderr[-3000:]
     found = findings(tmp_path / "run")
@@ -57,7 +66,9 @@ def test_zoo_script_raises_its_finding(tmp_path: Path, script: str, args: tuple[
     if names is not None:
         assert set(names) <= set(f["evidence"]["names"])
     # raised live too: a Python warning of the family's category, with the code, on stderr
-    assert f"Warning: ddpdoctor [rank 0] {code}:" in proc.stderr or f"Warning: ddpdoctor [rank 1] {code}:" in proc.stderr
+    assert (
+        f"Warning: ddpdoctor [rank 0] {code}:" in proc.stderr or f"Warning: ddpdoctor [rank 1] {code}:" in proc.stderr
+    )
     # ... and written to the log as a finding record by the rank
     run = ddpdoctor.load_run(tmp_path / "run")
     assert any(r.code == code for log in run.ranks.values() for r in log.findings)

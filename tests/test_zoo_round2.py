@@ -19,8 +19,9 @@ ZOO = ROOT / "examples" / "zoo"
 def report(script: str, tmp_path: Path) -> dict[str, Any]:
     """Run examples/zoo/<script>.py on 2 gloo ranks, then ``ddpdoctor report --format json``."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ZOO / f"{script}.py"), str(run_dir)], capture_output=True, text=True,
-                          timeout=240, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ZOO / f"{script}.py"), str(run_dir)], capture_output=True, text=True, timeout=240, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "report.json"
     assert main(["report", str(run_dir), "--format", "json", "-o", str(out)]) == 0

@@ -115,7 +115,7 @@ def step_margins(sa: StepArrivals) -> Margins:
     if len(ranks) < 2:
         return out
     # one column per collective; sorting a column runs in C (a report may hold 256 ranks x 10k steps)
-    for b, col in enumerate(zip(*(sa.lateness_us[r] for r in ranks))):
+    for b, col in enumerate(zip(*(sa.lateness_us[r] for r in ranks), strict=False)):
         ordered = sorted(col)
         top, runner_up = ordered[-1], ordered[-2]
         last = ranks[col.index(top)]
@@ -163,8 +163,10 @@ def blame(
     known = [durations[s] for s in window if s in durations]
     step_ms = median(known) if known else 0.0
     # a step without a duration (the last one: it ends at close) took a usual step plus its delay
-    window_ms = sum(durations[sa.step] if sa.step in durations
-                    else step_ms + max(max(v) for v in sa.lateness_us.values()) / 1000.0 for sa in arrivals)
+    window_ms = sum(
+        durations[sa.step] if sa.step in durations else step_ms + max(max(v) for v in sa.lateness_us.values()) / 1000.0
+        for sa in arrivals
+    )
     floor = max(NOISE_FLOOR_MS, NOISE_FLOOR_SHARE * step_ms)
     ranks = sorted({r for sa in arrivals for r in sa.lateness_us} | set(steps_by_rank))
     late: dict[int, list[tuple[int, float, int, float]]] = {r: [] for r in ranks}
@@ -179,19 +181,29 @@ def blame(
     out: dict[int, RankBlame] = {}
     for r in ranks:
         noise = _median_without(ordered, lost[r])
-        margins = [m for _, m, _, _ in late[r]]
+        rank_margins = [m for _, m, _, _ in late[r]]
         excess = lost[r] - noise
-        named = (len(ranks) >= 2 and len(margins) >= MIN_LATE_STEPS
-                 and excess >= max(MIN_LOST_MS, MIN_LOST_SHARE * window_ms)
-                 and lost[r] >= DOMINANCE * noise)
+        named = (
+            len(ranks) >= 2
+            and len(rank_margins) >= MIN_LATE_STEPS
+            and excess >= max(MIN_LOST_MS, MIN_LOST_SHARE * window_ms)
+            and lost[r] >= DOMINANCE * noise
+        )
         if named:  # material: is it chance? (rarely reached: these cost O(ranks))
-            chance = _binomial_tail(len(margins), events, 1.0 / len(ranks))
+            chance = _binomial_tail(len(rank_margins), events, 1.0 / len(ranks))
             other_margins = [m for o in ranks if o != r for _, m, _, _ in late[o]]
-            big = median(margins) >= MAGNITUDE * max(floor, median(other_margins) if other_margins else 0.0)
-            named = (len(margins) >= 3 and chance <= CHANCE) or big
-        out[r] = RankBlame(rank=r, lost_ms=lost[r], late_steps=tuple(s for s, _, _, _ in late[r]),
-                           margins_ms=tuple(margins), worst=tuple(w for _, _, w, _ in late[r]),
-                           others_waited_ms=sum(w for _, _, _, w in late[r]), noise_ms=noise, named=named)
+            big = median(rank_margins) >= MAGNITUDE * max(floor, median(other_margins) if other_margins else 0.0)
+            named = (len(rank_margins) >= 3 and chance <= CHANCE) or big
+        out[r] = RankBlame(
+            rank=r,
+            lost_ms=lost[r],
+            late_steps=tuple(s for s, _, _, _ in late[r]),
+            margins_ms=tuple(rank_margins),
+            worst=tuple(w for _, _, w, _ in late[r]),
+            others_waited_ms=sum(w for _, _, _, w in late[r]),
+            noise_ms=noise,
+            named=named,
+        )
     return Blame(steps=window, step_ms=step_ms, window_ms=window_ms, floor_ms=floor, ranks=out)
 
 
@@ -228,12 +240,12 @@ def pattern(rb: RankBlame, window: Sequence[int]) -> Pattern:
     if len(steps) >= EVERY_STEP_SHARE * len(window):
         return Pattern("every step", first, last)
     cut = median(rb.margins_ms) / 2
-    main = [s for s, m in zip(steps, rb.margins_ms) if m >= cut]
+    main = [s for s, m in zip(steps, rb.margins_ms, strict=True) if m >= cut]
     inside = [s for s in window if main[0] <= s <= main[-1]]
     if len(main) >= 2 and len(main) >= EVERY_STEP_SHARE * len(inside):
         return Pattern("one period", main[0], main[-1])
     if len(main) >= 3:
-        diffs = [b - a for a, b in zip(main, main[1:])]
+        diffs = [b - a for a, b in zip(main, main[1:], strict=False)]
         every, count = Counter(diffs).most_common(1)[0]
         if every >= 2 and count >= PERIOD_SHARE * len(diffs):
             return Pattern("periodic", main[0], main[-1], every)

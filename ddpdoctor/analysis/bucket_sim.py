@@ -41,8 +41,9 @@ class BackwardSample:
     measured_bytes: list[int]
 
 
-def assign_buckets(order: list[int], nbytes: dict[int, int], dtypes: dict[int, str], cap: int,
-                   first_cap: int) -> list[list[int]]:
+def assign_buckets(
+    order: list[int], nbytes: dict[int, int], dtypes: dict[int, str], cap: int, first_cap: int
+) -> list[list[int]]:
     """DDP's rebuilt layout: parameters in ready order, a bucket closes once it holds ``cap`` bytes
     (the first one ``first_cap``), one running bucket per dtype."""
     buckets: list[list[int]] = []
@@ -64,11 +65,12 @@ def assign_buckets(order: list[int], nbytes: dict[int, int], dtypes: dict[int, s
     return buckets
 
 
-def replay(sample: BackwardSample, buckets: list[list[int]], nbytes: dict[int, int], model: CommModel,
-           hook: HookCost) -> float:
+def replay(
+    sample: BackwardSample, buckets: list[list[int]], nbytes: dict[int, int], model: CommModel, hook: HookCost
+) -> float:
     """Predicted step time (µs) of ``sample`` with ``buckets``."""
     # ready times without the delay the measured hooks added to later gradients
-    measured = sorted(zip(sample.measured_buckets, sample.measured_bytes))
+    measured = sorted(zip(sample.measured_buckets, sample.measured_bytes, strict=False))
     base = {i: t - sum(hook.us(n) for r, n in measured if r < t) for i, t in sample.ready_us.items()}
     ready_at = sorted((max(base[i] for i in b), sum(nbytes[i] for i in b)) for b in buckets if b)
     delay, end = 0.0, 0.0
@@ -92,16 +94,34 @@ def samples_of(header: Header, unused: list[Unused], steps: list[Step], skip_ste
     out = []
     for u in unused:
         s = by_step.get(u.step)
-        if (u.step < skip_steps or s is None or not u.param_ready_us or s.end_us is None or s.sync_end_us is None
-                or s.bwd_end_us is None or None in s.b_ready_us):
+        if (
+            u.step < skip_steps
+            or s is None
+            or not u.param_ready_us
+            or s.end_us is None
+            or s.sync_end_us is None
+            or s.bwd_end_us is None
+            or None in s.b_ready_us
+        ):
             continue
-        ready = {i: t for i, t in enumerate(u.param_ready_us)
-                 if t is not None and i < len(header.params) and header.params[i].reduced}
+        ready = {
+            i: t
+            for i, t in enumerate(u.param_ready_us)
+            if t is not None and i < len(header.params) and header.params[i].reduced
+        }
         if not ready:
             continue
-        out.append(BackwardSample(step=u.step, ready_us=ready, bwd_end_us=s.bwd_end_us,
-                                  after_sync_us=s.end_us - s.sync_end_us, measured_step_us=s.end_us,
-                                  measured_buckets=list(s.b_ready_us), measured_bytes=list(s.b_bytes)))
+        out.append(
+            BackwardSample(
+                step=u.step,
+                ready_us=ready,
+                bwd_end_us=s.bwd_end_us,
+                after_sync_us=s.end_us - s.sync_end_us,
+                measured_step_us=s.end_us,
+                measured_buckets=list(s.b_ready_us),
+                measured_bytes=list(s.b_bytes),
+            )
+        )
     return out
 
 
@@ -119,15 +139,20 @@ class HookCost:
 
 def hook_cost(steps: list[Step], skip_steps: int = 2) -> HookCost:
     """Fitted from each bucket's ready and launch marks."""
-    points = [(int(n), la - r) for s in steps if s.step >= skip_steps
-              for r, la, n in zip(s.b_ready_us, s.b_launch_us, s.b_bytes)
-              if r is not None and la is not None and n is not None]
+    points = [
+        (int(n), la - r)
+        for s in steps
+        if s.step >= skip_steps
+        for r, la, n in zip(s.b_ready_us, s.b_launch_us, s.b_bytes, strict=False)
+        if r is not None and la is not None and n is not None
+    ]
     line = fit_line(points)
     return HookCost(line[0], line[1]) if line else HookCost()
 
 
-def predict_cap(header: Header, samples: list[BackwardSample], model: CommModel, hook: HookCost, cap: int,
-                first_cap: int) -> Prediction:
+def predict_cap(
+    header: Header, samples: list[BackwardSample], model: CommModel, hook: HookCost, cap: int, first_cap: int
+) -> Prediction:
     """Predicted median step time with buckets of ``cap`` bytes (the first one ``first_cap``)."""
     nbytes = {i: p.numel * dtype_bytes(p.dtype) for i, p in enumerate(header.params)}
     dtypes = {i: p.dtype for i, p in enumerate(header.params)}
@@ -140,8 +165,9 @@ def predict_cap(header: Header, samples: list[BackwardSample], model: CommModel,
     return Prediction(cap_mb=cap / MIB, buckets=count, step_ms=median(times) / 1000.0)
 
 
-def predict(header: Header, samples: list[BackwardSample], model: CommModel, hook: HookCost,
-            caps_mb: list[float]) -> list[Prediction]:
+def predict(
+    header: Header, samples: list[BackwardSample], model: CommModel, hook: HookCost, caps_mb: list[float]
+) -> list[Prediction]:
     """Predicted median step time for each ``bucket_cap_mb`` set explicitly (every bucket that size)."""
     return [predict_cap(header, samples, model, hook, int(c * MIB), int(c * MIB)) for c in caps_mb]
 

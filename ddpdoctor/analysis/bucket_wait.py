@@ -52,7 +52,7 @@ def arrivals(steps_by_rank: dict[int, list[Step]], clocks: ClockOffsets) -> list
         latest = [max(per_rank[r][b] for r in per_rank) for b in range(n)]
         sa = StepArrivals(step=step, bcast=all(bcast_at[step].values()))
         for r, times in per_rank.items():
-            sa.lateness_us[r] = [t - e for t, e in zip(times, earliest)]
-            sa.wait_us[r] = max(lt - t for t, lt in zip(times, latest))
+            sa.lateness_us[r] = [t - e for t, e in zip(times, earliest, strict=False)]
+            sa.wait_us[r] = max(lt - t for t, lt in zip(times, latest, strict=False))
         out.append(sa)
     return out

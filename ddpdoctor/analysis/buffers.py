@@ -7,7 +7,7 @@ from statistics import median
 from typing import Any
 
 from ddpdoctor.analysis.evidence import BufferEvidence
-from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.findings import Finding, Severity
 from ddpdoctor.analysis.sizes import human_bytes, name_list
 from ddpdoctor.events import Fingerprint, Header, Step
 
@@ -29,8 +29,9 @@ def _bcast_stats(steps: list[Step]) -> tuple[float | None, float | None, int]:
     return (floor, median(total) / 1000.0 if total else None, nbytes)
 
 
-def constant_buffers(header: Header, prints: Sequence[Fingerprint] | BufferEvidence, steps: list[Step],
-                     rank: int) -> list[Finding]:
+def constant_buffers(
+    header: Header, prints: Sequence[Fingerprint] | BufferEvidence, steps: list[Step], rank: int
+) -> list[Finding]:
     """Broadcast buffers that never changed since DDP was attached (version and values).
 
     ``prints``: this rank's fingerprints under ``header``, or the running ``BufferEvidence`` of them.
@@ -51,26 +52,46 @@ def constant_buffers(header: Header, prints: Sequence[Fingerprint] | BufferEvide
     everything = len(constant) == len(broadcast)
     saving_ms = None if bcast_ms is None else bcast_ms * (1.0 if everything else const_bytes / max(1, all_bytes))
     share = saving_ms / step_ms if saving_ms is not None and step_ms else None
-    severity = "warning" if share is not None and share >= 0.01 else "info"
+    severity: Severity = "warning" if share is not None and share >= 0.01 else "info"
     if everything:
-        fix = ("No buffer changes during training: stop broadcasting them at every forward:\n"
-               "    model = DistributedDataParallel(net, broadcast_buffers=False)  # torch>=2.13: forward_sync_buffers=False")
+        fix = (
+            "No buffer changes during training: stop broadcasting them at every forward:\n"
+            "    model = DistributedDataParallel(net, broadcast_buffers=False)"
+            "  # torch>=2.13: forward_sync_buffers=False"
+        )
     else:
         listed = ", ".join(repr(n) for n in names[:20])
-        fix = ("Exclude just the constant buffers from DDP's broadcast (before wrapping; they are then not synced at "
-               "construction either, so make them equal on every rank yourself):\n"
-               f"    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, [{listed}])\n"
-               "    model = DistributedDataParallel(net)")
-    return [Finding(
-        code="constant-buffers", severity=severity, ranks=[rank], step=evidence.first_step,
-        title=f"{len(constant)} constant buffer(s) broadcast at every forward",
-        detail=(f"{name_list(names)} ({human_bytes(const_bytes)}) never changed in {evidence.last_step} steps, yet DDP "
+        fix = (
+            "Exclude just the constant buffers from DDP's broadcast (before wrapping; they are then not synced at "
+            "construction either, so make them equal on every rank yourself):\n"
+            f"    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, [{listed}])\n"
+            "    model = DistributedDataParallel(net)"
+        )
+    saving = f"; excluding them would save about {saving_ms:.2f} ms per step ({share:.1%})" if share is not None else ""
+    return [
+        Finding(
+            code="constant-buffers",
+            severity=severity,
+            ranks=[rank],
+            step=evidence.first_step,
+            title=f"{len(constant)} constant buffer(s) broadcast at every forward",
+            detail=(
+                f"{name_list(names)} ({human_bytes(const_bytes)}) never changed in {evidence.last_step} steps, yet DDP "
                 f"broadcasts them from rank 0 at every forward"
-                f"{f'; excluding them would save about {saving_ms:.2f} ms per step ({share:.1%})' if share is not None else ''}."),
-        evidence={"names": names, "bytes_per_step": const_bytes, "broadcast_bytes_per_step": all_bytes,
-                  "broadcast_ms": bcast_ms, "saving_ms": saving_ms, "share_of_step": share, "steps_observed": evidence.last_step},
-        fix=fix,
-    )]
+                f"{saving}."
+            ),
+            evidence={
+                "names": names,
+                "bytes_per_step": const_bytes,
+                "broadcast_bytes_per_step": all_bytes,
+                "broadcast_ms": bcast_ms,
+                "saving_ms": saving_ms,
+                "share_of_step": share,
+                "steps_observed": evidence.last_step,
+            },
+            fix=fix,
+        )
+    ]
 
 
 def cross_rank_floor_ms(steps_by_rank: dict[int, list[Step]]) -> float | None:
@@ -99,20 +120,28 @@ def buffer_broadcast_cost(header: Header, steps: list[Step], rank: int, cost_ms:
     if share < COST_INFO_SHARE:
         return []
     first = next(s.step for s in steps if s.bcast_us is not None)
-    return [Finding(
-        code="buffer-broadcast-cost", severity="warning" if share >= COST_WARNING_SHARE else "info", ranks=[rank],
-        step=first,
-        title=f"buffer broadcast takes {share:.0%} of the step",
-        detail=(f"DDP broadcasts {human_bytes(nbytes)} of module buffers from rank 0 at every forward: "
+    return [
+        Finding(
+            code="buffer-broadcast-cost",
+            severity="warning" if share >= COST_WARNING_SHARE else "info",
+            ranks=[rank],
+            step=first,
+            title=f"buffer broadcast takes {share:.0%} of the step",
+            detail=(
+                f"DDP broadcasts {human_bytes(nbytes)} of module buffers from rank 0 at every forward: "
                 f"{bcast_ms:.2f} ms of a {step_ms:.2f} ms step ({len(steps)} steps; time spent waiting for other "
-                "ranks inside the broadcast is not counted)."),
-        evidence={"broadcast_ms": bcast_ms, "step_ms": step_ms, "share_of_step": share, "bytes_per_step": nbytes},
-        fix=("If the buffers need not match on every rank during training (BatchNorm statistics matter at eval "
-             "and checkpoint time), stop the per-forward broadcast and sync them once when needed:\n"
-             "    model = DistributedDataParallel(net, broadcast_buffers=False)\n"
-             "    # before eval / checkpoint:\n"
-             "    for b in model.module.buffers(): torch.distributed.broadcast(b, src=0)"),
-    )]
+                "ranks inside the broadcast is not counted)."
+            ),
+            evidence={"broadcast_ms": bcast_ms, "step_ms": step_ms, "share_of_step": share, "bytes_per_step": nbytes},
+            fix=(
+                "If the buffers need not match on every rank during training (BatchNorm statistics matter at eval "
+                "and checkpoint time), stop the per-forward broadcast and sync them once when needed:\n"
+                "    model = DistributedDataParallel(net, broadcast_buffers=False)\n"
+                "    # before eval / checkpoint:\n"
+                "    for b in model.module.buffers(): torch.distributed.broadcast(b, src=0)"
+            ),
+        )
+    ]
 
 
 def broadcast_redundancy(header: Header, prints: dict[int, list[Fingerprint]]) -> dict[str, Any] | None:
@@ -140,8 +169,11 @@ def broadcast_redundancy(header: Header, prints: dict[int, list[Fingerprint]]) -
     for i in broadcast:
         b = header.buffers[i]
         seen = [fp for s in steps for fp in by_step[s].values()]
-        moved = any((fp.buffer_versions[i] if i < len(fp.buffer_versions) else b.version) != b.version
-                    or fp.buffer_sums[i] != b.checksum for fp in seen)
+        moved = any(
+            (fp.buffer_versions[i] if i < len(fp.buffer_versions) else b.version) != b.version
+            or fp.buffer_sums[i] != b.checksum
+            for fp in seen
+        )
         if not moved:
             continue
         changing.append(b.name)
@@ -160,24 +192,44 @@ def advise_broadcast(cost: Finding, verdict: dict[str, Any] | None) -> Finding:
     at = f"at {len(steps)} step(s) compared outside the broadcast ({', '.join(map(str, steps[:8]))})"
     saving = cost.evidence.get("broadcast_ms")
     if verdict["redundant"]:
-        detail = (f"{cost.detail} The buffers that change ({name_list(verdict['changing'])}) were identical on every "
-                  f"rank {at}: every rank computes the same update, so broadcasting them is redundant"
-                  f"{f' (saving about {saving:.2f} ms per step)' if saving is not None else ''}.")
-        fix = ("Every rank updates its buffers identically: stop the per-forward broadcast:\n"
-               "    model = DistributedDataParallel(net, broadcast_buffers=False)  # torch>=2.13: forward_sync_buffers=False\n"
-               "ddpdoctor's final fingerprint will tell if they ever drift apart (buffer-divergence).")
+        detail = (
+            f"{cost.detail} The buffers that change ({name_list(verdict['changing'])}) were identical on every "
+            f"rank {at}: every rank computes the same update, so broadcasting them is redundant"
+            f"{f' (saving about {saving:.2f} ms per step)' if saving is not None else ''}."
+        )
+        fix = (
+            "Every rank updates its buffers identically: stop the per-forward broadcast:\n"
+            "    model = DistributedDataParallel(net, broadcast_buffers=False)"
+            "  # torch>=2.13: forward_sync_buffers=False\n"
+            "ddpdoctor's final fingerprint will tell if they ever drift apart (buffer-divergence)."
+        )
     else:
-        detail = (f"{cost.detail} {name_list(verdict['would_drift'])} differ across ranks between broadcasts {at}: "
-                  "each rank updates its own copy, so without the broadcast they would drift apart. Turning "
-                  "broadcast_buffers off is unsafe for them.")
-        fix = ("Keep broadcast_buffers=True: without it these buffers drift apart. Turning it off is only safe if "
-               "nothing reads them during training (BatchNorm in train mode uses the batch's statistics) and you "
-               "broadcast them yourself before evaluation and checkpointing:\n"
-               "    for b in model.module.buffers(): torch.distributed.broadcast(b, src=0)\n"
-               "or synchronize them as they are computed (torch.nn.SyncBatchNorm.convert_sync_batchnorm(net) on GPU).")
-    return Finding(code=cost.code, severity=cost.severity, title=cost.title, detail=detail, fix=fix, ranks=cost.ranks,
-                   step=cost.step, evidence={**cost.evidence, "broadcast_redundant": verdict["redundant"],
-                                             "changing_buffers": verdict["changing"],
-                                             "would_drift": verdict["would_drift"],
-                                             "steps_compared_outside_broadcast": steps,
-                                             "predicted_saving_ms": saving if verdict["redundant"] else None})
+        detail = (
+            f"{cost.detail} {name_list(verdict['would_drift'])} differ across ranks between broadcasts {at}: "
+            "each rank updates its own copy, so without the broadcast they would drift apart. Turning "
+            "broadcast_buffers off is unsafe for them."
+        )
+        fix = (
+            "Keep broadcast_buffers=True: without it these buffers drift apart. Turning it off is only safe if "
+            "nothing reads them during training (BatchNorm in train mode uses the batch's statistics) and you "
+            "broadcast them yourself before evaluation and checkpointing:\n"
+            "    for b in model.module.buffers(): torch.distributed.broadcast(b, src=0)\n"
+            "or synchronize them as they are computed (torch.nn.SyncBatchNorm.convert_sync_batchnorm(net) on GPU)."
+        )
+    return Finding(
+        code=cost.code,
+        severity=cost.severity,
+        title=cost.title,
+        detail=detail,
+        fix=fix,
+        ranks=cost.ranks,
+        step=cost.step,
+        evidence={
+            **cost.evidence,
+            "broadcast_redundant": verdict["redundant"],
+            "changing_buffers": verdict["changing"],
+            "would_drift": verdict["would_drift"],
+            "steps_compared_outside_broadcast": steps,
+            "predicted_saving_ms": saving if verdict["redundant"] else None,
+        },
+    )

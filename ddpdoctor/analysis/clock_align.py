@@ -51,8 +51,12 @@ def estimate_offsets(steps_by_rank: dict[int, list[Step]]) -> ClockOffsets:
         if rank == reference:
             continue
         mine = _done_times(steps)
-        deltas = [a - b for step, times in mine.items() if step in ref and len(ref[step]) == len(times)
-                  for a, b in zip(times, ref[step])]
+        deltas = [
+            a - b
+            for step, times in mine.items()
+            if step in ref and len(ref[step]) == len(times)
+            for a, b in zip(times, ref[step], strict=False)
+        ]
         if deltas:
             offsets[rank] = median(deltas)
             method[rank] = "collective"

@@ -63,20 +63,29 @@ def communication_predictions(run: Run, exposed: Finding) -> dict[str, Any]:
         scale = w.measured_step_ms / w.current.step_ms  # prediction against prediction, in measured ms
         half = replace(w.model, us_per_byte=w.model.us_per_byte / 2)
         best = w.best
-        out.update(method="replay", measured_step_ms=round(w.measured_step_ms, 3), confidence=w.confidence,
-                   recommended_bucket_cap_mb=best.cap_mb,
-                   bucket_cap_step_ms=round(best.step_ms * scale, 3))
+        out.update(
+            method="replay",
+            measured_step_ms=round(w.measured_step_ms, 3),
+            confidence=w.confidence,
+            recommended_bucket_cap_mb=best.cap_mb,
+            bucket_cap_step_ms=round(best.step_ms * scale, 3),
+        )
         if not compressing:
             compressed = current_prediction(header, samples, half, hook)
             both = predict_cap(header, samples, half, hook, int(best.cap_mb * MIB), int(best.cap_mb * MIB))
-            out.update(compress_hook_step_ms=round(compressed.step_ms * scale, 3),
-                       compress_and_bucket_step_ms=round(both.step_ms * scale, 3))
+            out.update(
+                compress_hook_step_ms=round(compressed.step_ms * scale, 3),
+                compress_and_bucket_step_ms=round(both.step_ms * scale, 3),
+            )
         return out
     # no sampled backward to replay: the exposed part of the all-reduce, halved, is what compression saves
     exposed_ms, comm_ms = exposed.evidence.get("exposed_ms"), exposed.evidence.get("allreduce_ms")
     if step_ms and exposed_ms is not None and comm_ms is not None and not compressing:
-        out.update(method="exposed time", measured_step_ms=round(step_ms, 3),
-                   compress_hook_step_ms=round(step_ms - min(exposed_ms, comm_ms / 2), 3))
+        out.update(
+            method="exposed time",
+            measured_step_ms=round(step_ms, 3),
+            compress_hook_step_ms=round(step_ms - min(exposed_ms, comm_ms / 2), 3),
+        )
     return out
 
 
@@ -91,21 +100,34 @@ def advise_communication(run: Run, exposed: Finding) -> Finding:
         return exposed
     parts, fixes = [], []
     if "compress_hook_step_ms" in p:
-        parts.append(f"with bf16_compress_hook/fp16_compress_hook (half the bytes) about {p['compress_hook_step_ms']:.1f} ms")
+        parts.append(
+            f"with bf16_compress_hook/fp16_compress_hook (half the bytes) about {p['compress_hook_step_ms']:.1f} ms"
+        )
         fixes.append(HOOK_FIX)
     if "bucket_cap_step_ms" in p and p["bucket_cap_step_ms"] < measured * 0.98:
         parts.append(f"with bucket_cap_mb={p['recommended_bucket_cap_mb']:g} about {p['bucket_cap_step_ms']:.1f} ms")
-        fixes.append(f"Start all-reduces earlier: DistributedDataParallel(net, bucket_cap_mb={p['recommended_bucket_cap_mb']:g}).")
+        fixes.append(
+            "Start all-reduces earlier: "
+            f"DistributedDataParallel(net, bucket_cap_mb={p['recommended_bucket_cap_mb']:g})."
+        )
     elif "bucket_cap_step_ms" in p:
-        parts.append(f"no bucket_cap_mb is predicted to help (the best, {p['recommended_bucket_cap_mb']:g} MiB, "
-                     f"about {p['bucket_cap_step_ms']:.1f} ms)")
+        parts.append(
+            f"no bucket_cap_mb is predicted to help (the best, {p['recommended_bucket_cap_mb']:g} MiB, "
+            f"about {p['bucket_cap_step_ms']:.1f} ms)"
+        )
     if "compress_and_bucket_step_ms" in p and len(fixes) == 2:
         parts.append(f"with both about {p['compress_and_bucket_step_ms']:.1f} ms")
     if not fixes:
         return exposed
-    how = ("replaying the sampled backward with the communication model fitted to this run"
-           if p.get("method") == "replay" else "halving the exposed all-reduce time")
-    detail = (f"{exposed.detail} Predicted step ({how}), against {measured:.1f} ms measured: "
-              + "; ".join(parts) + ".")
-    return replace(exposed, detail=detail, evidence={**exposed.evidence, "predicted": p},
-                   fix="\n".join(fixes) + "\nIf ranks wait for a straggler, fix that first.")
+    how = (
+        "replaying the sampled backward with the communication model fitted to this run"
+        if p.get("method") == "replay"
+        else "halving the exposed all-reduce time"
+    )
+    detail = f"{exposed.detail} Predicted step ({how}), against {measured:.1f} ms measured: " + "; ".join(parts) + "."
+    return replace(
+        exposed,
+        detail=detail,
+        evidence={**exposed.evidence, "predicted": p},
+        fix="\n".join(fixes) + "\nIf ranks wait for a straggler, fix that first.",
+    )

@@ -69,12 +69,12 @@ def fit_line(points: list[tuple[int, float]]) -> tuple[float, float, float, int]
         fixed = 0.1 * median(ys)
         return fixed, (median(ys) - fixed) / max(1.0, median(xs)), 1.0, len(xs)
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     intercept = my - slope * mx
     if slope <= 0 or intercept < 0:
         slope, intercept = max(slope, 0.0), max(0.0, min(ys))
     syy = sum((y - my) ** 2 for y in ys)
-    r2 = 1.0 - sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys)) / syy if syy > 0 else 1.0
+    r2 = 1.0 - sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys, strict=True)) / syy if syy > 0 else 1.0
     return intercept, slope, r2, len(xs)
 
 
@@ -94,5 +94,11 @@ def fit_comm_model(steps_by_rank: dict[int, list[Step]], skip_steps: int = 2) ->
         return None
     latency, slope, r2, sizes = line
     errors = [abs(latency + slope * n - us) / us for n, us in best.values() if us > 0]
-    return CommModel(latency_us=latency, us_per_byte=slope, samples=len(best), sizes=sizes, r2=r2,
-                     median_abs_error_pct=100.0 * median(errors) if errors else 0.0)
+    return CommModel(
+        latency_us=latency,
+        us_per_byte=slope,
+        samples=len(best),
+        sizes=sizes,
+        r2=r2,
+        median_abs_error_pct=100.0 * median(errors) if errors else 0.0,
+    )

@@ -31,8 +31,17 @@ from ddpdoctor.events import Step
 from ddpdoctor.runlog import Run
 
 #: Phases compared, in timeline order ("bucket_wait" is cross-rank: blocked waiting for slower ranks).
-COMPARED = ["step", "forward", "buffer_sync", "backward", "allreduce", "bucket_wait", "exposed_comm", "optimizer",
-            "rest"]
+COMPARED = [
+    "step",
+    "forward",
+    "buffer_sync",
+    "backward",
+    "allreduce",
+    "bucket_wait",
+    "exposed_comm",
+    "optimizer",
+    "rest",
+]
 #: A change is called slower/faster only with at least this confidence ...
 CONFIDENCE = 0.95
 #: ... and when it is at least this large, both in ms and in % of the base: a phase of a few
@@ -116,8 +125,14 @@ class Comparison:
     def regressions(self, pct: float, phases: list[str] | None = None) -> list[PhaseChange]:
         """Phases (``phases``, default all) slower by more than ``pct`` % with confidence."""
         wanted = set(phases) if phases else None
-        return [p for p in self.phases if (wanted is None or p.phase in wanted) and p.verdict == "slower"
-                and p.change_pct is not None and p.change_pct > pct]
+        return [
+            p
+            for p in self.phases
+            if (wanted is None or p.phase in wanted)
+            and p.verdict == "slower"
+            and p.change_pct is not None
+            and p.change_pct > pct
+        ]
 
     def new_problems(self) -> list[FindingChange]:
         """Findings of severity warning or error that BASE did not have at all.
@@ -126,11 +141,15 @@ class Comparison:
         problem: several severities depend on a measured share of the step (e.g. the buffer
         broadcast's cost around 1%), and a CI gate must not flip on that noise.
         """
-        return [f for f in self.findings
-                if f.status == "new" and SEVERITY_ORDER.get(f.severity, 0) >= SEVERITY_ORDER["warning"]]
+        return [
+            f
+            for f in self.findings
+            if f.status == "new" and SEVERITY_ORDER.get(f.severity, 0) >= SEVERITY_ORDER["warning"]
+        ]
 
 
 # -- statistics ---------------------------------------------------------------------------------
+
 
 def mann_whitney_p(a: list[float], b: list[float]) -> float | None:
     """Two-sided p-value of the Mann-Whitney U test (normal approximation with tie and
@@ -153,9 +172,9 @@ def mann_whitney_p(a: list[float], b: list[float]) -> float | None:
         for k in range(i, j + 1):
             ranks[k] = (i + j) / 2.0 + 1.0
         t = j - i + 1
-        ties += t ** 3 - t
+        ties += t**3 - t
         i = j + 1
-    r1 = sum(r for r, (_, side) in zip(ranks, pooled) if side == 0)
+    r1 = sum(r for r, (_, side) in zip(ranks, pooled, strict=True) if side == 0)
     u1 = r1 - n1 * (n1 + 1) / 2.0
     mu = n1 * n2 / 2.0
     n = n1 + n2
@@ -169,6 +188,7 @@ def mann_whitney_p(a: list[float], b: list[float]) -> float | None:
 
 
 # -- samples --------------------------------------------------------------------------------------
+
 
 def _kept_steps(run: Run) -> set[int]:
     """Step numbers every rank logged, warm-up left out when enough remain."""
@@ -241,6 +261,7 @@ def _med(values: list[float]) -> float | None:
 
 # -- comparison -----------------------------------------------------------------------------------
 
+
 def compare_phase(name: str, a: list[float], b: list[float]) -> PhaseChange:
     """One phase's change, with its confidence and verdict."""
     base, new = _med(a), _med(b)
@@ -273,8 +294,17 @@ def _findings(base: list[Finding], new: list[Finding]) -> list[FindingChange]:
     out = []
     for code, f in b.items():
         old = a.get(code)
-        out.append(FindingChange(code, "unchanged" if old else "new", f.severity, old.severity if old else None,
-                                 f.title, f.fix, list(f.ranks)))
+        out.append(
+            FindingChange(
+                code,
+                "unchanged" if old else "new",
+                f.severity,
+                old.severity if old else None,
+                f.title,
+                f.fix,
+                list(f.ranks),
+            )
+        )
     for code, f in a.items():
         if code not in b:
             out.append(FindingChange(code, "resolved", f.severity, f.severity, f.title, f.fix, list(f.ranks)))
@@ -303,7 +333,7 @@ def compare(base: Run, new: Run, base_report: Report, new_report: Report) -> Com
     note = None
     if len(ba) != len(bb):
         note = f"the bucket layouts differ ({len(ba)} buckets in base, {len(bb)} in new): buckets compared by index"
-    elif any(x[0] != y[0] for x, y in zip(ba, bb)):
+    elif any(x[0] != y[0] for x, y in zip(ba, bb, strict=False)):
         note = "bucket sizes differ between the runs: buckets compared by index"
     buckets = []
     for i in range(max(len(ba), len(bb))):
@@ -314,13 +344,21 @@ def compare(base: Run, new: Run, base_report: Report, new_report: Report) -> Com
     new_ranks = {r["rank"]: r for r in new_report.ranks}
     for r in base_report.ranks:
         other = new_ranks.get(r["rank"])
-        ranks.append({
-            "rank": r["rank"],
-            "base_step_ms": r["medians_ms"].get("step"),
-            "new_step_ms": other["medians_ms"].get("step") if other else None,
-            "base_wait_ms": r["medians_ms"].get("bucket_wait"),
-            "new_wait_ms": other["medians_ms"].get("bucket_wait") if other else None,
-        })
-    return Comparison(base=_run_facts(base_report), new=_run_facts(new_report), phases=phases,
-                      buckets=buckets, buckets_note=note, ranks=ranks,
-                      findings=_findings(base_report.findings, new_report.findings))
+        ranks.append(
+            {
+                "rank": r["rank"],
+                "base_step_ms": r["medians_ms"].get("step"),
+                "new_step_ms": other["medians_ms"].get("step") if other else None,
+                "base_wait_ms": r["medians_ms"].get("bucket_wait"),
+                "new_wait_ms": other["medians_ms"].get("bucket_wait") if other else None,
+            }
+        )
+    return Comparison(
+        base=_run_facts(base_report),
+        new=_run_facts(new_report),
+        phases=phases,
+        buckets=buckets,
+        buckets_note=note,
+        ranks=ranks,
+        findings=_findings(base_report.findings, new_report.findings),
+    )

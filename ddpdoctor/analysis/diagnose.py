@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
 from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
@@ -16,7 +16,7 @@ from ddpdoctor.analysis.buffers import (
 )
 from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.analysis.comm_advice import advise_communication
-from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
+from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding, Severity
 from ddpdoctor.analysis.from_run import bucket_size_in_run, hangs_in_run, lost_in_run
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
@@ -34,8 +34,9 @@ def _in(step: int, first: int, nxt: int | None) -> bool:
     return step >= first and (nxt is None or step < nxt)
 
 
-def rank_findings(log: RankLog, bcast_cost_ms: float | None = None,
-                  exposed_floor: dict[int, float] | None = None) -> list[Finding]:
+def rank_findings(
+    log: RankLog, bcast_cost_ms: float | None = None, exposed_floor: dict[int, float] | None = None
+) -> list[Finding]:
     """What one rank's own log shows, one DDP instance (header segment) at a time."""
     out: list[Finding] = []
     for header, first, nxt in log.segments():
@@ -78,8 +79,16 @@ def merge(findings: list[Finding]) -> list[Finding]:
 
 
 def _from_record(r: FindingRecord) -> Finding:
-    return Finding(code=r.code, severity=r.severity, title=r.title, detail=r.detail, fix=r.fix,  # type: ignore[arg-type]
-                   ranks=list(r.ranks) or [r.rank], step=r.step, evidence=dict(r.evidence))
+    return Finding(
+        code=r.code,
+        severity=cast(Severity, r.severity),  # the record holds a str; the runtime writes only these
+        title=r.title,
+        detail=r.detail,
+        fix=r.fix,
+        ranks=list(r.ranks) or [r.rank],
+        step=r.step,
+        evidence=dict(r.evidence),
+    )
 
 
 #: Codes a rank may log from evidence that is not in the log itself (``check_replicas`` compares
@@ -95,9 +104,12 @@ def _whole_run(f: Finding, run: Run, looked_at: int) -> Finding:
     if stride <= 1 or not looked_at or total <= looked_at:
         return f
     estimate = f.evidence["time_lost_ms"] * total / looked_at
-    return replace(f, detail=f"{f.detail} The report read every {stride}th step: over all {total} steps, about "
-                             f"{estimate / 1000.0:.1f} s were lost.",
-                   evidence={**f.evidence, "steps_sampled_every": stride, "estimated_run_lost_ms": round(estimate, 1)})
+    return replace(
+        f,
+        detail=f"{f.detail} The report read every {stride}th step: over all {total} steps, about "
+        f"{estimate / 1000.0:.1f} s were lost.",
+        evidence={**f.evidence, "steps_sampled_every": stride, "estimated_run_lost_ms": round(estimate, 1)},
+    )
 
 
 def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Finding]:
@@ -116,10 +128,16 @@ def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Findin
     derived += hangs_in_run(run)
     derived += bucket_size_in_run(run)
     codes = {f.code for f in derived}
-    logged = [_from_record(r) for log in run.ranks.values() for r in log.findings
-              if r.code in LOGGED_EVIDENCE_CODES and r.code not in codes]
+    logged = [
+        _from_record(r)
+        for log in run.ranks.values()
+        for r in log.findings
+        if r.code in LOGGED_EVIDENCE_CODES and r.code not in codes
+    ]
     merged = merge(derived + logged)
     verdict = broadcast_redundancy(header, {r: log.fingerprints for r, log in run.ranks.items()}) if header else None
-    advised = {"exposed-communication": lambda f: advise_communication(run, f),
-               "buffer-broadcast-cost": lambda f: advise_broadcast(f, verdict)}
+    advised = {
+        "exposed-communication": lambda f: advise_communication(run, f),
+        "buffer-broadcast-cost": lambda f: advise_broadcast(f, verdict),
+    }
     return [advised[f.code](f) if f.code in advised else f for f in merged]

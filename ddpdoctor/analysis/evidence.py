@@ -125,15 +125,16 @@ class BufferEvidence:
         if not len(record.buffer_versions) == len(record.buffer_norms) == len(record.buffer_sums) == n:
             return
         self.usable += 1
-        values = list(zip(record.buffer_norms, record.buffer_sums))
+        values = list(zip(record.buffer_norms, record.buffer_sums, strict=False))
         if not self._reference:
             self._reference = values
             self._constant = [True] * n
         # The version counter is the cheap signal, but kernels that update buffers internally
         # (BatchNorm's running statistics) do not bump it: the values must not have moved either.
         for i in range(n):
-            if self._constant[i] and (record.buffer_versions[i] != buffers[i].version
-                                      or values[i] != self._reference[i]):
+            if self._constant[i] and (
+                record.buffer_versions[i] != buffers[i].version or values[i] != self._reference[i]
+            ):
                 self._constant[i] = False
 
     def constant(self) -> list[int]:

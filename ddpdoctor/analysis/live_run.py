@@ -10,9 +10,9 @@ the frozen view of ``live_view`` (rows, heatmap, step times, findings) for the U
 The cross-rank analysis is the same as the report's (a finding is defined once): clock offsets
 from ``clock_align``, arrivals from ``bucket_wait``, blame and stragglers from ``blame`` and
 ``straggler`` over a sliding window of complete steps (the last ``window``, long enough to see a
-period, and its last ``SHORT_WINDOW``, so a new steady straggler is named at once), lost ranks from ``lost``, hangs from ``hang`` (with each rank's
-latest steps logged without any all-reduce, which name a skipped backward), the bucket what-if
-from ``bucket_size``. No textual, no torch.
+period, and its last ``SHORT_WINDOW``, so a new steady straggler is named at once), lost ranks
+from ``lost``, hangs from ``hang`` (with each rank's latest steps logged without any all-reduce,
+which name a skipped backward), the bucket what-if from ``bucket_size``. No textual, no torch.
 """
 
 from __future__ import annotations

@@ -63,8 +63,10 @@ def _stride(n: int) -> int:
 
 
 def _step_series(run: Run) -> tuple[list[Series], bool]:
-    per_rank = {r: [(s.step, s.end_us / 1000.0) for s in log.steps if s.end_us is not None]
-                for r, log in sorted(run.ranks.items())}
+    per_rank = {
+        r: [(s.step, s.end_us / 1000.0) for s in log.steps if s.end_us is not None]
+        for r, log in sorted(run.ranks.items())
+    }
     if len(per_rank) <= MAX_LINES:
         out = []
         for r, pts in per_rank.items():
@@ -76,8 +78,10 @@ def _step_series(run: Run) -> tuple[list[Series], bool]:
         for step, ms in pts:
             by_step.setdefault(step, []).append(ms)
     steps = sorted(by_step)[:: _stride(len(by_step))]
-    out = [Series(name, steps, [round(fn(by_step[s]), 3) for s in steps])
-           for name, fn in (("max over ranks", max), ("median over ranks", median), ("min over ranks", min))]
+    out = [
+        Series(name, steps, [round(fn(by_step[s]), 3) for s in steps])
+        for name, fn in (("max over ranks", max), ("median over ranks", median), ("min over ranks", min))
+    ]
     slowest = sorted(per_rank, key=lambda r: -(median([p[1] for p in per_rank[r]]) if per_rank[r] else 0.0))[:3]
     for r in slowest:
         pts = per_rank[r][:: _stride(len(per_rank[r]))]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
-from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.findings import Finding, Severity
 from ddpdoctor.analysis.sizes import name_list
 from ddpdoctor.events import Fingerprint, Header
 
@@ -24,7 +25,7 @@ BUFFER_FIX = (
 )
 
 
-def _odd_ranks(values: dict[int, tuple[float, ...]]) -> list[int]:
+def _odd_ranks(values: Mapping[int, tuple[float, ...]]) -> list[int]:
     """Ranks whose value is not the most common one (all of them on a tie)."""
     counts = Counter(values.values())
     (top, n), *rest = counts.most_common()
@@ -67,8 +68,11 @@ def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -
         for i, name in enumerate(params):
             if name in bad_params:
                 continue
-            vals = {r: (fp.param_norms[i], fp.param_sums[i]) for r, fp in at.items()
-                    if i < len(fp.param_norms) and i < len(fp.param_sums)}
+            vals = {
+                r: (fp.param_norms[i], fp.param_sums[i])
+                for r, fp in at.items()
+                if i < len(fp.param_norms) and i < len(fp.param_sums)
+            }
             if len(set(vals.values())) > 1:
                 bad_params[name] = (step, _odd_ranks(vals), _rel_diff([v[0] for v in vals.values()]))
         for i, buf in enumerate(buffers):
@@ -76,15 +80,19 @@ def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -
                 continue  # rank 0's copy is broadcast at every forward: differences do not last
             if buf.name in bad_buffers:
                 continue
-            vals = {r: (fp.buffer_norms[i], fp.buffer_sums[i]) for r, fp in at.items()
-                    if i < len(fp.buffer_norms) and i < len(fp.buffer_sums)}
+            vals = {
+                r: (fp.buffer_norms[i], fp.buffer_sums[i])
+                for r, fp in at.items()
+                if i < len(fp.buffer_norms) and i < len(fp.buffer_sums)
+            }
             if len(set(vals.values())) > 1:
                 bad_buffers[buf.name] = (step, _odd_ranks(vals), _rel_diff([v[0] for v in vals.values()]))
     out = []
-    for code, bad, what, fix, severity in (
+    checks: tuple[tuple[str, dict[str, tuple[int, list[int], float]], str, str, Severity], ...] = (
         ("replica-divergence", bad_params, "parameter", RESYNC_FIX, "error"),
         ("buffer-divergence", bad_buffers, "buffer", BUFFER_FIX, "warning"),
-    ):
+    )
+    for code, bad, what, fix, severity in checks:
         if not bad:
             continue
         names = list(bad)
@@ -92,19 +100,35 @@ def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -
         ranks = sorted({r for v in bad.values() for r in v[1]})
         before = [s for s in compared if s < first]
         last_equal = before[-1] if before else None
-        since = (f"identical at step {last_equal} (the check before), different at step {first}"
-                 if last_equal is not None else f"different at step {first}, the first step compared")
-        out.append(Finding(
-            code=code, severity=severity, ranks=ranks, step=first,
-            title=f"{len(names)} {what}(s) differ across ranks from step {first}",
-            detail=(f"{name_list(names)} are not identical on every rank: {since} "
+        since = (
+            f"identical at step {last_equal} (the check before), different at step {first}"
+            if last_equal is not None
+            else f"different at step {first}, the first step compared"
+        )
+        out.append(
+            Finding(
+                code=code,
+                severity=severity,
+                ranks=ranks,
+                step=first,
+                title=f"{len(names)} {what}(s) differ across ranks from step {first}",
+                detail=(
+                    f"{name_list(names)} are not identical on every rank: {since} "
                     f"(ranks {ranks} differ from the others; largest relative difference "
                     f"{max(v[2] for v in bad.values()):.2e}; steps compared: {_steps_text(compared)}). "
-                    f"The cause ran between step {last_equal if last_equal is not None else 'the start'} and step {first}."),
-            evidence={"names": names, "first_step": first, "last_equal_step": last_equal,
-                      "compared_steps": compared[:100], "ranks_differing": ranks,
-                      "max_relative_difference": max(v[2] for v in bad.values()),
-                      "per_name": {n: {"step": v[0], "ranks": v[1]} for n, v in list(bad.items())[:50]}},
-            fix=fix,
-        ))
+                    "The cause ran between step "
+                    f"{last_equal if last_equal is not None else 'the start'} and step {first}."
+                ),
+                evidence={
+                    "names": names,
+                    "first_step": first,
+                    "last_equal_step": last_equal,
+                    "compared_steps": compared[:100],
+                    "ranks_differing": ranks,
+                    "max_relative_difference": max(v[2] for v in bad.values()),
+                    "per_name": {n: {"step": v[0], "ranks": v[1]} for n, v in list(bad.items())[:50]},
+                },
+                fix=fix,
+            )
+        )
     return out

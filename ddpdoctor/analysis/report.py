@@ -17,7 +17,17 @@ from ddpdoctor.runlog import RankLog, Run
 
 REPORT_SCHEMA_VERSION = 1
 #: Phases reported per rank (medians, ms), plus the cross-rank "bucket_wait".
-REPORTED = ["step", "forward", "buffer_sync", "backward", "allreduce", "bucket_wait", "exposed_comm", "optimizer", "rest"]
+REPORTED = [
+    "step",
+    "forward",
+    "buffer_sync",
+    "backward",
+    "allreduce",
+    "bucket_wait",
+    "exposed_comm",
+    "optimizer",
+    "rest",
+]
 
 
 @dataclass
@@ -152,7 +162,9 @@ def analyze(run: Run) -> Report:
         "phases": PHASES | {"bucket_wait": "blocked in all-reduce waiting for slower ranks (max over buckets)"},
         "buckets": [
             {"index": b.index, "bytes": b.bytes, "dtype": b.dtype, "params": len(b.params)} for b in layout.buckets
-        ] if layout else [],
+        ]
+        if layout
+        else [],
         "layout_rebuilt": any(lay.reason == "rebuilt" for log in run.ranks.values() for lay in log.layouts),
     }
     return Report(run=run_info, ranks=ranks, stats=stats, findings=findings)

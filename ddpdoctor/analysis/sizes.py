@@ -8,10 +8,26 @@ from typing import Any
 from ddpdoctor.events import Header
 
 _DTYPE_BYTES = {
-    "float64": 8, "double": 8, "int64": 8, "long": 8, "complex64": 8, "complex128": 16,
-    "float32": 4, "float": 4, "int32": 4, "int": 4,
-    "float16": 2, "half": 2, "bfloat16": 2, "int16": 2, "short": 2,
-    "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float64": 8,
+    "double": 8,
+    "int64": 8,
+    "long": 8,
+    "complex64": 8,
+    "complex128": 16,
+    "float32": 4,
+    "float": 4,
+    "int32": 4,
+    "int": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "int16": 2,
+    "short": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 
 

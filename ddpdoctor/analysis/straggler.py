@@ -42,14 +42,21 @@ PHASE_FIX = {
     DATA: (
         "This rank starts its forward late: its input pipeline is slower. Give its DataLoader more "
         "workers or prefetching (num_workers=..., pin_memory=True, persistent_workers=True), check that "
-        "its data shard is not larger or on slower storage than the others'."),
-    "forward": ("This rank's forward is slower: check for rank-dependent work in forward (logging, "
-                "metrics, extra branches) or a slower device/host."),
-    "backward": ("This rank's backward is slower: a slower device or host (thermal throttling, another process "
-                 "sharing it), or rank-specific work in backward (hooks, data-dependent work such as longer "
-                 "sequences on this rank)."),
-    "optimizer": ("This rank's optimizer step is slower: check for rank-dependent work after backward "
-                  "(checkpointing, logging, EMA updates on one rank only)."),
+        "its data shard is not larger or on slower storage than the others'."
+    ),
+    "forward": (
+        "This rank's forward is slower: check for rank-dependent work in forward (logging, "
+        "metrics, extra branches) or a slower device/host."
+    ),
+    "backward": (
+        "This rank's backward is slower: a slower device or host (thermal throttling, another process "
+        "sharing it), or rank-specific work in backward (hooks, data-dependent work such as longer "
+        "sequences on this rank)."
+    ),
+    "optimizer": (
+        "This rank's optimizer step is slower: check for rank-dependent work after backward "
+        "(checkpointing, logging, EMA updates on one rank only)."
+    ),
 }
 BETWEEN_FIX = (
     "Something runs on this rank only between optimizer.step() and the next forward{when}, and every other rank "
@@ -85,7 +92,9 @@ def _phases(s: Step, previous: Step | None) -> dict[str, float]:
     return out
 
 
-def _phase_excess(rb: RankBlame, steps_by_rank: dict[int, list[Step]], bcast: dict[int, bool]) -> dict[str, list[float]]:
+def _phase_excess(
+    rb: RankBlame, steps_by_rank: dict[int, list[Step]], bcast: dict[int, bool]
+) -> dict[str, list[float]]:
     """Per phase, at each step ``rb.rank`` was late: its duration minus the other ranks' median (µs).
 
     The median is over at most ``PHASE_OTHERS`` other ranks, spread evenly over them: at 256 ranks
@@ -97,7 +106,7 @@ def _phase_excess(rb: RankBlame, steps_by_rank: dict[int, list[Step]], bcast: di
         others = [others[int(i * stride)] for i in range(PHASE_OTHERS)]
     index = {r: {s.step: s for s in steps_by_rank[r]} for r in (*others, rb.rank)}
     out: dict[str, list[float]] = {}
-    for step, worst in zip(rb.late_steps, rb.worst):
+    for step, worst in zip(rb.late_steps, rb.worst, strict=True):
         phases = {}
         for r in index:
             s = index[r].get(step)
@@ -120,19 +129,31 @@ def _finding(rb: RankBlame, b: Blame, steps_by_rank: dict[int, list[Step]], bcas
     phase = max(total, key=total.get) if total else "unknown"  # type: ignore[arg-type]
     gap_label = DATA if pat.kind in ("every step", "one period") else BETWEEN
     label = gap_label if phase == GAP else phase
-    named_excess = {(gap_label if k == GAP else k): round(median(v) / 1000.0, 3)
-                    for k, v in excess.items()}
+    named_excess = {(gap_label if k == GAP else k): round(median(v) / 1000.0, 3) for k, v in excess.items()}
     late_ms = median(rb.margins_ms)
     n, k = len(b.steps), len(rb.late_steps)
-    when = {"every step": "", "periodic": f" every {pat.every} steps", "one period": f" in steps {pat.first} to {pat.last}",
-            "intermittent": f" in {k} of {n} steps"}[pat.kind]
+    when = {
+        "every step": "",
+        "periodic": f" every {pat.every} steps",
+        "one period": f" in steps {pat.first} to {pat.last}",
+        "intermittent": f" in {k} of {n} steps",
+    }[pat.kind]
     share = rb.lost_ms / b.window_ms if b.window_ms else 0.0
     evidence = {
-        "time_lost_ms": round(rb.lost_ms, 3), "share_of_time": round(share, 4), "pattern": pat.kind,
-        "latest_in_steps": k, "steps": n, "first_step": pat.first, "last_step": pat.last,
-        "late_steps": list(rb.late_steps[:50]), "median_lateness_ms": round(late_ms, 3),
-        "phase": label, "phase_excess_ms": named_excess, "others_waited_ms": round(rb.others_waited_ms, 3),
-        "step_ms": round(b.step_ms, 3), "noise_floor_ms": round(b.floor_ms, 3),
+        "time_lost_ms": round(rb.lost_ms, 3),
+        "share_of_time": round(share, 4),
+        "pattern": pat.kind,
+        "latest_in_steps": k,
+        "steps": n,
+        "first_step": pat.first,
+        "last_step": pat.last,
+        "late_steps": list(rb.late_steps[:50]),
+        "median_lateness_ms": round(late_ms, 3),
+        "phase": label,
+        "phase_excess_ms": named_excess,
+        "others_waited_ms": round(rb.others_waited_ms, 3),
+        "step_ms": round(b.step_ms, 3),
+        "noise_floor_ms": round(b.floor_ms, 3),
         "others_blamed_ms": round(rb.noise_ms, 3),
     }
     if pat.kind == "periodic":
@@ -145,16 +166,23 @@ def _finding(rb: RankBlame, b: Blame, steps_by_rank: dict[int, list[Step]], bcas
     else:
         fix = PHASE_FIX.get(label, "Look at what this rank does differently.")
     return Finding(
-        code="straggler", severity="warning", ranks=[rb.rank], step=pat.first,
-        title=(f"rank {rb.rank} arrives late at the step's collectives by {late_ms:.1f} ms{when}: {label} "
-               f"({_human_ms(rb.lost_ms)} lost)"),
-        detail=(f"The other ranks lost {_human_ms(rb.lost_ms)} waiting for rank {rb.rank} ({share:.0%} of the "
-                f"{_human_ms(b.window_ms)} the {n} steps took), late {pat.describe(k, n)} by a median "
-                f"{late_ms:.1f} ms over the next latest rank (a {b.step_ms:.1f} ms step). In those steps "
-                f"{'the time between its steps' if label == BETWEEN else 'its ' + label} was {phase_ms:.1f} ms longer "
-                "than on the other ranks (median). Margins under "
-                f"{b.floor_ms:.1f} ms are jitter and not counted; the other ranks were blamed for "
-                f"{_human_ms(rb.noise_ms)} of jitter."),
+        code="straggler",
+        severity="warning",
+        ranks=[rb.rank],
+        step=pat.first,
+        title=(
+            f"rank {rb.rank} arrives late at the step's collectives by {late_ms:.1f} ms{when}: {label} "
+            f"({_human_ms(rb.lost_ms)} lost)"
+        ),
+        detail=(
+            f"The other ranks lost {_human_ms(rb.lost_ms)} waiting for rank {rb.rank} ({share:.0%} of the "
+            f"{_human_ms(b.window_ms)} the {n} steps took), late {pat.describe(k, n)} by a median "
+            f"{late_ms:.1f} ms over the next latest rank (a {b.step_ms:.1f} ms step). In those steps "
+            f"{'the time between its steps' if label == BETWEEN else 'its ' + label} was {phase_ms:.1f} ms longer "
+            "than on the other ranks (median). Margins under "
+            f"{b.floor_ms:.1f} ms are jitter and not counted; the other ranks were blamed for "
+            f"{_human_ms(rb.noise_ms)} of jitter."
+        ),
         evidence=evidence,
         fix=fix,
     )
@@ -200,19 +228,33 @@ def exposed_communication(steps: list[Step], rank: int, floor_us: dict[int, floa
         return []
     warn = share >= EXPOSED_WARNING_SHARE and exposed_ms >= EXPOSED_WARNING_MS
     overlap = 1.0 - exposed_ms / comm_ms if comm_ms > 0 else 0.0
-    return [Finding(
-        code="exposed-communication", severity="warning" if warn else "info",
-        ranks=[rank], step=steps[0].step,
-        title=f"{exposed_ms:.1f} ms of all-reduce per step not hidden behind backward ({share:.0%} of the step)",
-        detail=(f"Backward compute ends {exposed_ms:.1f} ms (median) before the last bucket's all-reduce completes; "
+    return [
+        Finding(
+            code="exposed-communication",
+            severity="warning" if warn else "info",
+            ranks=[rank],
+            step=steps[0].step,
+            title=f"{exposed_ms:.1f} ms of all-reduce per step not hidden behind backward ({share:.0%} of the step)",
+            detail=(
+                f"Backward compute ends {exposed_ms:.1f} ms (median) before the last bucket's all-reduce completes; "
                 f"{overlap:.0%} of the {comm_ms:.1f} ms of communication overlaps with backward (waiting for slower "
-                "ranks is not counted here: see straggler)."),
-        evidence={"exposed_ms": exposed_ms, "allreduce_ms": comm_ms, "overlap_ratio": overlap, "share_of_step": share,
-                  "step_ms": step_ms, "steps": len(exposed)},
-        fix=("Start communication earlier and make the last bucket small: a smaller bucket_cap_mb "
-             "(DistributedDataParallel(net, bucket_cap_mb=...)) lets all-reduces start while backward runs; "
-             "if ranks wait for a straggler, fix that first."),
-    )]
+                "ranks is not counted here: see straggler)."
+            ),
+            evidence={
+                "exposed_ms": exposed_ms,
+                "allreduce_ms": comm_ms,
+                "overlap_ratio": overlap,
+                "share_of_step": share,
+                "step_ms": step_ms,
+                "steps": len(exposed),
+            },
+            fix=(
+                "Start communication earlier and make the last bucket small: a smaller bucket_cap_mb "
+                "(DistributedDataParallel(net, bucket_cap_mb=...)) lets all-reduces start while backward runs; "
+                "if ranks wait for a straggler, fix that first."
+            ),
+        )
+    ]
 
 
 def exposed_floor_us(steps_by_rank: dict[int, list[Step]]) -> dict[int, float]:

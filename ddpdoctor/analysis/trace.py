@@ -11,14 +11,23 @@ from __future__ import annotations
 from typing import Any
 
 from ddpdoctor.analysis.clock_align import estimate_offsets
+from ddpdoctor.events import Step
 from ddpdoctor.runlog import Run
 
 STEP_TID = 0
 
 
-def _slice(name: str, pid: int, tid: int, start: float, end: float, args: dict[str, Any] | None = None) -> dict[str, Any]:
-    event: dict[str, Any] = {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": round(start, 3),
-                             "dur": round(max(0.0, end - start), 3)}
+def _slice(
+    name: str, pid: int, tid: int, start: float, end: float, args: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    event: dict[str, Any] = {
+        "name": name,
+        "ph": "X",
+        "pid": pid,
+        "tid": tid,
+        "ts": round(start, 3),
+        "dur": round(max(0.0, end - start), 3),
+    }
     if args:
         event["args"] = args
     return event
@@ -37,29 +46,45 @@ def chrome_trace(run: Run) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     for rank, log in sorted(run.ranks.items()):
         host = log.header.host if log.header else "?"
-        events += [_meta("process_name", rank, 0, f"rank {rank} ({host})"),
-                   {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
-                   _meta("thread_name", rank, STEP_TID, "step")]
+        events += [
+            _meta("process_name", rank, 0, f"rank {rank} ({host})"),
+            {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+            _meta("thread_name", rank, STEP_TID, "step"),
+        ]
         buckets_named: set[int] = set()
         # each step is anchored on its own wall-clock reading, which can differ by microseconds from
         # the previous step's monotonic duration: a step's tail must not cross into the next step
-        next_start = {a.step: clocks.aligned_us(rank, b.t0_wall_ns, 0.0) - origin
-                      for a, b in zip(log.steps, log.steps[1:])}
+        next_start = {
+            a.step: clocks.aligned_us(rank, b.t0_wall_ns, 0.0) - origin
+            for a, b in zip(log.steps, log.steps[1:], strict=False)
+        }
         for s in log.steps:
-            def at(rel: float | None, s=s) -> float | None:
-                return None if rel is None else clocks.aligned_us(rank, s.t0_wall_ns, rel) - origin
+            # defaults bind this iteration's step and rank (the helpers are only called within it)
+            def at_us(rel: float, s: Step = s, rank: int = rank) -> float:
+                return clocks.aligned_us(rank, s.t0_wall_ns, rel) - origin
+
+            def at(rel: float | None, s: Step = s, rank: int = rank) -> float | None:
+                return None if rel is None else at_us(rel, s, rank)
 
             step_args = {"step": s.step, "micro": s.micro}
-            t0 = at(0.0)
+            t0 = at_us(0.0)
             if s.micro and s.fwd_start_us:
-                events.append(_slice("no_sync micro-steps", rank, STEP_TID, t0, at(s.fwd_start_us), step_args))
-            fwd_start, fwd_end = at(s.fwd_start_us), at(s.fwd_end_us)
+                events.append(_slice("no_sync micro-steps", rank, STEP_TID, t0, at_us(s.fwd_start_us), step_args))
+            fwd_start, fwd_end = at_us(s.fwd_start_us), at(s.fwd_end_us)
             if fwd_end is not None:
                 events.append(_slice("forward", rank, STEP_TID, fwd_start, fwd_end, step_args))
             if s.bcast_start_us is not None and s.bcast_us is not None:
-                start = at(s.bcast_start_us)
-                events.append(_slice("buffer broadcast", rank, STEP_TID, start, start + s.bcast_us,
-                                     {"bytes": s.bcast_bytes, **step_args}))
+                start = at_us(s.bcast_start_us)
+                events.append(
+                    _slice(
+                        "buffer broadcast",
+                        rank,
+                        STEP_TID,
+                        start,
+                        start + s.bcast_us,
+                        {"bytes": s.bcast_bytes, **step_args},
+                    )
+                )
             bwd_end, sync_end = at(s.bwd_end_us), at(s.sync_end_us)
             if fwd_end is not None and bwd_end is not None:
                 events.append(_slice("backward", rank, STEP_TID, fwd_end, bwd_end, step_args))
@@ -74,14 +99,25 @@ def chrome_trace(run: Run) -> dict[str, Any]:
             rest_from = opt_end if opt_end is not None else sync_end
             if end is not None and rest_from is not None:
                 events.append(_slice("data / other", rank, STEP_TID, rest_from, end, step_args))
-            for i, (ready, launch, done) in enumerate(zip(s.b_ready_us, s.b_launch_us, s.b_done_us)):
+            for i, (ready, launch, done) in enumerate(zip(s.b_ready_us, s.b_launch_us, s.b_done_us, strict=False)):
                 if launch is None or done is None:
                     continue
                 if i not in buckets_named:
                     buckets_named.add(i)
                     events.append(_meta("thread_name", rank, i + 1, f"bucket {i}"))
                 nbytes = s.b_bytes[i] if i < len(s.b_bytes) else None
-                events.append(_slice(f"all-reduce bucket {i}", rank, i + 1, at(launch), at(done),
-                                     {"bytes": nbytes, "ready_us": ready, **step_args}))
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"run_dir": str(run.dir), "clock_offsets_us": {str(r): v for r, v in clocks.offset_us.items()}}}
+                events.append(
+                    _slice(
+                        f"all-reduce bucket {i}",
+                        rank,
+                        i + 1,
+                        at_us(launch),
+                        at_us(done),
+                        {"bytes": nbytes, "ready_us": ready, **step_args},
+                    )
+                )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"run_dir": str(run.dir), "clock_offsets_us": {str(r): v for r, v in clocks.offset_us.items()}},
+    }

@@ -21,8 +21,9 @@ from ddpdoctor.events import Header, Step, Unused
 MIN_CLEAN_SAMPLES = 3
 
 
-def unused_parameters(header: Header, samples: Sequence[Unused] | UnusedEvidence, steps: list[Step], rank: int,
-                      frozen: bool = False) -> list[Finding]:
+def unused_parameters(
+    header: Header, samples: Sequence[Unused] | UnusedEvidence, steps: list[Step], rank: int, frozen: bool = False
+) -> list[Finding]:
     """Findings from one rank's sampled unused-parameter checks (``samples``: the records, or the
     running ``UnusedEvidence`` of them; ``frozen``: some parameter DDP reduces has lost
     requires_grad, which find_unused_parameters=True is then needed for)."""
@@ -37,43 +38,68 @@ def unused_parameters(header: Header, samples: Sequence[Unused] | UnusedEvidence
         if find_unused:
             # never used in any sample: dead weight; used in some: conditional branches, DDP copes
             never = evidence.never_used()
-            return [Finding(
-                code="unused-parameters", severity="warning" if never and n_samples >= 2 else "info",
-                ranks=[rank], step=first,
-                title=f"{len(names)} parameter(s) produced no gradient",
-                detail=(f"{name_list(names)} received no gradient in sampled steps"
+            return [
+                Finding(
+                    code="unused-parameters",
+                    severity="warning" if never and n_samples >= 2 else "info",
+                    ranks=[rank],
+                    step=first,
+                    title=f"{len(names)} parameter(s) produced no gradient",
+                    detail=(
+                        f"{name_list(names)} received no gradient in sampled steps"
                         f"{f' ({name_list(never)} in none of the {n_samples} samples)' if never else ''}. "
                         "find_unused_parameters=True handles it, at the cost of a graph search every step; "
-                        f"their {human_bytes(nbytes)} are still all-reduced (as zeros) unless unused on every rank."),
-                evidence={"names": names, "never_used": never, "bytes_per_step": nbytes, "samples": n_samples},
-                fix=("If they are never used, delete them from the model (or wrap only the used part). If they are "
-                     "used on some steps only, keep find_unused_parameters=True."),
-            )]
-        return [Finding(
-            code="unused-parameters", severity="error", ranks=[rank], step=first,
-            title=f"{len(names)} parameter(s) produced no gradient with find_unused_parameters=False",
-            detail=(f"{name_list(names)} received no gradient at step {first}. DDP waits for every gradient it "
+                        f"their {human_bytes(nbytes)} are still all-reduced (as zeros) unless unused on every rank."
+                    ),
+                    evidence={"names": names, "never_used": never, "bytes_per_step": nbytes, "samples": n_samples},
+                    fix=(
+                        "If they are never used, delete them from the model (or wrap only the used part). If they are "
+                        "used on some steps only, keep find_unused_parameters=True."
+                    ),
+                )
+            ]
+        return [
+            Finding(
+                code="unused-parameters",
+                severity="error",
+                ranks=[rank],
+                step=first,
+                title=f"{len(names)} parameter(s) produced no gradient with find_unused_parameters=False",
+                detail=(
+                    f"{name_list(names)} received no gradient at step {first}. DDP waits for every gradient it "
                     "reduces, so the next iteration fails with 'Expected to have finished reduction in the prior "
-                    "iteration'."),
-            evidence={"names": names, "bytes_per_step": nbytes},
-            fix=("Use every parameter in the forward, or build DDP with find_unused_parameters=True:\n"
-                 "    model = DistributedDataParallel(net, find_unused_parameters=True)"),
-        )]
+                    "iteration'."
+                ),
+                evidence={"names": names, "bytes_per_step": nbytes},
+                fix=(
+                    "Use every parameter in the forward, or build DDP with find_unused_parameters=True:\n"
+                    "    model = DistributedDataParallel(net, find_unused_parameters=True)"
+                ),
+            )
+        ]
     if not find_unused or frozen or n_samples < MIN_CLEAN_SAMPLES:
         return []
     post = evidence.post_forward_median_us()
     step_us = [s.end_us for s in steps if s.end_us is not None]
     cost_ms = post / 1000.0 if post is not None else None
     share = (post / median(step_us)) if post is not None and step_us else None
-    return [Finding(
-        code="find-unused-unneeded", severity="warning", ranks=[rank], step=evidence.first_step,
-        title="find_unused_parameters=True, but every parameter gets a gradient",
-        detail=(f"In {n_samples} sampled steps no parameter was unused. The flag makes DDP search the autograd "
-                f"graph after every forward{f' ({cost_ms:.2f} ms per step, {share:.1%} of the step)' if share is not None else ''}"
-                " and all-reduce a usage bitmap: pure overhead here."),
-        evidence={"samples": n_samples, "post_forward_ms": cost_ms, "share_of_step": share},
-        fix="model = DistributedDataParallel(net, find_unused_parameters=False)  # the default",
-    )]
+    cost = f" ({cost_ms:.2f} ms per step, {share:.1%} of the step)" if share is not None else ""
+    return [
+        Finding(
+            code="find-unused-unneeded",
+            severity="warning",
+            ranks=[rank],
+            step=evidence.first_step,
+            title="find_unused_parameters=True, but every parameter gets a gradient",
+            detail=(
+                f"In {n_samples} sampled steps no parameter was unused. The flag makes DDP search the autograd "
+                f"graph after every forward{cost}"
+                " and all-reduce a usage bitmap: pure overhead here."
+            ),
+            evidence={"samples": n_samples, "post_forward_ms": cost_ms, "share_of_step": share},
+            fix="model = DistributedDataParallel(net, find_unused_parameters=False)  # the default",
+        )
+    ]
 
 
 def static_unused_set(header: Header, samples: list[Unused], steps: list[Step], rank: int) -> list[Finding]:
@@ -99,16 +125,32 @@ def static_unused_set(header: Header, samples: list[Unused], steps: list[Step], 
     cost_ms = median(post) / 1000.0 if post else None
     share = median(post) / median(step_us) if post and step_us else None
     cost = f" ({cost_ms:.2f} ms per step, {share:.1%} of the step)" if cost_ms is not None and share is not None else ""
-    return [Finding(
-        code="find-unused-unneeded", severity="warning", ranks=[rank], step=usable[0].step,
-        title=f"find_unused_parameters=True finds the same {len(names)} unused parameter(s) at every step",
-        detail=(f"{name_list(names)} got no gradient at each of the {len(usable)} sampled steps, always the same set. "
+    return [
+        Finding(
+            code="find-unused-unneeded",
+            severity="warning",
+            ranks=[rank],
+            step=usable[0].step,
+            title=f"find_unused_parameters=True finds the same {len(names)} unused parameter(s) at every step",
+            detail=(
+                f"{name_list(names)} got no gradient at each of the {len(usable)} sampled steps, always the same set. "
                 f"DDP still searches the autograd graph after every forward to find them{cost}, and all-reduces "
-                f"their {human_bytes(nbytes)} of zeros. A static set needs no search."),
-        evidence={"names": names, "samples": len(usable), "post_forward_ms": cost_ms, "share_of_step": share,
-                  "predicted_saving_ms": cost_ms, "bytes_per_step": nbytes, "static_set": True},
-        fix=("Tell DDP the graph is static (it records the unused set once):\n"
-             "    model = DistributedDataParallel(net, static_graph=True)\n"
-             f"or remove the unused parameters from the model ({name_list(names)}) and use "
-             "find_unused_parameters=False, which also stops their all-reduce."),
-    )]
+                f"their {human_bytes(nbytes)} of zeros. A static set needs no search."
+            ),
+            evidence={
+                "names": names,
+                "samples": len(usable),
+                "post_forward_ms": cost_ms,
+                "share_of_step": share,
+                "predicted_saving_ms": cost_ms,
+                "bytes_per_step": nbytes,
+                "static_set": True,
+            },
+            fix=(
+                "Tell DDP the graph is static (it records the unused set once):\n"
+                "    model = DistributedDataParallel(net, static_graph=True)\n"
+                f"or remove the unused parameters from the model ({name_list(names)}) and use "
+                "find_unused_parameters=False, which also stops their all-reduce."
+            ),
+        )
+    ]

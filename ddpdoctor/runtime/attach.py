@@ -7,12 +7,13 @@ reverse order and ``AttachError`` says which step failed: DDP is left exactly as
 hooks, still all-reducing through its own reducer), and nothing refers to it.
 
 The changes that cannot be undone come last: the comm hook (a reducer takes exactly one, for
-good), and, when the reducer was rebuilt, removing the old reducer's autograd hooks. A comm hook the user registered *before* ``instrument``
-means a fresh reducer: it is built beside the old one (whose autograd hooks stay in place
-until the new reducer carries ddpdoctor's hook), and only then are the old reducer's hooks
-removed. After ``detach`` the timed hook stays registered and passes every bucket to the inner
-(the user's, or DDP's own) hook without timing anything, and later ``register_comm_hook``
-calls still fill that inner slot, under DDP's own "only once" rule.
+good), and, when the reducer was rebuilt, removing the old reducer's autograd hooks. A comm hook
+the user registered *before* ``instrument`` means a fresh reducer: it is built beside the old
+one (whose autograd hooks stay in place until the new reducer carries ddpdoctor's hook), and
+only then are the old reducer's hooks removed. After ``detach`` the timed hook stays registered
+and passes every bucket to the inner (the user's, or DDP's own) hook without timing anything,
+and later ``register_comm_hook`` calls still fill that inner slot, under DDP's own "only once"
+rule.
 
 Fault injection (tests): ``fail_at`` (or ``$DDPDOCTOR_TEST_FAIL_ATTACH``) names a step of
 ``STEPS`` to fail at.
@@ -28,11 +29,21 @@ from typing import Any
 
 from ddpdoctor.events import Header
 from ddpdoctor.runtime import comm_hook, torch_compat
-from ddpdoctor.runtime.header import build_header
 
 #: Every step of the transaction, in order ("validate" and "build" change nothing).
-STEPS = ("validate", "build", "forward_hooks", "sync_buffers", "copy_state", "shadow_registration", "services",
-         "register", "rebuild_reducer", "comm_hook", "retire_old_reducer")
+STEPS = (
+    "validate",
+    "build",
+    "forward_hooks",
+    "sync_buffers",
+    "copy_state",
+    "shadow_registration",
+    "services",
+    "register",
+    "rebuild_reducer",
+    "comm_hook",
+    "retire_old_reducer",
+)
 #: Test-only: the step to fail at (also read from this environment variable).
 FAIL_ENV = "DDPDOCTOR_TEST_FAIL_ATTACH"
 fail_at: str | None = None
@@ -52,8 +63,9 @@ class AttachError(RuntimeError):
     """Attaching failed at ``step``; DDP was left as it was."""
 
     def __init__(self, step: str, cause: BaseException) -> None:
-        super().__init__(f"attach step '{step}' failed ({type(cause).__name__}: {cause}); "
-                         "the DDP model was left exactly as it was")
+        super().__init__(
+            f"attach step '{step}' failed ({type(cause).__name__}: {cause}); the DDP model was left exactly as it was"
+        )
         self.step = step
         self.cause = cause
 
@@ -98,8 +110,13 @@ class Attachment:
         self._ddp = weakref.ref(ddp) if ddp is not None else _nothing
 
     @classmethod
-    def open(cls, ddp: Any, monitor: Any, header: Callable[[Any], Header],
-             extra: tuple[tuple[str, Callable[[], None], Callable[[], None]], ...] = ()) -> Attachment:
+    def open(
+        cls,
+        ddp: Any,
+        monitor: Any,
+        header: Callable[[Any], Header],
+        extra: tuple[tuple[str, Callable[[], None], Callable[[], None]], ...] = (),
+    ) -> Attachment:
         """Attach ``monitor`` to ``ddp``: every change, or none (``AttachError``).
 
         ``header(ddp)`` builds the header (emitted by the caller once this succeeds); ``extra``
@@ -145,17 +162,26 @@ class Attachment:
         # The shadow lives in the instance's __dict__: a strong bound method there would be a
         # cycle through the instance, which reference counting alone never frees.
         original_sync: Callable[[], Any] | None = (
-            weakref.WeakMethod(original) if inspect.ismethod(original) and original.__self__ is ddp
-            else (lambda: original) if original is not None else None)
+            weakref.WeakMethod(original)
+            if inspect.ismethod(original) and original.__self__ is ddp
+            else (lambda: original)
+            if original is not None
+            else None
+        )
 
-        def sync_buffers() -> None:
-            return monitor.on_sync_buffers(original_sync())  # type: ignore[misc]
+        self._sync_buffers = None
+        if original_sync is not None:
+            get_original = original_sync
 
-        self._sync_buffers = sync_buffers if original_sync is not None else None
+            def sync_buffers() -> Any:
+                return monitor.on_sync_buffers(get_original())
+
+            self._sync_buffers = sync_buffers
         self._getstate = _state_without_ddpdoctor(ddp)
 
-    def _plan(self, extra: tuple[tuple[str, Callable[[], None], Callable[[], None]], ...]
-              ) -> list[tuple[str, Callable[[], None]]]:
+    def _plan(
+        self, extra: tuple[tuple[str, Callable[[], None], Callable[[], None]], ...]
+    ) -> list[tuple[str, Callable[[], None]]]:
         plan: list[tuple[str, Callable[[], None]]] = [
             ("forward_hooks", self._add_forward_hooks),
             ("sync_buffers", self._shadow_sync_buffers),
@@ -179,6 +205,7 @@ class Attachment:
         def step() -> None:
             do()
             self._undo.append((name, undo))
+
         return step
 
     # -- the changes, each with its undo -------------------------------------------------
@@ -254,7 +281,7 @@ class Attachment:
             _, undo = self._undo.pop()
             try:
                 undo()
-            except Exception:  # undo the rest regardless; the caller reports the failed step
+            except Exception:  # noqa: BLE001, S110 - undo the rest regardless; the caller reports the failed step
                 pass
         if self.hook_state is not None:
             self.hook_state.detach()
@@ -290,11 +317,11 @@ def _state_without_ddpdoctor(ddp: Any) -> Callable[[], dict[str, Any]]:
     ddp_ref = weakref.ref(ddp)
 
     def __getstate__() -> dict[str, Any]:
-        ddp = ddp_ref()
+        ddp: Any = ddp_ref()  # called on the instance itself: it is alive
         monitor = monitor_of(ddp)
         if monitor is not None:
             monitor.quiesce()  # a sample in progress holds hooks on the parameters: end it
-        state = type(ddp).__getstate__(ddp)
+        state: dict[str, Any] = type(ddp).__getstate__(ddp)
         for name in SHADOWED:
             state.pop(name, None)
         if "ddpdoctor" in state:  # the drop-in class's attribute: a copy is not monitored
@@ -302,8 +329,13 @@ def _state_without_ddpdoctor(ddp: Any) -> Callable[[], dict[str, Any]]:
 
             state["ddpdoctor"] = DisabledMonitor()
         own = _own_hooks(monitor)
-        for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called",
-                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs"):
+        for name in (
+            "_forward_pre_hooks",
+            "_forward_hooks",
+            "_forward_hooks_always_called",
+            "_forward_hooks_with_kwargs",
+            "_forward_pre_hooks_with_kwargs",
+        ):
             hooks = state.get(name)
             if hooks and own:
                 state[name] = type(hooks)((k, v) for k, v in hooks.items() if k not in own)

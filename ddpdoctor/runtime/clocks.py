@@ -34,7 +34,8 @@ class HostClock:
     def us(self, t0: Mark, mark: Mark | None) -> float | None:
         if mark is None:
             return None
-        return (mark - t0) / 1000.0  # integer ns / 1000: at most 3 decimals in the log
+        us: float = (mark - t0) / 1000.0  # integer ns / 1000: at most 3 decimals in the log
+        return us
 
 
 class CudaClock:
@@ -60,7 +61,8 @@ class CudaClock:
     def us(self, t0: Mark, mark: Mark | None) -> float | None:
         if mark is None:
             return None
-        return round(t0.elapsed_time(mark) * 1000.0, 1)
+        us: float = round(t0.elapsed_time(mark) * 1000.0, 1)
+        return us
 
     def recycle(self, marks: Iterable[Mark]) -> None:
         """Give resolved events back for reuse (creating events costs a driver call)."""
@@ -94,6 +96,7 @@ def _test_offset_ns() -> int:
 
 _OFFSET_NS = _test_offset_ns()
 if _OFFSET_NS:  # rebound here, at import, so the hot path costs nothing when it is off
+
     def wall_ns() -> int:
         return time.time_ns() + _OFFSET_NS
 

@@ -95,7 +95,7 @@ class _Then:
             if self.recorder is not None:
                 try:
                     self.recorder.bucket_done(self.step, self.index)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - runs inside DDP's backward: a failing probe is switched off, never breaks training
                     self.probes.failed("buckets", exc)
             return f.value()[0] if self.unwrap else f.value()
         finally:
@@ -135,20 +135,20 @@ def timed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
         try:
             index = bucket.index()
             step = monitor.on_bucket_ready(bucket, index)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - runs inside DDP's backward: a failing probe is switched off, never breaks training
             monitor.probes.failed("buckets", exc)
             step = None
     if unwrap:  # ddpdoctor's own all-reduce: its gloo work holds no Python context
         fut = torch_compat.without_backward_context(inner, state.inner_state, bucket)
     else:
         fut = inner(state.inner_state, bucket)  # the user's errors propagate untouched
-    if step is None:
+    if step is None or monitor is None:  # a step exists only with a monitor
         return _then(fut, _Then(None, None, None, index, True)) if unwrap else fut
     recorder = monitor.recorder
     probes = monitor.probes
     try:
         recorder.bucket_launched(step, index)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - runs inside DDP's backward: a failing probe is switched off, never breaks training
         probes.failed("buckets", exc)
         return _then(fut, _Then(None, None, None, index, True)) if unwrap else fut
     return _then(fut, _Then(recorder, probes, step, index, unwrap))
@@ -177,8 +177,10 @@ def check_supported(ddp: Any) -> tuple[Callable[..., Any], object, str] | None:
     if existing is None:
         return None
     if not torch_compat.available("reducer_rebuild"):
-        raise HookUnsupported(f"a comm hook registered before instrument cannot be timed on torch "
-                              f"{torch_compat.TORCH_VERSION}: {torch_compat.problem('reducer_rebuild')}")
+        raise HookUnsupported(
+            f"a comm hook registered before instrument cannot be timed on torch "
+            f"{torch_compat.TORCH_VERSION}: {torch_compat.problem('reducer_rebuild')}"
+        )
     if getattr(ddp, "mixed_precision", None) is not None:
         raise HookUnsupported("DDP's native mixed precision registers its own comm hook")
     old_count, new_count = torch_compat.reducer_parameter_count(ddp)
@@ -186,8 +188,7 @@ def check_supported(ddp: Any) -> tuple[Callable[..., Any], object, str] | None:
         # requires_grad changed since DDP was built: a new reducer would silently change what is
         # synchronized, which is training's business, not ours.
         raise HookUnsupported(
-            "requires_grad changed since DDP was built; call ddpdoctor.instrument before registering "
-            "the comm hook"
+            "requires_grad changed since DDP was built; call ddpdoctor.instrument before registering the comm hook"
         )
     return existing
 
@@ -199,7 +200,7 @@ def _registered_hook(ddp: Any) -> tuple[Callable[..., Any], object, str] | None:
         return hook, hook_state, getattr(hook, "__qualname__", repr(hook))
     try:
         name = str(torch_compat.logging_data(ddp).get("comm_hook", "") or "")
-    except Exception:
+    except Exception:  # noqa: BLE001 - the hook's name from DDP's private logging data is optional; never break training
         name = ""
     if name.startswith("BuiltinCommHookType."):
         kind = name.split(".", 1)[1]
@@ -219,7 +220,7 @@ def shadow_registration(ddp: Any, state: HookState) -> None:
     ddp_ref = weakref.ref(ddp)  # these functions live in ddp.__dict__: no cycle back to it
 
     def register_comm_hook(hook_state: object, hook: Callable[..., Any]) -> None:
-        ddp = ddp_ref()
+        ddp: Any = ddp_ref()  # called as a method of the live instance: it is alive
         ddp._check_comm_hook(hook)
         if state.user_hook_name is not None:
             raise RuntimeError(_ONCE_MSG)
@@ -231,7 +232,7 @@ def shadow_registration(ddp: Any, state: HookState) -> None:
         _announce(state)
 
     def register_builtin_comm_hook(comm_hook_type: Any) -> None:
-        ddp = ddp_ref()
+        ddp: Any = ddp_ref()  # called as a method of the live instance: it is alive
         kind = str(comm_hook_type).split(".")[-1]
         if kind not in _BUILTIN_EQUIVALENTS:
             raise RuntimeError(f"ddpdoctor cannot time the built-in comm hook {comm_hook_type}")
@@ -254,5 +255,5 @@ def _announce(state: HookState) -> None:
         return
     try:
         monitor.recorder.set_comm_hook(state.user_hook_name)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
         monitor.probes.failed("layout", exc)

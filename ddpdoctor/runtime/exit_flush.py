@@ -76,9 +76,11 @@ class ExitFlush:
         for monitor in list(self._monitors):
             try:
                 monitor.close(reason=reason, timeout=GRACE_S)
-            except BaseException as exc:  # at exit or in a signal handler: say it, never raise
-                _say(f"ddpdoctor: closing a log at {reason} failed ({type(exc).__name__}: {exc}); "
-                     "the log may end without its end record")
+            except BaseException as exc:  # noqa: BLE001 - at exit or in a signal handler: say it, never raise
+                _say(
+                    f"ddpdoctor: closing a log at {reason} failed ({type(exc).__name__}: {exc}); "
+                    "the log may end without its end record"
+                )
 
     def flush_all(self) -> None:
         """Flush every live monitor's sink (any thread); nothing is closed."""
@@ -86,7 +88,7 @@ class ExitFlush:
             try:
                 if not monitor.closed:
                     monitor.flush(timeout=GRACE_S)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - on SIGTERM: say it, never raise
                 _say(f"ddpdoctor: flushing a log on SIGTERM failed ({type(exc).__name__}: {exc})")
 
     # -- SIGTERM -------------------------------------------------------------------------
@@ -178,7 +180,7 @@ class ExitFlush:
 def _say(message: str) -> None:
     try:
         warnings.warn(message, LogWriteWarning, stacklevel=2)
-    except BaseException:  # warnings turned into errors: stderr is the last resort
+    except BaseException:  # noqa: BLE001 - warnings turned into errors: stderr is the last resort
         try:
             os.write(2, (message + "\n").encode())
         except OSError:

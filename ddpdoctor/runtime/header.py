@@ -41,7 +41,7 @@ def ddp_options(ddp: Any) -> dict[str, Any]:
         logged = torch_compat.logging_data(ddp)
         options["comm_hook"] = logged.get("comm_hook") or None
         options["gloo_num_threads"] = logged.get("gloo_num_threads")
-    except Exception:
+    except Exception:  # noqa: BLE001, S110 - private DDP logging data is optional; attaching must never break training
         pass
     return options
 
@@ -52,20 +52,27 @@ def _checksum(t: torch.Tensor) -> float:
     return float(t.detach().double().sum()) if t.is_floating_point() else float(t.detach().sum())
 
 
-def build_header(ddp: Any, rank: int, ddp_index: int, run_id: str, clock: str, reason: str = "attach",
-                 first_step: int = 0) -> Header:
+def build_header(
+    ddp: Any, rank: int, ddp_index: int, run_id: str, clock: str, reason: str = "attach", first_step: int = 0
+) -> Header:
     """Everything a reader needs to interpret this rank's records, taken at attach time."""
     group = ddp.process_group
     world_size = group.size() if group is not None else 1
     try:
         backend = str(dist.get_backend(group))
-    except Exception:
+    except Exception:  # noqa: BLE001 - the backend name is optional; attaching must never break training
         backend = ""
     ignore = set(getattr(ddp, "parameters_to_ignore", None) or [])
     params = [
-        ParamInfo(name=n, shape=list(p.shape), dtype=str(p.dtype).removeprefix("torch."), numel=p.numel(),
-                  requires_grad=bool(p.requires_grad), ignored=n in ignore,
-                  reduced=bool(p.requires_grad) and n not in ignore)
+        ParamInfo(
+            name=n,
+            shape=list(p.shape),
+            dtype=str(p.dtype).removeprefix("torch."),
+            numel=p.numel(),
+            requires_grad=bool(p.requires_grad),
+            ignored=n in ignore,
+            reduced=bool(p.requires_grad) and n not in ignore,
+        )
         for n, p in ddp.module.named_parameters()
     ]
     broadcast_ids = {id(b) for b in getattr(ddp, "modules_buffers", [])}
@@ -73,11 +80,17 @@ def build_header(ddp: Any, rank: int, ddp_index: int, run_id: str, clock: str, r
     buffers = []
     with torch.no_grad():
         for n, b in ddp.module.named_buffers():
-            buffers.append(BufferInfo(
-                name=n, shape=list(b.shape), dtype=str(b.dtype).removeprefix("torch."),
-                bytes=b.numel() * b.element_size(), broadcast=will_sync and id(b) in broadcast_ids,
-                version=int(b._version), checksum=_checksum(b) if b.device.type == "cpu" else 0.0,
-            ))
+            buffers.append(
+                BufferInfo(
+                    name=n,
+                    shape=list(b.shape),
+                    dtype=str(b.dtype).removeprefix("torch."),
+                    bytes=b.numel() * b.element_size(),
+                    broadcast=will_sync and id(b) in broadcast_ids,
+                    version=int(b._version),
+                    checksum=_checksum(b) if b.device.type == "cpu" else 0.0,
+                )
+            )
     return Header(
         rank=rank,
         ddp=ddp_index,

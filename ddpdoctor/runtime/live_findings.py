@@ -47,7 +47,8 @@ def warn_finding(finding: Finding, rank: int, stacklevel: int = 3) -> None:
     step = f" (step {finding.step})" if finding.step is not None else ""
     warnings.warn(
         f"ddpdoctor [rank {rank}] {finding.code}: {finding.title}{step}. {finding.detail}\nFix: {finding.fix}",
-        category, stacklevel=stacklevel,
+        category,
+        stacklevel=stacklevel,
     )
 
 
@@ -88,8 +89,9 @@ class LiveFindings:
             self.raise_findings(stale_requires_grad(self.header, self.flags, self.rank))
         elif isinstance(record, Unused) and self.header is not None:
             self.unused.add(record)
-            self.raise_findings(unused_parameters(self.header, self.unused, list(self.steps), self.rank,
-                                                  self.flags.any_frozen))
+            self.raise_findings(
+                unused_parameters(self.header, self.unused, list(self.steps), self.rank, self.flags.any_frozen)
+            )
         elif isinstance(record, Fingerprint) and self.prints is not None and self.header is not None:
             self.prints.add(record)
             self.raise_findings(constant_buffers(self.header, self.prints, list(self.steps), self.rank))
@@ -107,9 +109,20 @@ class LiveFindings:
                 continue
             self._seen.add(key)
             self.raised.append(f)
-            self._emit(FindingRecord(rank=self.rank, ddp=self.ddp_index, step=f.step, code=f.code,
-                                     severity=f.severity, title=f.title, detail=f.detail, fix=f.fix,
-                                     ranks=f.ranks, evidence=f.evidence))
+            self._emit(
+                FindingRecord(
+                    rank=self.rank,
+                    ddp=self.ddp_index,
+                    step=f.step,
+                    code=f.code,
+                    severity=f.severity,
+                    title=f.title,
+                    detail=f.detail,
+                    fix=f.fix,
+                    ranks=f.ranks,
+                    evidence=f.evidence,
+                )
+            )
             if f.severity == "info":
                 continue
             if f.severity == "error":

@@ -39,11 +39,12 @@ from ddpdoctor.sinks.tcp import ENDPOINT_ENV, stream_tee
 #: How often the buffer byte count is recomputed (buffers are rarely replaced).
 _BUFFER_BYTES_EVERY = 100
 
+
 def _close_released(monitor: Monitor) -> None:
     """The model was freed without ``close``: end its log (run from DDP's finalizer)."""
     try:
         monitor.close()
-    except Exception:  # noqa: BLE001 - a finalizer must never raise into the code that dropped the model
+    except Exception:  # noqa: BLE001, S110 - a finalizer must never raise into the code that dropped the model
         pass
 
 
@@ -63,8 +64,9 @@ class Monitor:
     ``run_dir``). Raises ``AttachError`` when it cannot attach (DDP then is as it was).
     """
 
-    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, options: Options | None = None,
-                 **overrides: Any) -> None:
+    def __init__(
+        self, ddp: torch.nn.parallel.DistributedDataParallel, options: Options | None = None, **overrides: Any
+    ) -> None:
         if "run_dir_path" in overrides:
             overrides["run_dir"] = overrides.pop("run_dir_path")
         opts = self.options = Options.of(options, **overrides)
@@ -91,19 +93,33 @@ class Monitor:
                 endpoint = os.environ.get(ENDPOINT_ENV) or None
             self.endpoint = endpoint
             if self.endpoint:
-                self.sink = stream_tee(self.sink, self.endpoint, rank=self.rank, ddp=self.ddp_index,
-                                       run=self.run_dir.name if self.run_dir else "",
-                                       attempt=run_dir.elastic_attempt())
-            self.recorder = StepRecorder(self.rank, self.ddp_index, self.emit,
-                                         CudaClock() if self._cuda else HostClock())
+                self.sink = stream_tee(
+                    self.sink,
+                    self.endpoint,
+                    rank=self.rank,
+                    ddp=self.ddp_index,
+                    run=self.run_dir.name if self.run_dir else "",
+                    attempt=run_dir.elastic_attempt(),
+                )
+            self.recorder = StepRecorder(
+                self.rank, self.ddp_index, self.emit, CudaClock() if self._cuda else HostClock()
+            )
             self.live = LiveFindings(self.rank, self.ddp_index, self.emit, self._flush_now)
             self._bwd_queued: OpenStep | None = None
             self._backward_end_ok = torch_compat.available("backward_end")
             svc = services()
             self._services = svc
-            self.attachment = self._attach(ddp, "attach", extra=(
-                ("services", lambda: svc.join(self, opts.proc_interval, self.hang_timeout), lambda: svc.leave(self)),
-            ))
+            self.attachment = self._attach(
+                ddp,
+                "attach",
+                extra=(
+                    (
+                        "services",
+                        lambda: svc.join(self, opts.proc_interval, self.hang_timeout),
+                        lambda: svc.leave(self),
+                    ),
+                ),
+            )
         except BaseException:
             self._abandon_sink()
             raise
@@ -129,8 +145,15 @@ class Monitor:
         first = self.recorder.next_index
 
         def header(ddp: Any) -> Header:
-            return build_header(ddp, self.rank, self.ddp_index, self.run_dir.name if self.run_dir else "",
-                                self.recorder.clock.name, reason=reason, first_step=first)
+            return build_header(
+                ddp,
+                self.rank,
+                self.ddp_index,
+                self.run_dir.name if self.run_dir else "",
+                self.recorder.clock.name,
+                reason=reason,
+                first_step=first,
+            )
 
         attachment = Attachment.open(ddp, self, header, extra=extra)
         assert attachment.header is not None
@@ -144,8 +167,9 @@ class Monitor:
         self.emit(attachment.header)
         if attachment.timing_off is not None:
             self.probes.on["buckets"] = False
-            warnings.warn(f"ddpdoctor: per-bucket timing is off: {attachment.timing_off}", CommHookWarning,
-                          stacklevel=5)
+            warnings.warn(
+                f"ddpdoctor: per-bucket timing is off: {attachment.timing_off}", CommHookWarning, stacklevel=5
+            )
         elif attachment.hook_state is not None:
             self.recorder.set_comm_hook(attachment.hook_state.user_hook_name)
         return attachment
@@ -190,8 +214,11 @@ class Monitor:
             try:
                 self._attach(ddp, reason="rewrap")
             except AttachError as exc:
-                warnings.warn(f"ddpdoctor could not follow the model into its new DDP ({exc}); training goes on "
-                              "unmonitored", ProbeDisabledWarning, stacklevel=3)
+                warnings.warn(
+                    f"ddpdoctor could not follow the model into its new DDP ({exc}); training goes on unmonitored",
+                    ProbeDisabledWarning,
+                    stacklevel=3,
+                )
                 self.closed = True
                 self.attachment = None  # type: ignore[assignment]
                 self._close(f"error: {exc.step}", 5.0, final=False)
@@ -202,7 +229,7 @@ class Monitor:
         if checks is not None and not self.closed:
             try:
                 checks.end_sample()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("checks", exc)
 
     def _open_file_sink(self, explicit: str | os.PathLike[str] | None) -> Sink:
@@ -210,7 +237,7 @@ class Monitor:
         if explicit is None and not os.environ.get(run_dir.RUN_DIR_ENV) and dist.is_initialized():
             try:
                 store = torch_compat.default_store()
-            except Exception:
+            except Exception:  # noqa: BLE001 - no store means rank-local naming; attaching must never break training
                 store = None
         self.run_dir = run_dir.resolve(explicit, self.rank, store, "0")
         self.path, self.ddp_index = run_dir.rank_file(self.run_dir, self.rank)
@@ -225,7 +252,7 @@ class Monitor:
         """Attach failed: stop the sink's threads; a log file left empty is removed."""
         try:
             self.sink.close(1.0)
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - a failed attach is already being reported; its cleanup must never break training
             pass
         if self.path is not None:
             try:
@@ -241,12 +268,12 @@ class Monitor:
         if self.probes.on["emit"]:
             try:
                 self.sink.emit(record)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("emit", exc)
         if self.probes.on["live"]:
             try:
                 self.live.observe(record)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("live", exc)
 
     def _flush_now(self) -> None:
@@ -256,7 +283,7 @@ class Monitor:
         """Make what was emitted so far durable (any thread; e.g. on SIGTERM). Never raises."""
         try:
             return self.sink.flush(timeout=timeout)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - flush runs on any thread, SIGTERM included: never raises
             self.probes.failed("emit", exc)
             return False
 
@@ -290,16 +317,15 @@ class Monitor:
         sync = bool(ddp.require_backward_grad_sync)
         try:
             previous = self.recorder.current
-            self.recorder.forward_start(sync)
-            step = self.recorder.current
+            step = self.recorder.forward_start(sync)
             self.checks.bcast_in_forward = False
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("forward", exc)
             return
         if self.probes.on["checks"]:
             try:
                 self.checks.on_step_start(step.index, step.t0_mono_ns, sync, step is not previous)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("checks", exc)
 
     def on_forward_post(self, module: Any, args: Any, output: Any) -> None:
@@ -308,11 +334,11 @@ class Monitor:
         t = time.perf_counter_ns()
         try:
             self.recorder.forward_end()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("forward", exc)
         self.own_ns += time.perf_counter_ns() - t
 
-    def on_sync_buffers(self, original: Any) -> None:
+    def on_sync_buffers(self, original: Any) -> Any:
         """DDP's buffer broadcast, timed apart from the forward around it."""
         checks = getattr(self, "checks", None)
         if checks is not None:
@@ -323,7 +349,7 @@ class Monitor:
         clock = self.recorder.clock
         try:
             start = clock.now()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("buffers", exc)
             return original()
         self.recorder.in_broadcast = True
@@ -341,7 +367,7 @@ class Monitor:
                 self._buffer_bytes = sum(b.numel() * b.element_size() for b in self.ddp.modules_buffers)
                 self._buffer_bytes_age = 0
             self.recorder.buffers_broadcast(start, end, self._buffer_bytes)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("buffers", exc)
         self.own_ns += time.perf_counter_ns() - t - (t_out - t_in)
         return None
@@ -363,7 +389,7 @@ class Monitor:
                 from ddpdoctor.runtime.comm_hook import bucket_info
 
                 self.recorder.bucket_layout(step, index, bucket_info(bucket, self._param_names))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("layout", exc)
         if self._bwd_queued is not step and self._backward_end_ok and self.probes.on["backward_end"]:
             self._bwd_queued = step
@@ -371,14 +397,14 @@ class Monitor:
                 # Final callbacks run when the autograd graph is done, before DDP's own
                 # finalization waits for the all-reduces: that instant is "backward compute end".
                 torch_compat.queue_backward_callback(lambda: self._on_backward_end(step))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("backward_end", exc)
         return step
 
     def _on_backward_end(self, step: OpenStep) -> None:
         try:
             self.recorder.backward_end(step)
-        except Exception as exc:  # an exception here would surface inside loss.backward()
+        except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); it must never break training
             self.probes.failed("backward_end", exc)
 
     def on_optimizer(self, start: bool) -> None:
@@ -389,7 +415,7 @@ class Monitor:
                 self.recorder.optimizer_start()
             else:
                 self.recorder.optimizer_end()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("optimizer", exc)
 
     def device_memory(self) -> tuple[int | None, int | None]:
@@ -417,7 +443,7 @@ class Monitor:
         self._services.leave(self)
         try:
             self.recorder.close()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - closing must never break training
             self.probes.failed("emit", exc)
         checks = getattr(self, "checks", None)
         if checks is not None and self.probes.on["checks"]:
@@ -426,28 +452,38 @@ class Monitor:
                     checks.final(self.recorder.next_index)
                 checks.end_sample()
                 checks.fingerprinter.poll()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - closing must never break training
                 self.probes.failed("checks", exc)
         try:
             self._detach()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - closing must never break training
             self.probes.failed("forward", exc)
-        self.emit(End(rank=self.rank, ddp=self.ddp_index, t_mono_ns=mono_ns(), t_wall_ns=wall_ns(),
-                      steps=self.recorder.steps_emitted, reason=reason))
+        self.emit(
+            End(
+                rank=self.rank,
+                ddp=self.ddp_index,
+                t_mono_ns=mono_ns(),
+                t_wall_ns=wall_ns(),
+                steps=self.recorder.steps_emitted,
+                reason=reason,
+            )
+        )
         try:
             self.sink.close(timeout)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - closing must never break training
             self.probes.failed("emit", exc)
         # Let the model go: a monitor kept by the user must not keep DDP's reducer (and its process
         # group) alive past destroy_process_group.
-        self.ddp = None  # type: ignore[assignment]
+        self.ddp = None
         if checks is not None:
             checks.ddp = None
 
     def __enter__(self) -> Monitor:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close(reason="close" if exc_type is None else f"error: {exc_type.__name__}")
 
 
@@ -503,11 +539,14 @@ def instrument(
         overrides["run_dir"] = run_dir
     opts = Options.of(options, **overrides)  # a mistyped keyword is the caller's error: raise it
     try:
-        existing = monitor_of(ddp_model)
+        existing: Monitor | None = monitor_of(ddp_model)
         if existing is not None:
             return existing
         return Monitor(ddp_model, opts)
-    except Exception as exc:
-        warnings.warn(f"ddpdoctor could not attach to the model ({type(exc).__name__}: {exc}); "
-                      "training goes on unmonitored", ProbeDisabledWarning, stacklevel=2)
+    except Exception as exc:  # noqa: BLE001 - attaching must never break the user's training
+        warnings.warn(
+            f"ddpdoctor could not attach to the model ({type(exc).__name__}: {exc}); training goes on unmonitored",
+            ProbeDisabledWarning,
+            stacklevel=2,
+        )
         return DisabledMonitor()  # type: ignore[return-value]

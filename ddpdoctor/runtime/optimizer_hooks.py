@@ -34,8 +34,9 @@ class OptimizerHooks:
                 register_optimizer_step_pre_hook,
             )
 
-            self._handles.extend((register_optimizer_step_pre_hook(self._pre),
-                                  register_optimizer_step_post_hook(self._post)))
+            self._handles.extend(
+                (register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post))
+            )
 
     def unwatch(self, observer: OptimizerObserver) -> None:
         """Stop timing for ``observer``; the hooks go when no observer is left."""

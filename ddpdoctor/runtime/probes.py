@@ -17,8 +17,19 @@ class Probes:
     calls ``failed(name, exc)``, which switches the probe off, warns once and tells the log.
     """
 
-    NAMES = ("forward", "buffers", "buckets", "backward_end", "optimizer", "layout", "emit", "proc", "checks", "live",
-             "watchdog")
+    NAMES = (
+        "forward",
+        "buffers",
+        "buckets",
+        "backward_end",
+        "optimizer",
+        "layout",
+        "emit",
+        "proc",
+        "checks",
+        "live",
+        "watchdog",
+    )
 
     def __init__(self, report: Callable[[str, str], None]) -> None:
         self.on: dict[str, bool] = dict.fromkeys(self.NAMES, True)
@@ -40,5 +51,5 @@ class Probes:
         )
         try:
             self._report(name, detail)
-        except Exception:  # the log itself may be what failed
+        except Exception:  # noqa: BLE001, S110 - the log itself may be what failed; already warned above
             pass

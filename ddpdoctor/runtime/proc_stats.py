@@ -39,9 +39,14 @@ class ProcSampler:
         mem = self._process.memory_info()
         dev, dev_max = source.device_memory()
         return ProcSample(
-            rank=source.rank, ddp=source.ddp_index, t_mono_ns=mono_ns(), t_wall_ns=wall_ns(),
-            cpu_pct=self._process.cpu_percent(None), rss_bytes=mem.rss,
-            dev_mem_bytes=dev, dev_max_mem_bytes=dev_max,
+            rank=source.rank,
+            ddp=source.ddp_index,
+            t_mono_ns=mono_ns(),
+            t_wall_ns=wall_ns(),
+            cpu_pct=self._process.cpu_percent(None),
+            rss_bytes=mem.rss,
+            dev_mem_bytes=dev,
+            dev_max_mem_bytes=dev_max,
         )
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -67,5 +72,5 @@ class ProcSampler:
                 continue
             try:
                 source.emit(self.sample(source))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 source.probes.failed("proc", exc)

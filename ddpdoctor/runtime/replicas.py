@@ -11,10 +11,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.events import BufferInfo, Fingerprint, Header, ParamInfo
-from ddpdoctor.runtime.fingerprints import tensor_values
-from ddpdoctor.runtime.live_findings import warn_finding
 from ddpdoctor.runtime import torch_compat
 from ddpdoctor.runtime.attach import monitor_of
+from ddpdoctor.runtime.fingerprints import tensor_values
+from ddpdoctor.runtime.live_findings import warn_finding
 
 
 def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True) -> list[Finding]:
@@ -36,7 +36,11 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
         group = ddp.process_group
     params = list(module.named_parameters())
     buffers = list(module.named_buffers())
-    broadcast = {id(b) for b in getattr(ddp, "modules_buffers", [])} if ddp is not None and torch_compat.buffer_sync(ddp) else set()
+    broadcast = (
+        {id(b) for b in getattr(ddp, "modules_buffers", [])}
+        if ddp is not None and torch_compat.buffer_sync(ddp)
+        else set()
+    )
     with torch.no_grad():
         values = tensor_values([p for _, p in params] + [b for _, b in buffers]).cpu()
     norms, sums = values[:, 0].tolist(), values[:, 1].tolist()
@@ -46,16 +50,41 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
     n = len(params)
     header = Header(
         rank=dist.get_rank(),
-        params=[ParamInfo(name=name, shape=list(p.shape), dtype=str(p.dtype).removeprefix("torch."), numel=p.numel(),
-                          requires_grad=p.requires_grad) for name, p in params],
-        buffers=[BufferInfo(name=name, shape=list(b.shape), dtype=str(b.dtype).removeprefix("torch."),
-                            bytes=b.numel() * b.element_size(), broadcast=id(b) in broadcast) for name, b in buffers],
+        params=[
+            ParamInfo(
+                name=name,
+                shape=list(p.shape),
+                dtype=str(p.dtype).removeprefix("torch."),
+                numel=p.numel(),
+                requires_grad=p.requires_grad,
+            )
+            for name, p in params
+        ],
+        buffers=[
+            BufferInfo(
+                name=name,
+                shape=list(b.shape),
+                dtype=str(b.dtype).removeprefix("torch."),
+                bytes=b.numel() * b.element_size(),
+                broadcast=id(b) in broadcast,
+            )
+            for name, b in buffers
+        ],
     )
     monitor = monitor_of(ddp) if ddp is not None else None
     step = monitor.recorder.next_index if monitor is not None else 0
     prints = {
-        r: [Fingerprint(rank=r, step=step, param_norms=g[0][:n], param_sums=g[1][:n], buffer_norms=g[0][n:],
-                        buffer_sums=g[1][n:], after_broadcast=True)]
+        r: [
+            Fingerprint(
+                rank=r,
+                step=step,
+                param_norms=g[0][:n],
+                param_sums=g[1][:n],
+                buffer_norms=g[0][n:],
+                buffer_sums=g[1][n:],
+                after_broadcast=True,
+            )
+        ]
         for r, g in enumerate(gathered)
     }
     findings = compare_fingerprints(header, prints)

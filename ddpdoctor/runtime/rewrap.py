@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any
+from typing import Any, cast
 
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -66,8 +66,10 @@ def rewrap(ddp_model: TorchDDP, **overrides: Any) -> TorchDDP:
     accepted = set(inspect.signature(TorchDDP.__init__).parameters) - {"self", "module"}
     unknown = sorted(set(overrides) - accepted)
     if unknown:
-        raise TypeError(f"rewrap: DistributedDataParallel (torch {torch_compat.TORCH_VERSION}) takes no "
-                        f"option(s) {', '.join(unknown)}")
+        raise TypeError(
+            f"rewrap: DistributedDataParallel (torch {torch_compat.TORCH_VERSION}) takes no "
+            f"option(s) {', '.join(unknown)}"
+        )
     options = constructor_options(ddp_model) | overrides
     if "forward_sync_buffers" in overrides:
         options.pop("broadcast_buffers", None)
@@ -88,7 +90,8 @@ def rewrap(ddp_model: TorchDDP, **overrides: Any) -> TorchDDP:
 
     if isinstance(ddp_model, DistributedDataParallel):
         new.__class__ = DistributedDataParallel  # adds no state but the monitor attribute
-        new.ddpdoctor = monitor if monitor is not None and not monitor.closed else ddp_model.ddpdoctor
+        drop_in = cast(DistributedDataParallel, new)  # its class was just set
+        drop_in.ddpdoctor = monitor if monitor is not None and not monitor.closed else ddp_model.ddpdoctor
     return new
 
 

@@ -37,9 +37,12 @@ def resolve(explicit: str | os.PathLike[str] | None, rank: int, store: Any, key_
             else:
                 store.wait([key], _AGREE_TIMEOUT)
                 name = store.get(key).decode()
-        except Exception as exc:
-            warnings.warn(f"ddpdoctor: could not agree on a run dir with rank 0 ({exc}); this rank writes alone",
-                          LogWriteWarning, stacklevel=3)
+        except Exception as exc:  # noqa: BLE001 - a store failure means this rank writes alone; it must never break training
+            warnings.warn(
+                f"ddpdoctor: could not agree on a run dir with rank 0 ({exc}); this rank writes alone",
+                LogWriteWarning,
+                stacklevel=3,
+            )
             name = None
     return Path(DEFAULT_ROOT) / (name or new_run_name())
 

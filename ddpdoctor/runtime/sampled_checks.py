@@ -28,8 +28,6 @@ import time
 import weakref
 from typing import Any
 
-import torch
-
 from ddpdoctor.events import Fingerprint, GradFlags, Header, Unused
 from ddpdoctor.runtime import torch_compat
 from ddpdoctor.runtime.clocks import HostClock
@@ -120,8 +118,12 @@ class SampledChecks:
         if flags == self.flags:
             return
         self.flags = flags
-        frozen = [n for n, r, f in zip(self.names, self.reduced, flags) if r and not f]
-        unfrozen = [n for n, r, f, i in zip(self.names, self.reduced, flags, self.ignored) if f and not r and not i]
+        frozen = [n for n, r, f in zip(self.names, self.reduced, flags, strict=False) if r and not f]
+        unfrozen = [
+            n
+            for n, r, f, i in zip(self.names, self.reduced, flags, self.ignored, strict=False)
+            if f and not r and not i
+        ]
         self._emit(GradFlags(rank=self.rank, ddp=self.ddp_index, step=step, frozen=frozen, unfrozen=unfrozen))
 
     # -- sampled steps --------------------------------------------------------------------
@@ -133,11 +135,12 @@ class SampledChecks:
         seen = sample.seen
         now = time.monotonic_ns
         if self._grad_ready:
-            for i, (p, reduced) in enumerate(zip(self.params, self.reduced)):
+            for i, (p, reduced) in enumerate(zip(self.params, self.reduced, strict=False)):
                 if reduced and p.requires_grad:
                     sample.hooked.append((i, self.names[i]))
-                    sample.handles.append(p.register_post_accumulate_grad_hook(
-                        lambda _p, i=i: seen.__setitem__(i, now())))
+                    sample.handles.append(
+                        p.register_post_accumulate_grad_hook(lambda _p, i=i: seen.__setitem__(i, now()))
+                    )
         # after DDP's own pre-forward (buffer broadcast), right before the wrapped module runs
         sample.handles.append(self.ddp.module.register_forward_pre_hook(self._on_module_pre))
         if not self._post_forward:
@@ -165,7 +168,7 @@ class SampledChecks:
         if self.broadcast_bumps is None and self.bcast_in_forward and sample.pre_versions is not None:
             after = self._buffer_versions()
             if len(after) == len(sample.pre_versions):  # only DDP's broadcast ran in between
-                self.broadcast_bumps = [max(0, a - b) for a, b in zip(after, sample.pre_versions)]
+                self.broadcast_bumps = [max(0, a - b) for a, b in zip(after, sample.pre_versions, strict=True)]
         self.fingerprint(sample.step, self.bcast_in_forward)
 
     def _buffer_versions(self) -> list[int]:
@@ -178,7 +181,7 @@ class SampledChecks:
         bumps = self.broadcast_bumps
         if bumps is not None and len(bumps) == len(versions) and self.broadcasts:
             # what DDP's own broadcasts added is no change of the buffer's (see the module docstring)
-            versions = [v - self.broadcasts * d for v, d in zip(versions, bumps)]
+            versions = [v - self.broadcasts * d for v, d in zip(versions, bumps, strict=False)]
         meta = (step, len(self.params), versions, after_broadcast)
         self.fingerprinter.take(self.params + buffers, meta)
 
@@ -195,9 +198,19 @@ class SampledChecks:
 
     def _deliver_fingerprint(self, meta: Any, norms: list[float], sums: list[float]) -> None:
         step, n, versions, after_broadcast = meta
-        self._emit(Fingerprint(rank=self.rank, ddp=self.ddp_index, step=step, param_norms=norms[:n],
-                               param_sums=sums[:n], buffer_norms=norms[n:], buffer_sums=sums[n:],
-                               buffer_versions=versions, after_broadcast=after_broadcast))
+        self._emit(
+            Fingerprint(
+                rank=self.rank,
+                ddp=self.ddp_index,
+                step=step,
+                param_norms=norms[:n],
+                param_sums=sums[:n],
+                buffer_norms=norms[n:],
+                buffer_sums=sums[n:],
+                buffer_versions=versions,
+                after_broadcast=after_broadcast,
+            )
+        )
 
     def end_sample(self) -> None:
         """Remove the sample's hooks and emit what it saw (idempotent)."""
@@ -214,5 +227,13 @@ class SampledChecks:
         names = [name for i, name in sample.hooked if i not in sample.seen]
         t0, seen = sample.t0_mono_ns, sample.seen
         ready = [round((seen[i] - t0) / 1000.0, 1) if i in seen else None for i in range(len(self.params))]
-        self._emit(Unused(rank=self.rank, ddp=self.ddp_index, step=sample.step, names=names,
-                          post_forward_us=sample.post_forward_us, param_ready_us=ready))
+        self._emit(
+            Unused(
+                rank=self.rank,
+                ddp=self.ddp_index,
+                step=sample.step,
+                names=names,
+                post_forward_us=sample.post_forward_us,
+                param_ready_us=ready,
+            )
+        )

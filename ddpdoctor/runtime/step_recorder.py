@@ -28,9 +28,25 @@ class OpenStep:
     """Marks of the step in progress (plain slots: this is the hot path)."""
 
     __slots__ = (
-        "index", "t0", "t0_mono_ns", "t0_wall_ns", "micro", "fwd_start", "fwd_end", "bcast",
-        "bcast_bytes", "bwd_end", "ready", "launch", "done", "nbytes", "opt_start", "opt_end",
-        "end", "synced_forward", "layout",
+        "index",
+        "t0",
+        "t0_mono_ns",
+        "t0_wall_ns",
+        "micro",
+        "fwd_start",
+        "fwd_end",
+        "bcast",
+        "bcast_bytes",
+        "bwd_end",
+        "ready",
+        "launch",
+        "done",
+        "nbytes",
+        "opt_start",
+        "opt_end",
+        "end",
+        "synced_forward",
+        "layout",
     )
 
     def __init__(self, index: int, t0: Mark) -> None:
@@ -106,7 +122,8 @@ class StepRecorder:
 
     # -- forward ---------------------------------------------------------------------------
 
-    def forward_start(self, sync: bool) -> None:
+    def forward_start(self, sync: bool) -> OpenStep:
+        """Open (or continue) the step this forward belongs to, and return it."""
         now = self.clock.now()
         step = self.current
         if step is not None and (step.ready or (sync and step.synced_forward)):
@@ -124,6 +141,7 @@ class StepRecorder:
             step.micro += 1
         self.in_forward = True
         self.in_sync_forward = sync
+        return step
 
     def forward_end(self) -> None:
         if self.in_sync_forward and self.current is not None:
@@ -208,9 +226,8 @@ class StepRecorder:
     def _drain(self, force: bool) -> None:
         while self._pending:
             step = self._pending[0]
-            if not self.clock.ready(step.marks()):
-                if not force and len(self._pending) < MAX_PENDING_STEPS:
-                    return
+            if not self.clock.ready(step.marks()) and not force and len(self._pending) < MAX_PENDING_STEPS:
+                return
             self._pending.pop(0)
             self._emit_step(step)
 
@@ -218,22 +235,38 @@ class StepRecorder:
         clock = self.clock
         resolved = clock.always_ready or clock.ready(step.marks())
         if not resolved:  # the GPU never passed these events in time: keep what the host knows
-            record = Step(rank=self.rank, ddp=self.ddp_index, step=step.index, t0_mono_ns=step.t0_mono_ns,
-                          t0_wall_ns=step.t0_wall_ns, micro=step.micro, b_bytes=step.nbytes,
-                          bcast_bytes=step.bcast_bytes, clock=clock.name)
+            record = Step(
+                rank=self.rank,
+                ddp=self.ddp_index,
+                step=step.index,
+                t0_mono_ns=step.t0_mono_ns,
+                t0_wall_ns=step.t0_wall_ns,
+                micro=step.micro,
+                # per-bucket lists hold None for a bucket not seen this step (``_put`` pads): the
+                # schema's element types do not say so; readers skip None
+                b_bytes=step.nbytes,  # type: ignore[arg-type]
+                bcast_bytes=step.bcast_bytes,
+                clock=clock.name,
+            )
         else:
             us = clock.us
             t0 = step.t0
             bcast_us = fwd_us = sync_end = None
             bcast_start = None
+            # us() is None only for a missing mark: broadcast marks come in pairs, and fwd_start and
+            # fwd_end are checked below, so these sums and differences are of floats
             if step.bcast:
-                bcast_us = sum(us(a, b) for a, b, _ in step.bcast)
+                bcast_us = sum(us(a, b) for a, b, _ in step.bcast)  # type: ignore[misc]
                 bcast_start = us(t0, step.bcast[0][0])
             if step.fwd_start is not None and step.fwd_end is not None:
-                fwd_us = us(step.fwd_start, step.fwd_end) - sum(us(a, b) for a, b, sync in step.bcast if sync)
+                fwd_us = us(step.fwd_start, step.fwd_end) - sum(  # type: ignore[operator]
+                    us(a, b)  # type: ignore[misc]
+                    for a, b, sync in step.bcast
+                    if sync
+                )
             done = [us(t0, m) for m in step.done]
             if done and None not in done:
-                sync_end = max(done)
+                sync_end = max(done)  # type: ignore[type-var]  # None was ruled out just above
             record = Step(
                 rank=self.rank,
                 ddp=self.ddp_index,
@@ -248,10 +281,13 @@ class StepRecorder:
                 bcast_bytes=step.bcast_bytes,
                 fwd_end_us=us(t0, step.fwd_end),
                 bwd_end_us=us(t0, step.bwd_end),
-                b_ready_us=[us(t0, m) for m in step.ready],
-                b_launch_us=[us(t0, m) for m in step.launch],
-                b_done_us=done,
-                b_bytes=step.nbytes,  # the step is closed: its lists are handed over, not copied
+                # per-bucket lists hold None for a bucket not seen this step (``_put`` pads): the
+                # schema's element types do not say so; readers skip None
+                b_ready_us=[us(t0, m) for m in step.ready],  # type: ignore[misc]
+                b_launch_us=[us(t0, m) for m in step.launch],  # type: ignore[misc]
+                b_done_us=done,  # type: ignore[arg-type]
+                # the step is closed: its lists are handed over, not copied
+                b_bytes=step.nbytes,  # type: ignore[arg-type]
                 sync_end_us=sync_end,
                 opt_start_us=us(t0, step.opt_start),
                 opt_end_us=us(t0, step.opt_end),
@@ -278,8 +314,16 @@ class StepRecorder:
                     reason = "rebuilt"
                 else:
                     reason = "changed"
-                self.emit(Layout(rank=self.rank, ddp=self.ddp_index, step=step.index, reason=reason, buckets=buckets,
-                                 comm_hook=self.comm_hook))
+                self.emit(
+                    Layout(
+                        rank=self.rank,
+                        ddp=self.ddp_index,
+                        step=step.index,
+                        reason=reason,
+                        buckets=buckets,
+                        comm_hook=self.comm_hook,
+                    )
+                )
                 self._last_layout = signature
                 self._last_hook = self.comm_hook
                 self._last_bytes = [b.bytes for b in buckets]

@@ -51,8 +51,13 @@ def _probe_comm_hook() -> None:
 
 
 def _probe_reducer_rebuild() -> None:
-    _need(TorchDDP, "_build_params_for_reducer", "_build_debug_param_to_name_mapping", "_ddp_init_helper",
-          "_remove_autograd_hooks")
+    _need(
+        TorchDDP,
+        "_build_params_for_reducer",
+        "_build_debug_param_to_name_mapping",
+        "_ddp_init_helper",
+        "_remove_autograd_hooks",
+    )
     _need(dist.Reducer, "_remove_autograd_hooks")
     params = list(inspect.signature(TorchDDP._ddp_init_helper).parameters)[1:]
     if params != _INIT_HELPER_PARAMS:
@@ -107,7 +112,7 @@ def problem(feature: str) -> str | None:
             try:
                 probe()
                 _results[feature] = None
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure of a feature probe means the feature is off; kept as the reason
                 _results[feature] = f"{type(exc).__name__}: {exc}"
         return _results[feature]
 
@@ -122,8 +127,11 @@ def available(feature: str, warn: bool = True) -> bool:
             first = feature not in _warned
             _warned.add(feature)
         if first:
-            warnings.warn(f"ddpdoctor: {PROBES[feature][1]} is off on torch {TORCH_VERSION}: {why}. "
-                          "Training is not affected.", ProbeDisabledWarning, stacklevel=3)
+            warnings.warn(
+                f"ddpdoctor: {PROBES[feature][1]} is off on torch {TORCH_VERSION}: {why}. Training is not affected.",
+                ProbeDisabledWarning,
+                stacklevel=3,
+            )
     return False
 
 
@@ -211,7 +219,6 @@ def without_backward_context(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     finally:
         torch._C._stash_obj_in_tls(_TLS_CONTEXT, saved)
-
 
 
 def logging_data(ddp: Any) -> dict[str, Any]:

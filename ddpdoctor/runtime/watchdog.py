@@ -45,8 +45,9 @@ def hang_timeout_from_env(explicit: float | None) -> float:
         try:
             return max(0.0, float(raw))
         except ValueError:
-            warnings.warn(f"ddpdoctor: ignoring {HANG_TIMEOUT_ENV}={raw!r} (not a number of seconds)",
-                          HangWarning, stacklevel=3)
+            warnings.warn(
+                f"ddpdoctor: ignoring {HANG_TIMEOUT_ENV}={raw!r} (not a number of seconds)", HangWarning, stacklevel=3
+            )
     return DEFAULT_HANG_TIMEOUT
 
 
@@ -56,9 +57,19 @@ def signature(recorder: StepRecorder) -> tuple[Any, ...]:
     if step is None:
         return (recorder.next_index, None)
     done = sum(1 for m in list(step.done) if m is not None)
-    return (step.index, step.micro, len(step.ready), done, step.fwd_end is not None, step.bwd_end is not None,
-            step.opt_start is not None, step.opt_end is not None, recorder.in_forward, recorder.in_broadcast,
-            len(step.bcast))
+    return (
+        step.index,
+        step.micro,
+        len(step.ready),
+        done,
+        step.fwd_end is not None,
+        step.bwd_end is not None,
+        step.opt_start is not None,
+        step.opt_end is not None,
+        recorder.in_forward,
+        recorder.in_broadcast,
+        len(step.bcast),
+    )
 
 
 def locate(recorder: StepRecorder) -> dict[str, Any]:
@@ -83,9 +94,14 @@ def locate(recorder: StepRecorder) -> dict[str, Any]:
         phase = "optimizer"
     else:
         phase = "between steps"
-    return {"step": step.index, "phase": phase, "pending_bucket": pending if phase == "allreduce" else None,
-            "buckets_ready": sum(ready), "buckets_done": sum(1 for m in done if m is not None),
-            "buckets": max(len(ready), len(recorder.layout_bytes()))}
+    return {
+        "step": step.index,
+        "phase": phase,
+        "pending_bucket": pending if phase == "allreduce" else None,
+        "buckets_ready": sum(ready),
+        "buckets_done": sum(1 for m in done if m is not None),
+        "buckets": max(len(ready), len(recorder.layout_bytes())),
+    }
 
 
 def thread_stack(thread_id: int | None) -> list[str]:
@@ -178,7 +194,7 @@ class Watchdog:
                 continue
             try:
                 self._check(watch)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 monitor.probes.failed("watchdog", exc)
 
     def _check(self, watch: _Watch) -> None:
@@ -192,8 +208,11 @@ class Watchdog:
             watch.last, watch.since = current, now
             return
         waited = (now - watch.since) / 1e9
-        if watch.stalled_at is None and waited >= watch.timeout and monitor.recorder.steps_emitted + (
-                monitor.recorder.current is not None) > 0:
+        if (
+            watch.stalled_at is None
+            and waited >= watch.timeout
+            and monitor.recorder.steps_emitted + (monitor.recorder.current is not None) > 0
+        ):
             watch.stalled_at = now
             self._emit(watch, "stalled", waited)
 
@@ -201,22 +220,49 @@ class Watchdog:
         monitor = watch.monitor
         where = locate(monitor.recorder)
         stack = thread_stack(watch.thread_id) if state == "stalled" else []
-        record = Hang(rank=monitor.rank, ddp=monitor.ddp_index, t_mono_ns=mono_ns(), t_wall_ns=wall_ns(), state=state,
-                      waited_s=round(waited, 3), stack=stack, **where)
+        record = Hang(
+            rank=monitor.rank,
+            ddp=monitor.ddp_index,
+            t_mono_ns=mono_ns(),
+            t_wall_ns=wall_ns(),
+            state=state,
+            waited_s=round(waited, 3),
+            stack=stack,
+            **where,
+        )
         monitor.emit(record)
         if state == "stalled" and record.phase in COLLECTIVE_PHASES:
-            what = (f"the all-reduce of bucket {record.pending_bucket}" if record.phase == "allreduce"
-                    else "the buffer broadcast")
-            title = (f"rank {monitor.rank} has waited {waited:.0f} s in {what} of step {record.step}: "
-                     "another rank is not there")
-            fix = ("Run `ddpdoctor report` on the run dir: it names the missing rank and shows its stack. "
-                   "Look for a collective that one rank skips or adds (a backward skipped on one rank, "
-                   "data-dependent control flow, an uneven last batch, an exception swallowed on one rank).")
-            monitor.emit(FindingRecord(rank=monitor.rank, ddp=monitor.ddp_index, step=record.step, code="hang",
-                                       severity="error", title=title,
-                                       detail="Stack of the training thread:\n" + "\n".join(stack[-8:]),
-                                       fix=fix, ranks=[monitor.rank],
-                                       evidence={"phase": record.phase, "waited_s": record.waited_s,
-                                                 "pending_bucket": record.pending_bucket}))
+            what = (
+                f"the all-reduce of bucket {record.pending_bucket}"
+                if record.phase == "allreduce"
+                else "the buffer broadcast"
+            )
+            title = (
+                f"rank {monitor.rank} has waited {waited:.0f} s in {what} of step {record.step}: "
+                "another rank is not there"
+            )
+            fix = (
+                "Run `ddpdoctor report` on the run dir: it names the missing rank and shows its stack. "
+                "Look for a collective that one rank skips or adds (a backward skipped on one rank, "
+                "data-dependent control flow, an uneven last batch, an exception swallowed on one rank)."
+            )
+            monitor.emit(
+                FindingRecord(
+                    rank=monitor.rank,
+                    ddp=monitor.ddp_index,
+                    step=record.step,
+                    code="hang",
+                    severity="error",
+                    title=title,
+                    detail="Stack of the training thread:\n" + "\n".join(stack[-8:]),
+                    fix=fix,
+                    ranks=[monitor.rank],
+                    evidence={
+                        "phase": record.phase,
+                        "waited_s": record.waited_s,
+                        "pending_bucket": record.pending_bucket,
+                    },
+                )
+            )
             warnings.warn(f"ddpdoctor: {title}. {fix}", HangWarning, stacklevel=1)
         monitor.sink.flush(timeout=2.0)

@@ -49,7 +49,9 @@ def train(steps: int) -> CountingState:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):
-        loss = nn.functional.cross_entropy(model(torch.randn(8, 32, generator=gen)), torch.randint(0, 10, (8,), generator=gen))
+        loss = nn.functional.cross_entropy(
+            model(torch.randn(8, 32, generator=gen)), torch.randint(0, 10, (8,), generator=gen)
+        )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

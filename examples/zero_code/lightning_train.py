@@ -36,8 +36,16 @@ def main() -> None:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(512, 16, generator=gen), torch.randn(512, 1, generator=gen))
-    trainer = L.Trainer(accelerator="cpu", strategy="ddp", devices=2, max_steps=args.steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy="ddp",
+        devices=2,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Regressor(), DataLoader(data, batch_size=16))
     if trainer.global_rank == 0:
         print("lightning training done", flush=True)

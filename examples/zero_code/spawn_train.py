@@ -1,6 +1,6 @@
 """Plain DDP started with ``torch.multiprocessing.spawn``, no ddpdoctor in it.
 
-    ddpdoctor run --run-dir runs/spawn -- python examples/zero_code/spawn_train.py --ranks 2
+ddpdoctor run --run-dir runs/spawn -- python examples/zero_code/spawn_train.py --ranks 2
 """
 
 from __future__ import annotations

@@ -27,8 +27,13 @@ class Net(nn.Module):
 
     def __init__(self, batchnorm: bool = True, width: int = 64) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(32, width), nn.BatchNorm1d(width) if batchnorm else nn.Identity(),
-                                  nn.ReLU(), nn.Linear(width, width), nn.ReLU())
+        self.body = nn.Sequential(
+            nn.Linear(32, width),
+            nn.BatchNorm1d(width) if batchnorm else nn.Identity(),
+            nn.ReLU(),
+            nn.Linear(width, width),
+            nn.ReLU(),
+        )
         self.head = nn.Linear(width, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -39,8 +44,9 @@ def batch(gen: torch.Generator, size: int = 16) -> tuple[torch.Tensor, torch.Ten
     return torch.randn(size, 32, generator=gen), torch.randn(size, 4, generator=gen)
 
 
-def fit(model: nn.Module, rank: int, run_dir: str, steps: int, batch_size: int = 16,
-        finally_check: bool = False) -> None:
+def fit(
+    model: nn.Module, rank: int, run_dir: str, steps: int, batch_size: int = 16, finally_check: bool = False
+) -> None:
     """The plain training loop of the scripts whose problem is in the model or the DDP options,
     instrumented with one line; ``finally_check`` ends with ``ddpdoctor.check_replicas`` while the
     monitor is still attached (so what it finds is logged too)."""
@@ -77,7 +83,11 @@ def _entry(rank: int, train: Train, world: int, port: int, run_dir: str) -> None
 
 def launch(train: Train, world: int = 2) -> None:
     """Run ``train(rank, world, run_dir)`` on ``world`` gloo ranks; RUN_DIR is argv[1]."""
-    run_dir = sys.argv[1] if len(sys.argv) > 1 else os.path.join("ddpdoctor-runs", "zoo-" + os.path.basename(sys.argv[0])[:-3])
+    run_dir = (
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else os.path.join("ddpdoctor-runs", "zoo-" + os.path.basename(sys.argv[0])[:-3])
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-import ddpdoctor  # noqa: E402
-from tests.models import make_model  # noqa: E402
+import ddpdoctor
+from tests.models import make_model
 
 rank = int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
