@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -87,3 +88,22 @@ def run_ranks(
                 if p.is_alive():
                     p.kill()
                     p.join(5)
+
+
+def torchrun_cmd(*args: str, nproc: int = 2) -> list[str]:
+    """A one-node torchrun command line on 127.0.0.1 and a free port: ``args`` are the script and
+    its arguments."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        *args,
+    ]

@@ -10,7 +10,8 @@ import textwrap
 from pathlib import Path
 
 import ddpdoctor
-from tests.test_run_cmd import _env, _torchrun, ddpdoctor_run
+from tests.ddp_harness import torchrun_cmd
+from tests.test_run_cmd import _env, ddpdoctor_run
 
 SCRIPT = """
     import time, torch, torch.distributed as dist
@@ -39,7 +40,7 @@ def test_straggler_and_trace_line_up_despite_a_clock_offset(tmp_path: Path) -> N
     script.write_text(textwrap.dedent(SCRIPT))
     # rank 0 (the fast one) runs 3.7 s ahead: read naively, rank 0 would look late everywhere
     env = dict(_env(), DDPDOCTOR_TEST_CLOCK_OFFSET="0:3.7")
-    proc = ddpdoctor_run(tmp_path, _torchrun(str(script)), "--run-dir", "run", env=env)
+    proc = ddpdoctor_run(tmp_path, torchrun_cmd(str(script)), "--run-dir", "run", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = ddpdoctor.load_run(tmp_path / "run")
     skew_s = (run.ranks[0].header.t_wall_ns - run.ranks[1].header.t_wall_ns) / 1e9

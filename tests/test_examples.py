@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import ddpdoctor
-from tests.ddp_harness import free_port
+from tests.ddp_harness import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,22 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_example_under_torchrun_writes_one_file_per_rank(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DDPDOCTOR_RUN_DIR"}
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            str(ROOT / "examples" / "train_instrumented.py"),
-            "--steps",
-            "5",
-        ],
+        torchrun_cmd(str(ROOT / "examples" / "train_instrumented.py"), "--steps", "5"),
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -55,21 +39,7 @@ def test_exit_right_after_backward_never_aborts(tmp_path: Path) -> None:
     for attempt in range(3):
         run_dir = tmp_path / f"run-{attempt}"
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "1",
-                "--nproc-per-node",
-                "2",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(free_port()),
-                str(ROOT / "tests" / "scripts" / "exit_after_backward.py"),
-                str(run_dir),
-            ],
+            torchrun_cmd(str(ROOT / "tests" / "scripts" / "exit_after_backward.py"), str(run_dir)),
             cwd=tmp_path,
             env=env,
             capture_output=True,

@@ -17,7 +17,7 @@ import pytest
 import ddpdoctor
 from ddpdoctor.events import Header
 from ddpdoctor.runlog import RankFileTail
-from tests.ddp_harness import free_port
+from tests.ddp_harness import free_port, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "zero_code"
@@ -25,23 +25,6 @@ EXAMPLES = ROOT / "examples" / "zero_code"
 
 def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("DDPDOCTOR_", "TORCHELASTIC_"))}
-
-
-def _torchrun(*args: str, nproc: int = 2) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        *args,
-    ]
 
 
 def ddpdoctor_run(
@@ -87,7 +70,7 @@ def _headers(path: Path) -> list[Header]:
 
 
 def test_torchrun_script_without_ddpdoctor_is_instrumented(tmp_path: Path) -> None:
-    proc = ddpdoctor_run(tmp_path, _torchrun(str(EXAMPLES / "torchrun_train.py"), "--steps", "5"))
+    proc = ddpdoctor_run(tmp_path, torchrun_cmd(str(EXAMPLES / "torchrun_train.py"), "--steps", "5"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = _printed_run_dir(proc)
     assert run_dir.is_absolute() and run_dir.parent == tmp_path / "ddpdoctor-runs"
@@ -112,7 +95,7 @@ def test_mp_spawn_children_are_instrumented(tmp_path: Path) -> None:
 
 def test_a_script_with_its_own_comm_hook_keeps_it_and_is_timed(tmp_path: Path) -> None:
     proc = ddpdoctor_run(
-        tmp_path, _torchrun(str(EXAMPLES / "comm_hook_train.py"), "--steps", "6"), "--run-dir", "hooked"
+        tmp_path, torchrun_cmd(str(EXAMPLES / "comm_hook_train.py"), "--steps", "6"), "--run-dir", "hooked"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the user's hook reduced every bucket of every step (one bucket here) ...
@@ -161,7 +144,7 @@ def test_never_instrumented_twice(tmp_path: Path) -> None:
         dist.destroy_process_group()
     """)
     )
-    proc = ddpdoctor_run(tmp_path, _torchrun(str(script)), "--run-dir", "run")
+    proc = ddpdoctor_run(tmp_path, torchrun_cmd(str(script)), "--run-dir", "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
     # one file per model per rank (a second attach would have opened rank-NNNNN.ddp2.jsonl)
@@ -296,7 +279,7 @@ def test_a_failing_hook_warns_once_and_training_goes_on(tmp_path: Path) -> None:
         dist.destroy_process_group()
     """)
     )
-    proc = ddpdoctor_run(tmp_path, _torchrun(str(script), nproc=1), "--run-dir", "run")
+    proc = ddpdoctor_run(tmp_path, torchrun_cmd(str(script), nproc=1), "--run-dir", "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trained" in proc.stdout
     assert proc.stderr.count("could not instrument a DistributedDataParallel model") == 1
@@ -321,7 +304,7 @@ def test_the_hooks_monitor_lets_the_model_go_before_the_process_group(tmp_path: 
         print("group destroyed", flush=True)
     """)
     )
-    proc = ddpdoctor_run(tmp_path, _torchrun(str(script), nproc=1), "--run-dir", "run")
+    proc = ddpdoctor_run(tmp_path, torchrun_cmd(str(script), nproc=1), "--run-dir", "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.index("model freed") < proc.stdout.index("group destroyed")
     log = ddpdoctor.load_run(tmp_path / "run").ranks[0]

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import ddpdoctor
-from tests.ddp_harness import free_port
+from tests.ddp_harness import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "preempt_train.py"
@@ -48,23 +48,7 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen[str], timeout: float) ->
 
 @pytest.mark.parametrize(("when", "signame"), [("after", "TERM"), ("before", "TERM"), ("after", "INT")])
 def test_preemption_handler_runs_as_without_ddpdoctor(tmp_path: Path, when: str, signame: str) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(SCRIPT),
-        str(tmp_path),
-        when,
-        signame,
-    ]
+    cmd = torchrun_cmd(str(SCRIPT), str(tmp_path), when, signame)
     argv = [sys.executable, "-m", "ddpdoctor", "run", "--run-dir", str(tmp_path / "run"), "--", *cmd]
     proc = subprocess.Popen(
         argv,

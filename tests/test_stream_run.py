@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import ddpdoctor
-from tests.ddp_harness import free_port
-from tests.test_run_cmd import EXAMPLES, _env, _torchrun, ddpdoctor_run
+from tests.ddp_harness import free_port, torchrun_cmd
+from tests.test_run_cmd import EXAMPLES, _env, ddpdoctor_run
 
 
 def test_streamed_run_collected_then_reported(tmp_path: Path) -> None:
@@ -38,7 +38,7 @@ def test_streamed_run_collected_then_reported(tmp_path: Path) -> None:
         port = int(first.split("listening on 127.0.0.1:")[1].split(",")[0])
         proc = ddpdoctor_run(
             tmp_path,
-            _torchrun(str(EXAMPLES / "torchrun_train.py"), "--steps", "6"),
+            torchrun_cmd(str(EXAMPLES / "torchrun_train.py"), "--steps", "6"),
             "--run-dir",
             "local",
             "--endpoint",
@@ -73,7 +73,7 @@ def test_receiver_down_training_unaffected_drops_logged_locally(tmp_path: Path) 
     port = free_port()  # nothing listens there
     proc = ddpdoctor_run(
         tmp_path,
-        _torchrun(str(EXAMPLES / "torchrun_train.py"), "--steps", "5"),
+        torchrun_cmd(str(EXAMPLES / "torchrun_train.py"), "--steps", "5"),
         "--run-dir",
         "local",
         "--endpoint",
