@@ -24,18 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ddpdoctor
 from bench.harness import free_port, init_gloo
-from ddpdoctor.runtime import comm_hook, live_findings, step_recorder
+from ddpdoctor.runtime import comm_hook, live_findings, sampled_checks, step_recorder
 from ddpdoctor.runtime import monitor as monitor_module
 from ddpdoctor.sinks import NullSink
 
 TOTALS: dict[str, int] = {}
 
 PROBES = [
-    (monitor_module.Monitor, "_on_forward_pre", "forward pre-hook"),
+    (monitor_module.Monitor, "_forward_pre", "forward pre-hook"),
     (step_recorder.StepRecorder, "_emit_step", "  step record"),
     (live_findings.LiveFindings, "observe", "    live checks"),
-    (monitor_module.Monitor, "_check_grad_flags", "  requires_grad check"),
-    (monitor_module.Monitor, "_on_forward_post", "forward post-hook"),
+    (sampled_checks.SampledChecks, "check_grad_flags", "  requires_grad check"),
+    (monitor_module.Monitor, "on_forward_post", "forward post-hook"),
     (monitor_module.Monitor, "on_bucket_ready", "bucket ready"),
     (step_recorder.StepRecorder, "bucket_launched", "bucket launched"),
     (step_recorder.StepRecorder, "bucket_done", "bucket done (gloo thread)"),
