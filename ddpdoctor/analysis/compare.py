@@ -26,22 +26,12 @@ from ddpdoctor.analysis.bucket_wait import arrivals
 from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
 from ddpdoctor.analysis.phases import step_phases
-from ddpdoctor.analysis.report import Report
+from ddpdoctor.analysis.report import REPORTED, Report
 from ddpdoctor.events import Step
 from ddpdoctor.runlog import Run
 
 #: Phases compared, in timeline order ("bucket_wait" is cross-rank: blocked waiting for slower ranks).
-COMPARED = [
-    "step",
-    "forward",
-    "buffer_sync",
-    "backward",
-    "allreduce",
-    "bucket_wait",
-    "exposed_comm",
-    "optimizer",
-    "rest",
-]
+COMPARED = REPORTED
 #: A change is called slower/faster only with at least this confidence ...
 CONFIDENCE = 0.95
 #: ... and when it is at least this large, both in ms and in % of the base: a phase of a few

@@ -16,6 +16,7 @@ from ddpdoctor.analysis import Report
 from ddpdoctor.analysis.compare import Comparison
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
 from ddpdoctor.analysis.plot_data import PlotData
+from ddpdoctor.analysis.report import REPORTED
 from ddpdoctor.analysis.sizes import human_bytes
 from ddpdoctor.cli.render_compare import render_compare
 from ddpdoctor.cli.render_text import render
@@ -262,17 +263,7 @@ def render_report_html(report: Report, data: PlotData) -> str:
     page.add(f"<h2>Findings ({len(findings)})</h2>")
     page.add("".join(_finding(f) for f in findings) or "<p>No findings.</p>")
     page.add("<h2>Per-rank medians (ms)</h2>")
-    cols = [
-        "step",
-        "forward",
-        "buffer_sync",
-        "backward",
-        "allreduce",
-        "bucket_wait",
-        "exposed_comm",
-        "optimizer",
-        "rest",
-    ]
+    cols = REPORTED
     page.add(
         _table(
             ["rank", "host", "status", "steps", *cols],
