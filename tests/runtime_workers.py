@@ -300,11 +300,15 @@ def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     return out
 
 
+DELAYS_S = (0.05, 0.12)  # rank 1's extra forward and backward seconds in delay_checks
+
+
 def delay_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    """Rank 1's forward is 30 ms slower and its backward 60 ms slower than rank 0's."""
+    """Rank 1's forward and backward are slower than rank 0's by DELAYS_S."""
     slow = rank == 1
     torch.manual_seed(0)
-    model = DelayNet(forward_s=0.03 if slow else 0.0, backward_s=0.06 if slow else 0.0)
+    forward_s, backward_s = DELAYS_S if slow else (0.0, 0.0)
+    model = DelayNet(forward_s=forward_s, backward_s=backward_s)
     ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
     with ddpdoctor.instrument(ddp, run_dir=Path(tmp) / "delay"):
         train(ddp, rank, steps=5)
