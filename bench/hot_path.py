@@ -1,10 +1,17 @@
 """Where ddpdoctor's time goes on the training thread: µs per step in each of its entry points.
 
-One gloo rank (world size 1), a 9-layer MLP with 4 gradient buckets, a NullSink. Every ddpdoctor
-entry point on the hot path is wrapped with a timer; the figures are totals per step over
-``--steps`` steps after a warm-up. Nested entries (indented) are included in their parents.
+One gloo rank (world size 1), a 9-layer MLP with 4 gradient buckets (``--bn``: with BatchNorm
+between the layers, so DDP broadcasts buffers at every forward), a NullSink. Two passes of
+``--steps`` steps each, after a warm-up:
 
-    python bench/hot_path.py [--steps 1000]
+1. a timer around each entry point that torch or gloo calls (the top-level rows): their totals,
+   and the per-step and per-bucket sums the goal is stated in;
+2. timers around the functions inside them as well (the indented rows): where a top-level row's
+   time goes. Nested timers cost time of their own, so the top-level rows come from pass 1.
+
+Figures are µs per step, totals over the pass divided by its steps.
+
+    python bench/hot_path.py [--steps 1000] [--bn]
 """
 
 from __future__ import annotations
@@ -24,28 +31,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ddpdoctor
 from bench.harness import free_port, init_gloo
-from ddpdoctor.runtime import comm_hook, live_findings, sampled_checks, step_recorder
+from ddpdoctor.runtime import comm_hook, live_findings, optimizer_hooks, sampled_checks, step_recorder
 from ddpdoctor.runtime import monitor as monitor_module
 from ddpdoctor.sinks import NullSink
 
 TOTALS: dict[str, int] = {}
 
-PROBES = [
-    (monitor_module.Monitor, "_forward_pre", "forward pre-hook"),
-    (step_recorder.StepRecorder, "_emit_step", "  step record"),
-    (live_findings.LiveFindings, "observe", "    live checks"),
-    (sampled_checks.SampledChecks, "check_grad_flags", "  requires_grad check"),
-    (monitor_module.Monitor, "on_forward_post", "forward post-hook"),
-    (monitor_module.Monitor, "on_bucket_ready", "bucket ready"),
-    (step_recorder.StepRecorder, "bucket_launched", "bucket launched"),
-    (step_recorder.StepRecorder, "bucket_done", "bucket done (gloo thread)"),
-    (comm_hook, "mean_allreduce", "inner all-reduce call"),
-    (monitor_module.Monitor, "_on_backward_end", "backward-end callback"),
-    (monitor_module.Monitor, "on_optimizer", "optimizer hooks"),
+#: Entry points torch or gloo calls: (owner, attribute, label, where). ``where`` sorts them into
+#: the goal's sums: "step" (training thread, once a step), "bucket" (training thread, once a
+#: bucket), "gloo" (gloo's thread, once a bucket), "" (not ddpdoctor's own time).
+TOP = [
+    (monitor_module.Monitor, "on_forward_pre", "forward pre-hook", "step"),
+    (monitor_module.Monitor, "on_forward_post", "forward post-hook", "step"),
+    (monitor_module.Monitor, "on_sync_buffers", "buffer broadcast (wrapper + broadcast)", ""),
+    (monitor_module.Monitor, "on_bucket_ready", "bucket ready", "bucket"),
+    (step_recorder.StepRecorder, "bucket_launched", "bucket launched", "bucket"),
+    (step_recorder.StepRecorder, "bucket_done", "bucket done (gloo thread)", "gloo"),
+    (comm_hook, "mean_allreduce", "inner all-reduce call", ""),
+    (monitor_module.Monitor, "_on_backward_end", "backward-end callback", "step"),
+    (optimizer_hooks.OptimizerHooks, "_pre", "optimizer pre-hook", "step"),
+    (optimizer_hooks.OptimizerHooks, "_post", "optimizer post-hook", "step"),
+]
+
+#: Functions inside the entry points (pass 2 only), indented under the row they belong to.
+NESTED = [
+    (step_recorder.StepRecorder, "forward_start", "  forward_start (closes the step)", "forward pre-hook"),
+    (step_recorder.StepRecorder, "_emit_step", "    step record", "forward pre-hook"),
+    (live_findings.LiveFindings, "observe", "      live checks", "forward pre-hook"),
+    (sampled_checks.SampledChecks, "on_step_start", "  sampled checks", "forward pre-hook"),
+    (sampled_checks.SampledChecks, "check_grad_flags", "    requires_grad check", "forward pre-hook"),
 ]
 
 
-def _wrap(owner: Any, name: str, label: str) -> None:
+def _wrap(owner: Any, name: str, label: str) -> Any:
     original = getattr(owner, name)
 
     def timed(*args: Any, **kwargs: Any) -> Any:
@@ -56,17 +74,21 @@ def _wrap(owner: Any, name: str, label: str) -> None:
             TOTALS[label] = TOTALS.get(label, 0) + time.perf_counter_ns() - start
 
     setattr(owner, name, timed)
+    return original
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--bn", action="store_true", help="BatchNorm between the layers (buffers broadcast)")
     args = parser.parse_args()
     init_gloo(0, 1, free_port())
-    for owner, name, label in PROBES:
+    # the top-level entry points are wrapped before instrument: some are bound at registration
+    for owner, name, label, _ in TOP:
         _wrap(owner, name, label)
     torch.manual_seed(0)
-    net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(8)], nn.Linear(64, 4))
+    norm: list[nn.Module] = [nn.BatchNorm1d(64)] if args.bn else []
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), *norm, nn.ReLU()) for _ in range(8)], nn.Linear(64, 4))
     ddp = DDP(net, bucket_cap_mb=0.02)
     monitor = ddpdoctor.instrument(ddp, sink=NullSink(), proc_interval=1000)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
@@ -78,19 +100,40 @@ def main() -> None:
         loss.backward()
         opt.step()
 
+    def timed_pass() -> tuple[dict[str, int], float, float]:
+        TOTALS.clear()
+        own = monitor.own_ns
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        wall_us = (time.perf_counter() - start) / args.steps * 1e6
+        return dict(TOTALS), wall_us, (monitor.own_ns - own) / args.steps / 1000
+
     for _ in range(100):
         step()
-    TOTALS.clear()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    wall_us = (time.perf_counter() - start) / args.steps * 1e6
+    top, wall_us, own_us = timed_pass()
+    for owner, name, label, _ in NESTED:
+        _wrap(owner, name, label)
+    nested, _, _ = timed_pass()
     current = monitor.recorder.current
-    buckets = len(current.ready) if current is not None else 0
+    buckets = max(1, len(current.ready) if current is not None else 0)
     monitor.close()
-    print(f"step {wall_us:.0f} µs (instrumented, timers included), {buckets} buckets, {args.steps} steps")
-    for _, _, label in PROBES:
-        print(f"  {label:30s} {TOTALS.get(label, 0) / args.steps / 1000:7.1f} µs/step")
+
+    def per_step(totals: dict[str, int], label: str) -> float:
+        return totals.get(label, 0) / args.steps / 1000
+
+    print(f"step {wall_us:.0f} µs (instrumented, timers included), {buckets} buckets, {args.steps} steps per pass")
+    for _, _, label, _ in TOP:
+        print(f"  {label:40s} {per_step(top, label):7.1f} µs/step")
+        for _, _, inner, parent in NESTED:
+            if parent == label:
+                print(f"  {inner:40s} {per_step(nested, inner):7.1f} µs/step  (pass 2)")
+    sums = {where: sum(per_step(top, label) for _, _, label, w in TOP if w == where) for where in ("step", "bucket")}
+    gloo = sum(per_step(top, label) for _, _, label, w in TOP if w == "gloo")
+    print(f"training thread, per step (forward hooks, backward end, optimizer): {sums['step']:.1f} µs")
+    print(f"training thread, per bucket (ready, launched): {sums['bucket'] / buckets:.1f} µs")
+    print(f"gloo's thread, per bucket (done): {gloo / buckets:.1f} µs")
+    print(f"Monitor.own_us per step (its own accounting, pass 1): {own_us:.1f} µs")
     dist.destroy_process_group()
 
 

@@ -72,18 +72,27 @@ class LiveFindings:
         self._seen: set[tuple[str, str, tuple[str, ...]]] = set()
         self._since_check = 0
         self._checked = False
+        # Step records observed, and the last of them (by that count; 0: none) with a buffer
+        # broadcast, and with synchronized buckets but no optimizer step
+        self._observed = 0
+        self._last_bcast = 0
+        self._last_unstepped = 0
 
     def observe(self, record: Record) -> None:
         if isinstance(record, Step):
             self.steps.append(record)
+            self._observed += 1
+            # what the step-based checks look for: without either in the window they find nothing
+            if record.bcast_us is not None:
+                self._last_bcast = self._observed
+            if record.opt_start_us is None and record.b_ready_us:
+                self._last_unstepped = self._observed
             self._since_check += 1
             # first at WARMUP steps (a short job still hears it), then every EVERY steps
             if self._since_check >= (EVERY if self._checked else WARMUP):
                 self._checked = True
                 self._since_check = 0
-                steps = list(self.steps)
-                self.raise_findings(buffer_broadcast_cost(self.header, steps, self.rank) if self.header else [])
-                self.raise_findings(sync_during_accumulation(steps, self.rank))
+                self._check_steps()
         elif isinstance(record, GradFlags) and self.header is not None:
             self.flags.add(record)
             self.raise_findings(stale_requires_grad(self.header, self.flags, self.rank))
@@ -99,7 +108,24 @@ class LiveFindings:
             # a new DDP instance (rewrap): what was stale about the old one no longer applies
             self.header = record
             self.flags, self.unused, self.prints = FlagEvidence(), UnusedEvidence(), BufferEvidence(record)
-            self.steps.clear()
+            self.steps.clear()  # the marks below fall before the window: nothing to reset
+
+    def _check_steps(self) -> None:
+        """The step-based detectors over the window, each only when the window holds what it
+        looks for (it would find nothing otherwise): a step with a buffer broadcast for
+        ``buffer-broadcast-cost``; a synchronized step that no optimizer step followed for
+        ``sync-during-accumulation`` (an accumulation cycle has one). Most steps of most runs
+        have neither, and the check then costs two comparisons."""
+        first = self._observed - len(self.steps)  # steps after this one are in the window
+        bcast = self._last_bcast > first and self.header is not None
+        accumulating = self._last_unstepped > first
+        if not (bcast or accumulating):
+            return
+        steps = list(self.steps)
+        if bcast and self.header is not None:
+            self.raise_findings(buffer_broadcast_cost(self.header, steps, self.rank))
+        if accumulating:
+            self.raise_findings(sync_during_accumulation(steps, self.rank))
 
     def raise_findings(self, findings: list[Finding]) -> None:
         """Log and warn each finding not raised before."""

@@ -20,6 +20,9 @@ class OptimizerHooks:
 
     def __init__(self) -> None:
         self._observers: weakref.WeakSet[OptimizerObserver] = weakref.WeakSet()
+        # what the hooks iterate, rebuilt on watch/unwatch: iterating a WeakSet at every
+        # optimizer step costs more than the timing itself
+        self._refs: tuple[weakref.ref[OptimizerObserver], ...] = ()
         self._lock = threading.Lock()
         self._handles: list[Any] = []
 
@@ -27,6 +30,7 @@ class OptimizerHooks:
         """Time every ``optimizer.step()`` in this process for ``observer``."""
         with self._lock:
             self._observers.add(observer)
+            self._snapshot()
             if self._handles:
                 return
             from torch.optim.optimizer import (
@@ -42,13 +46,18 @@ class OptimizerHooks:
         """Stop timing for ``observer``; the hooks go when no observer is left."""
         with self._lock:
             self._observers.discard(observer)
+            self._snapshot()
             if not self._observers:
                 self._remove()
 
     def shutdown(self) -> None:
         with self._lock:
             self._observers = weakref.WeakSet()
+            self._refs = ()
             self._remove()
+
+    def _snapshot(self) -> None:
+        self._refs = tuple(weakref.ref(o) for o in self._observers)
 
     def _remove(self) -> None:
         for handle in self._handles:
@@ -56,9 +65,13 @@ class OptimizerHooks:
         self._handles.clear()
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        for observer in list(self._observers):
-            observer.on_optimizer(start=True)
+        for ref in self._refs:
+            observer = ref()
+            if observer is not None:  # a monitor freed without leaving
+                observer.on_optimizer(True)
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        for observer in list(self._observers):
-            observer.on_optimizer(start=False)
+        for ref in self._refs:
+            observer = ref()
+            if observer is not None:
+                observer.on_optimizer(False)

@@ -106,7 +106,8 @@ class SampledChecks:
     def on_step_start(self, step: int, t0_mono_ns: int, sync: bool, new_step: bool) -> None:
         """A training forward begins (``new_step``: the first of its step)."""
         if new_step:
-            self.end_sample()
+            if self.sample is not None:
+                self.end_sample()
             self.fingerprinter.poll()
         self.check_grad_flags(step)
         if sync and self.sample is None and is_sampled(step, self.check_every):

@@ -165,8 +165,7 @@ class StepRecorder:
         step = self.current
         if step is None or not step.synced_forward:
             return None
-        buf = bucket.buffer()
-        nbytes = buf.numel() * buf.element_size()
+        nbytes = bucket.buffer().nbytes
         if index == len(step.ready):  # buckets arrive in index order: the common case
             step.ready.append(now)
             step.nbytes.append(nbytes)
@@ -219,14 +218,23 @@ class StepRecorder:
 
     def _close(self, step: OpenStep, end: Mark) -> None:
         step.end = end
-        self._pending.append(step)
         self.current = None
+        if self.clock.always_ready and not self._pending:
+            self._emit_step(step)  # host marks: nothing to wait for, no queue to go through
+            return
+        self._pending.append(step)
         self._drain(force=False)
 
     def _drain(self, force: bool) -> None:
+        clock = self.clock
         while self._pending:
             step = self._pending[0]
-            if not self.clock.ready(step.marks()) and not force and len(self._pending) < MAX_PENDING_STEPS:
+            if (
+                not force
+                and not clock.always_ready
+                and len(self._pending) < MAX_PENDING_STEPS
+                and not clock.ready(step.marks())
+            ):
                 return
             self._pending.pop(0)
             self._emit_step(step)
@@ -249,22 +257,28 @@ class StepRecorder:
                 clock=clock.name,
             )
         else:
-            us = clock.us
+            # This runs on the training thread at every step: the marks are turned into offsets
+            # from t0 a list at a time (``rel_us``), not one call per mark.
+            rel = clock.rel_us
             t0 = step.t0
+            fwd_start, fwd_end = step.fwd_start, step.fwd_end
+            fwd_start_us, fwd_end_us, bwd_end_us, opt_start_us, opt_end_us, end_us = rel(
+                t0, (fwd_start, fwd_end, step.bwd_end, step.opt_start, step.opt_end, step.end)
+            )
             bcast_us = fwd_us = sync_end = None
             bcast_start = None
+            bcast = step.bcast
             # us() is None only for a missing mark: broadcast marks come in pairs, and fwd_start and
             # fwd_end are checked below, so these sums and differences are of floats
-            if step.bcast:
-                bcast_us = sum(us(a, b) for a, b, _ in step.bcast)  # type: ignore[misc]
-                bcast_start = us(t0, step.bcast[0][0])
-            if step.fwd_start is not None and step.fwd_end is not None:
-                fwd_us = us(step.fwd_start, step.fwd_end) - sum(  # type: ignore[operator]
-                    us(a, b)  # type: ignore[misc]
-                    for a, b, sync in step.bcast
-                    if sync
-                )
-            done = [us(t0, m) for m in step.done]
+            if bcast:
+                us = clock.us
+                bcast_us = sum(us(a, b) for a, b, _ in bcast)  # type: ignore[misc]
+                bcast_start = us(t0, bcast[0][0])
+            if fwd_start is not None and fwd_end is not None:
+                fwd_us = clock.us(fwd_start, fwd_end)
+                if bcast:  # less the broadcasts inside the synchronizing forward
+                    fwd_us -= sum(clock.us(a, b) for a, b, sync in bcast if sync)  # type: ignore[misc, operator]
+            done = rel(t0, step.done)
             if done and None not in done:
                 sync_end = max(done)  # type: ignore[type-var]  # None was ruled out just above
             record = Step(
@@ -274,28 +288,28 @@ class StepRecorder:
                 t0_mono_ns=step.t0_mono_ns,
                 t0_wall_ns=step.t0_wall_ns,
                 micro=step.micro,
-                fwd_start_us=us(t0, step.fwd_start) or 0.0,
+                fwd_start_us=fwd_start_us or 0.0,
                 fwd_us=fwd_us,
                 bcast_start_us=bcast_start,
                 bcast_us=bcast_us,
                 bcast_bytes=step.bcast_bytes,
-                fwd_end_us=us(t0, step.fwd_end),
-                bwd_end_us=us(t0, step.bwd_end),
+                fwd_end_us=fwd_end_us,
+                bwd_end_us=bwd_end_us,
                 # per-bucket lists hold None for a bucket not seen this step (``_put`` pads): the
                 # schema's element types do not say so; readers skip None
-                b_ready_us=[us(t0, m) for m in step.ready],  # type: ignore[misc]
-                b_launch_us=[us(t0, m) for m in step.launch],  # type: ignore[misc]
+                b_ready_us=rel(t0, step.ready),  # type: ignore[arg-type]
+                b_launch_us=rel(t0, step.launch),  # type: ignore[arg-type]
                 b_done_us=done,  # type: ignore[arg-type]
                 # the step is closed: its lists are handed over, not copied
                 b_bytes=step.nbytes,  # type: ignore[arg-type]
                 sync_end_us=sync_end,
-                opt_start_us=us(t0, step.opt_start),
-                opt_end_us=us(t0, step.opt_end),
-                end_us=us(t0, step.end),
+                opt_start_us=opt_start_us,
+                opt_end_us=opt_end_us,
+                end_us=end_us,
                 clock=clock.name,
             )
-        if step.layout is not None or self._last_layout is not None:
-            self._emit_layout(step)
+        if step.layout is not None or (self._last_layout is not None and step.nbytes != self._last_bytes):
+            self._emit_layout(step)  # a layout to look at, or one that moved (most steps: neither)
         self.emit(record)
         self.steps_emitted += 1
         if resolved and not clock.always_ready:
