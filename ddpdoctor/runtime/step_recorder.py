@@ -280,7 +280,7 @@ class StepRecorder:
                     fwd_us -= sum(clock.us(a, b) for a, b, sync in bcast if sync)  # type: ignore[misc, operator]
             done = rel(t0, step.done)
             if done and None not in done:
-                sync_end = max(done)  # type: ignore[type-var]  # None was ruled out just above
+                sync_end = max(done)  # None was ruled out just above
             record = Step(
                 rank=self.rank,
                 ddp=self.ddp_index,
