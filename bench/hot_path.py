@@ -9,6 +9,10 @@ between the layers, so DDP broadcasts buffers at every forward), a NullSink. Two
 2. timers around the functions inside them as well (the indented rows): where a top-level row's
    time goes. Nested timers cost time of their own, so the top-level rows come from pass 1.
 
+The sampled checks (``check_every``, 50 by default) run inside the forward pre-hook (a sample
+begins and ends there) and in a pre-hook of the wrapped module (the fingerprint): their cost is
+a few hundred µs on one step in 50, shown amortized per step like everything else.
+
 Figures are µs per step, totals over the pass divided by its steps.
 
     python bench/hot_path.py [--steps 1000] [--bn]
@@ -39,7 +43,8 @@ TOTALS: dict[str, int] = {}
 
 #: Entry points torch or gloo calls: (owner, attribute, label, where). ``where`` sorts them into
 #: the goal's sums: "step" (training thread, once a step), "bucket" (training thread, once a
-#: bucket), "gloo" (gloo's thread, once a bucket), "" (not ddpdoctor's own time).
+#: bucket), "gloo" (gloo's thread, once a bucket), "sampled" (training thread, sampled steps only:
+#: one in ``check_every``), "" (not ddpdoctor's own time alone).
 TOP = [
     (monitor_module.Monitor, "on_forward_pre", "forward pre-hook", "step"),
     (monitor_module.Monitor, "on_forward_post", "forward post-hook", "step"),
@@ -51,6 +56,7 @@ TOP = [
     (monitor_module.Monitor, "_on_backward_end", "backward-end callback", "step"),
     (optimizer_hooks.OptimizerHooks, "_pre", "optimizer pre-hook", "step"),
     (optimizer_hooks.OptimizerHooks, "_post", "optimizer post-hook", "step"),
+    (sampled_checks.SampledChecks, "_on_module_pre", "fingerprint (sampled steps only)", "sampled"),
 ]
 
 #: Functions inside the entry points (pass 2 only), indented under the row they belong to.
@@ -60,6 +66,8 @@ NESTED = [
     (live_findings.LiveFindings, "observe", "      live checks", "forward pre-hook"),
     (sampled_checks.SampledChecks, "on_step_start", "  sampled checks", "forward pre-hook"),
     (sampled_checks.SampledChecks, "check_grad_flags", "    requires_grad check", "forward pre-hook"),
+    (sampled_checks.SampledChecks, "begin_sample", "    sample begins (sampled steps only)", "forward pre-hook"),
+    (sampled_checks.SampledChecks, "end_sample", "    sample ends (the step after)", "forward pre-hook"),
 ]
 
 
@@ -120,7 +128,7 @@ def main() -> None:
     monitor.close()
 
     def per_step(totals: dict[str, int], label: str) -> float:
-        return totals.get(label, 0) / args.steps / 1000
+        return float(totals.get(label, 0) / args.steps / 1000)
 
     print(f"step {wall_us:.0f} µs (instrumented, timers included), {buckets} buckets, {args.steps} steps per pass")
     for _, _, label, _ in TOP:
@@ -131,6 +139,8 @@ def main() -> None:
     sums = {where: sum(per_step(top, label) for _, _, label, w in TOP if w == where) for where in ("step", "bucket")}
     gloo = sum(per_step(top, label) for _, _, label, w in TOP if w == "gloo")
     print(f"training thread, per step (forward hooks, backward end, optimizer): {sums['step']:.1f} µs")
+    sampled = sum(per_step(top, label) for _, _, label, w in TOP if w == "sampled")
+    print(f"training thread, fingerprints of the sampled steps, amortized per step: {sampled:.1f} µs")
     print(f"training thread, per bucket (ready, launched): {sums['bucket'] / buckets:.1f} µs")
     print(f"gloo's thread, per bucket (done): {gloo / buckets:.1f} µs")
     print(f"Monitor.own_us per step (its own accounting, pass 1): {own_us:.1f} µs")

@@ -1,0 +1,176 @@
+"""The hot path's shortcuts, in one process: the step record built a list at a time, live step
+checks that skip a window with nothing to find, optimizer hooks over a tuple of weak refs."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from ddpdoctor.categories import AccumulationWarning
+from ddpdoctor.events import Header, ParamInfo, Record, Step
+from ddpdoctor.runtime import live_findings
+from ddpdoctor.runtime.clocks import HostClock, mono_ns
+from ddpdoctor.runtime.live_findings import LiveFindings
+from ddpdoctor.runtime.optimizer_hooks import OptimizerHooks
+from ddpdoctor.runtime.step_recorder import StepRecorder
+
+
+class ScriptedClock(HostClock):
+    """Host marks chosen by the test: each ``now()`` is the next value of ``marks``."""
+
+    def __init__(self, marks: list[int]) -> None:
+        self._marks = iter(marks)
+
+    def now(self) -> int:  # type: ignore[override]
+        return next(self._marks)
+
+
+class Bucket:
+    def __init__(self, n: int) -> None:
+        self._buf = torch.zeros(n)
+
+    def buffer(self) -> torch.Tensor:
+        return self._buf
+
+
+def test_host_clock_rel_us_is_us_of_each_mark() -> None:
+    clock = HostClock()
+    marks = [1_000, None, 3_456_789, 1_000]
+    assert clock.rel_us(1_000, marks) == [clock.us(1_000, m) for m in marks] == [0.0, None, 3455.789, 0.0]
+    assert HostClock.now() > 0 and isinstance(mono_ns(), int)  # the builtins themselves
+
+
+def test_step_record_offsets_broadcast_and_missing_bucket() -> None:
+    out: list[Record] = []
+    # micro-step: forward start, broadcast; synchronizing forward: start, broadcast, end; bucket 1
+    # ready, launched, done; bucket 0 ready, launched (never done); backward end; optimizer start,
+    # end; the next forward, which closes the step
+    clock = ScriptedClock(
+        [1_000, 2_000, 2_500, 3_000, 10_000, 11_000, 12_500]
+        + [20_000, 30_000, 31_000, 40_000, 32_000, 33_000, 35_000, 50_000, 60_000]
+    )
+    rec = StepRecorder(0, 0, out.append, clock)
+    rec.forward_start(sync=False)
+    rec.buffers_broadcast(clock.now(), clock.now(), 64)
+    rec.forward_end()
+    rec.forward_start(sync=True)
+    rec.buffers_broadcast(clock.now(), clock.now(), 64)
+    rec.forward_end()
+    step = rec.bucket_ready(1, Bucket(4))
+    assert step is not None
+    rec.bucket_launched(step, 1)
+    rec.bucket_done(step, 1)
+    rec.bucket_ready(0, Bucket(2))
+    rec.bucket_launched(step, 0)
+    rec.backward_end(step)
+    rec.optimizer_start()
+    rec.optimizer_end()
+    rec.forward_start(sync=True)  # closes the step: emitted now (host marks need no wait)
+    (record,) = out
+    assert isinstance(record, Step)
+    assert record.micro == 1 and record.bcast_bytes == 128
+    assert record.fwd_start_us == 2.0 and record.fwd_end_us == 11.5
+    assert record.bcast_start_us == 1.0 and record.bcast_us == 0.5 + 1.0
+    assert record.fwd_us == 9.5 - 1.0  # the broadcast in the synchronizing forward is left out
+    assert record.b_ready_us == [39.0, 19.0] and record.b_launch_us == [31.0, 29.0]
+    assert record.b_done_us == [None, 30.0] and record.sync_end_us is None  # bucket 0 never completed
+    assert record.b_bytes == [8, 16]
+    assert (record.bwd_end_us, record.opt_start_us, record.opt_end_us, record.end_us) == (32.0, 34.0, 49.0, 59.0)
+    assert rec.steps_emitted == 1 and rec.current is not None and rec.current.index == 1
+
+
+HEADER = Header(rank=0, params=[ParamInfo(name="w", shape=[4], dtype="float32", numel=4, requires_grad=True)])
+
+
+def _step(i: int, opt: bool, bcast: float | None = None) -> Step:
+    return Step(
+        rank=0,
+        step=i,
+        t0_mono_ns=0,
+        t0_wall_ns=0,
+        b_ready_us=[100.0],
+        b_done_us=[200.0],
+        b_bytes=[1 << 20],
+        sync_end_us=200.0,
+        bcast_us=bcast,
+        opt_start_us=300.0 if opt else None,
+        end_us=1000.0,
+    )
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    calls = {"bcast": 0, "accum": 0}
+    bcast, accum = live_findings.buffer_broadcast_cost, live_findings.sync_during_accumulation
+
+    def counted_bcast(*args: Any) -> Any:
+        calls["bcast"] += 1
+        return bcast(*args)
+
+    def counted_accum(*args: Any) -> Any:
+        calls["accum"] += 1
+        return accum(*args)
+
+    monkeypatch.setattr(live_findings, "buffer_broadcast_cost", counted_bcast)
+    monkeypatch.setattr(live_findings, "sync_during_accumulation", counted_accum)
+    return calls
+
+
+def test_live_step_checks_skip_a_window_with_nothing_to_find(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _counting(monkeypatch)
+    out: list[Record] = []
+    live = LiveFindings(0, 0, out.append, lambda: None)
+    live.observe(HEADER)
+    for i in range(live_findings.WARMUP + 2 * live_findings.EVERY):
+        live.observe(_step(i, opt=True))
+    assert calls == {"bcast": 0, "accum": 0} and live._checked
+    # one broadcasting step: the next check looks, and keeps looking while it is in the window
+    live.observe(_step(1000, opt=True, bcast=5.0))
+    for i in range(live_findings.EVERY):
+        live.observe(_step(1001 + i, opt=True))
+    assert calls == {"bcast": 1, "accum": 0}
+    for i in range(live_findings.WINDOW + live_findings.EVERY):
+        live.observe(_step(2000 + i, opt=True))
+    assert calls["bcast"] == 2  # once more, then it left the window
+    assert not out
+
+
+def test_live_accumulation_finding_still_raised_on_the_observing_thread() -> None:
+    out: list[Record] = []
+    live = LiveFindings(0, 0, out.append, lambda: None)
+    live.observe(HEADER)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(live_findings.WARMUP):
+            live.observe(_step(i, opt=i % 2 == 1))  # two synchronized backwards per optimizer step
+    assert [w.category for w in caught] == [AccumulationWarning]
+    assert [getattr(r, "code", None) for r in out] == ["sync-during-accumulation"]
+
+
+class Observer:
+    def __init__(self) -> None:
+        self.calls: list[bool] = []
+
+    def on_optimizer(self, start: bool) -> None:
+        self.calls.append(start)
+
+
+def test_optimizer_hooks_call_live_observers_and_skip_freed_ones() -> None:
+    hooks = OptimizerHooks()
+    kept, freed = Observer(), Observer()
+    try:
+        hooks.watch(kept)
+        hooks.watch(freed)
+        del freed
+        gc.collect()
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        opt.step()
+        assert kept.calls == [True, False]
+        hooks.unwatch(kept)
+        opt.step()
+        assert kept.calls == [True, False] and not hooks._handles
+    finally:
+        hooks.shutdown()
