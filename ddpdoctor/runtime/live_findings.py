@@ -108,14 +108,15 @@ class LiveFindings:
             # a new DDP instance (rewrap): what was stale about the old one no longer applies
             self.header = record
             self.flags, self.unused, self.prints = FlagEvidence(), UnusedEvidence(), BufferEvidence(record)
-            self.steps.clear()  # the marks below fall before the window: nothing to reset
+            self.steps.clear()  # the last-seen counts now fall before the window: nothing to reset
 
     def _check_steps(self) -> None:
         """The step-based detectors over the window, each only when the window holds what it
         looks for (it would find nothing otherwise): a step with a buffer broadcast for
         ``buffer-broadcast-cost``; a synchronized step that no optimizer step followed for
-        ``sync-during-accumulation`` (an accumulation cycle has one). Most steps of most runs
-        have neither, and the check then costs two comparisons."""
+        ``sync-during-accumulation`` (an accumulation cycle has one). A run without buffer
+        broadcasts or accumulation then pays two comparisons a check, not two passes over the
+        window; what is found, and when, is unchanged."""
         first = self._observed - len(self.steps)  # steps after this one are in the window
         bcast = self._last_bcast > first and self.header is not None
         accumulating = self._last_unstepped > first
