@@ -131,7 +131,8 @@ class Ring {
 
   // Every entry written since the last drain, in order: (index, ready, launch, done, bytes); done
   // is 0 for an all-reduce still in flight. The ring is empty afterwards.
-  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> drain() {
+  // With ``keep``, the entries stay (a look at the buckets of a backward still in progress).
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> drain(bool keep) {
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> out;
     std::lock_guard<std::mutex> lock(mu_);
     out.reserve(head_ - tail_);
@@ -139,7 +140,9 @@ class Ring {
       const Entry& e = slots_[seq % slots_.size()];
       out.emplace_back(e.index, e.ready, e.launch, e.done, e.bytes);
     }
-    tail_ = head_;
+    if (!keep) {
+      tail_ = head_;
+    }
     return out;
   }
 
@@ -309,7 +312,8 @@ int64_t clock_ns() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ddpdoctor's per-bucket timing comm hook (ring of ready/launch/done stamps)";
   py::class_<Handle>(m, "Timing")
-      .def("drain", [](Handle& h) { return h.ring->drain(); })
+      .def("drain", [](Handle& h) { return h.ring->drain(false); })
+      .def("peek", [](Handle& h) { return h.ring->drain(true); })
       .def("want_layout", [](Handle& h, bool on) { h.ring->want_layout(on); })
       .def("take_layout", [](Handle& h) { return h.ring->take_layout(); })
       .def("set_enabled", [](Handle& h, bool on) { h.ring->set_enabled(on); })
