@@ -377,7 +377,7 @@ class NativeTiming:
         try:
             marks = self.ring.peek()
             if marks:
-                monitor.recorder.add_bucket_marks(step, marks)
+                monitor.recorder.add_bucket_marks(step, _shifted(marks))
         except Exception as exc:  # noqa: BLE001 - inside loss.backward(): never breaks training
             monitor.probes.failed("buckets", exc)
         finally:
@@ -393,7 +393,7 @@ class NativeTiming:
             marks = self.ring.drain()
             if not marks or step is None or not step.synced_forward or not monitor.probes.on["buckets"]:
                 return
-            monitor.recorder.add_bucket_marks(step, marks)
+            monitor.recorder.add_bucket_marks(step, _shifted(marks))
             if self._want_layout and step.layout is not None:
                 self._layout(monitor, step, marks)
         except Exception as exc:  # noqa: BLE001 - inside loss.backward() or forward: never breaks training
@@ -410,6 +410,16 @@ class NativeTiming:
             dtype = next((d for _, d in named if d), "")
             info = BucketInfo(index=index, params=[n for n, _ in named], bytes=nbytes.get(index, 0), dtype=dtype)
             monitor.recorder.bucket_layout(step, index, info)
+
+
+def _shifted(marks: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+    """The marks on the host clock ddpdoctor uses (the tests' clock offset, when it is set)."""
+    from ddpdoctor.runtime import clocks
+
+    off = clocks._OFFSET_NS
+    if not off:
+        return marks
+    return [(i, r + off, la + off, d + off if d else 0, b) for i, r, la, d, b in marks]
 
 
 class _OutputGradHook:
