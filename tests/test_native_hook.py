@@ -58,7 +58,10 @@ def _summary(sink: MemorySink) -> dict[str, Any]:
         "steps": [
             (s.b_ready_us, s.b_launch_us, s.b_done_us, s.b_bytes, s.bwd_end_us, s.sync_end_us) for s in recs["step"]
         ],
-        "layouts": [(lay.reason, [(b.index, b.params, b.bytes, b.dtype) for b in lay.buckets], lay.comm_hook) for lay in recs["layout"]],
+        "layouts": [
+            (lay.reason, [(b.index, b.params, b.bytes, b.dtype) for b in lay.buckets], lay.comm_hook)
+            for lay in recs["layout"]
+        ],
     }
 
 

@@ -104,7 +104,7 @@ def _tool_path() -> str:
     lives there, and torch looks ninja up on PATH)."""
     dirs = [str(Path(sys.executable).parent)]
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja
 
         dirs.insert(0, str(ninja.BIN_DIR))
     except Exception:  # noqa: BLE001, S110 - the ninja package is optional: a system ninja serves as well
@@ -208,7 +208,7 @@ def load() -> ModuleType:
         try:
             so = build()
             _module = _import(so.stem, so)
-        except Exception as exc:  # noqa: BLE001 - any build or load failure means the Python route; kept as the reason
+        except Exception as exc:  # any build or load failure means the Python route; kept as the reason
             _problem = str(exc) if isinstance(exc, NativeUnavailable) else f"{type(exc).__name__}: {exc}"
             raise NativeUnavailable(_problem) from exc
         finally:
@@ -473,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - reported to the caller as the reason the Python route is used
         print(f"ddpdoctor: native comm hook unavailable: {exc}", file=sys.stderr)
         return 1
-    print(f"ddpdoctor: native comm hook {module.__name__}: build/check {built:.2f} s, load {loaded * 1000:.1f} ms ({so})")
+    print(
+        f"ddpdoctor: native comm hook {module.__name__}: build/check {built:.2f} s, load {loaded * 1000:.1f} ms ({so})"
+    )
     return 0
-
