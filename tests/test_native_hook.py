@@ -244,3 +244,18 @@ def test_build_is_cached(native_built: Path) -> None:
     name = native_hook.extension_name()
     assert torch.__version__.split("+")[0].replace(".", "_") in name
     assert not dist.is_initialized()
+
+
+def test_run_launcher_builds_first_and_tells_the_ranks_when_it_cannot(
+    native_built: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddpdoctor.cli.run_cmd import prepare_native
+
+    env: dict[str, str] = {}
+    prepare_native(env, "ddpdoctor run")  # built: nothing to tell the ranks
+    assert native_hook.ENV not in env
+    monkeypatch.setenv(native_hook.FAULT_ENV, "compile")
+    prepare_native(env, "ddpdoctor run")
+    assert env[native_hook.ENV] == "0"  # the ranks take the Python route at once, without trying
+    err = capsys.readouterr().err
+    assert err.count("ddpdoctor run: warning:") == 1 and "Python comm hook" in err

@@ -391,21 +391,29 @@ class NativeTiming:
         t = time.perf_counter_ns()
         try:
             marks = self.ring.drain()
+            # the parameter lists go with the marks, whether used or not: nothing accumulates
+            layout = self.ring.take_layout() if self._want_layout else []
             if not marks or step is None or not step.synced_forward or not monitor.probes.on["buckets"]:
                 return
             monitor.recorder.add_bucket_marks(step, _shifted(marks))
-            if self._want_layout and step.layout is not None:
-                self._layout(monitor, step, marks)
+            if layout and step.layout is not None:
+                self._layout(monitor, step, marks, layout)
         except Exception as exc:  # noqa: BLE001 - inside loss.backward() or forward: never breaks training
             monitor.probes.failed("buckets", exc)
         finally:
             monitor.own_ns += time.perf_counter_ns() - t
 
-    def _layout(self, monitor: Any, step: Any, marks: list[tuple[int, int, int, int, int]]) -> None:
+    def _layout(
+        self,
+        monitor: Any,
+        step: Any,
+        marks: list[tuple[int, int, int, int, int]],
+        layout: list[tuple[int, list[int]]],
+    ) -> None:
         from ddpdoctor.events import BucketInfo
 
         nbytes = {index: b for index, _, _, _, b in marks}
-        for index, params in self.ring.take_layout():
+        for index, params in layout:
             named = [self._names.get(p, ("?", "")) for p in params]
             dtype = next((d for _, d in named if d), "")
             info = BucketInfo(index=index, params=[n for n, _ in named], bytes=nbytes.get(index, 0), dtype=dtype)
