@@ -7,8 +7,9 @@ GIL is taken on the comm thread; Python drains the ring once per step.
 
 Per step, ``NativeTiming`` adds (all on the training thread):
 
-- a gradient hook on the DDP output of the synchronizing forward: it fires first in backward and
-  queues an autograd final callback, which runs once the graph is done: *backward compute end*;
+- a gradient pre-hook on the autograd node of the DDP output of the synchronizing forward (it
+  returns None: gradients unchanged): it fires first in backward and queues an autograd final
+  callback, which runs once the graph is done: *backward compute end*;
 - that callback copies the buckets seen so far into the step (so the hang watchdog sees which
   all-reduce is pending while DDP's finalization waits) and, from inside itself, queues a second
   final callback: it runs after DDP's own ``finalize_backward`` (queued later), i.e. once every
@@ -329,9 +330,15 @@ class NativeTiming:
                 self.ring.want_layout(want)
                 self._want_layout = want
             if monitor.probes.on["backward_end"]:
-                this = weakref.ref(self)
+                hook = _OutputGradHook(weakref.ref(self), step)
                 for tensor in _output_tensors(output):
-                    tensor.register_hook(_OutputGradHook(this, step))
+                    node = tensor.grad_fn
+                    # a pre-hook on the node that made the output (cheaper than a tensor hook);
+                    # a leaf output has none
+                    if node is not None:
+                        node.register_prehook(hook)
+                    else:
+                        tensor.register_hook(hook)
         except Exception as exc:  # noqa: BLE001 - runs in DDP's forward: a failing probe is switched off, never breaks training
             monitor.probes.failed("buckets", exc)
         finally:
@@ -439,7 +446,7 @@ class _OutputGradHook:
         self.timing = timing
         self.step = step
 
-    def __call__(self, grad: Any) -> None:
+    def __call__(self, grad: Any) -> None:  # grad: the output's gradient(s); left unchanged
         timing = self.timing()
         if timing is None:
             return
