@@ -259,3 +259,17 @@ def test_run_launcher_builds_first_and_tells_the_ranks_when_it_cannot(
     assert env[native_hook.ENV] == "0"  # the ranks take the Python route at once, without trying
     err = capsys.readouterr().err
     assert err.count("ddpdoctor run: warning:") == 1 and "Python comm hook" in err
+
+
+def three_rank_checks(rank: int, world_size: int) -> tuple[list[float], list[float], dict[str, Any]]:
+    plain = train(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB), rank)
+    losses, summary, _ = _instrumented(rank, {})
+    return plain, losses, summary
+
+
+def test_three_ranks_train_identically(native_built: Path) -> None:
+    """1/3 is not exact in floating point: the hook scales as DDP's own no-hook path does."""
+    for plain, losses, summary in run_ranks(three_rank_checks, 3, timeout=240):
+        assert losses == plain
+        assert summary["timing"] == ["native"]
+        _check_marks(summary, len(summary["steps"][-1][0]))
