@@ -15,6 +15,11 @@ and passes every bucket to the inner (the user's, or DDP's own) hook without tim
 and later ``register_comm_hook`` calls still fill that inner slot, under DDP's own "only once"
 rule.
 
+On the native route (``native_hook``: CPU model, no hook registered before, the extension
+loaded) the "comm_hook" step registers ddpdoctor's C++ timed hook instead, with two forward hooks
+for its per-step Python side; if the reducer refuses it, that step falls back to the Python hook.
+After ``detach`` the native hook stays too, all-reducing and stamping nothing.
+
 Fault injection (tests): ``fail_at`` (or ``$DDPDOCTOR_TEST_FAIL_ATTACH``) names a step of
 ``STEPS`` to fail at.
 """
@@ -185,7 +190,8 @@ class Attachment:
 
     def _choose_native(self, ddp: Any, monitor: Any, state: comm_hook.HookState) -> None:
         """The native route when its extension loads and takes this DDP (CPU models, DDP's default
-        all-reduce); the Python hook is then registered only if a user hook comes first."""
+        all-reduce, no hook registered before). A user hook registered later is handed the buckets
+        by the native hook, through ``comm_hook.timed_hook`` (the Python route times it)."""
         module = native_hook.choose(cuda=bool(getattr(monitor, "_cuda", False)))
         if module is None:
             return
