@@ -152,7 +152,10 @@ def build(timeout: float = BUILD_TIMEOUT_S, verbose: bool = False) -> Path:
     so = _built(directory, name)
     if so is not None:
         return so
-    env = dict(os.environ, PATH=_tool_path())
+    # the child imports this very ddpdoctor, wherever the parent found it
+    package_root = str(Path(__file__).resolve().parents[2])
+    python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PATH=_tool_path(), PYTHONPATH=python_path)
     code = (
         "import sys; from pathlib import Path; from ddpdoctor.runtime import native_hook as n; "
         "n._build_here(sys.argv[1], Path(sys.argv[2]), sys.stdin.read(), sys.argv[3] == '1')"
