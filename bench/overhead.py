@@ -35,7 +35,14 @@ the granularity of short *rounds*:
   and logger in DETAIL; the group is not wrapped in ProcessGroupWrapper, so this leaves out the
   wrapper's per-collective checks: a lower bound).
 
-Usage: ``python bench/overhead.py [--pairs 7] [--steps 10] [--attribution] [--json FILE] [--quick]``.
+* The ``ddpdoctor`` row takes ddpdoctor's default route: the native C++ comm hook when it builds
+  (built by ``main`` before the ranks start; a round fails if it took another route), else the
+  Python comm hook. ``--routes`` adds ddpdoctor on the Python route (``DDPDOCTOR_NATIVE=0``),
+  plain DDP with the native hook alone (ring never drained) and plain DDP with a minimal Python
+  hook: native vs Python route vs plain, side by side.
+
+Usage: ``python bench/overhead.py [--pairs 7] [--steps 10] [--attribution] [--routes] [--model short]
+[--no-profiler] [--no-debug-env] [--json FILE] [--quick]``.
 """
 
 from __future__ import annotations
@@ -64,6 +71,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import Groups, RankFailure, init_gloo, pair_roles, paired_overheads, pct, rotated
 
 WORLD_SIZE = 2
+#: ``DDPDOCTOR_NATIVE`` (read by ddpdoctor at instrument): ``0`` for the Python-route rounds.
+NATIVE_ENV = "DDPDOCTOR_NATIVE"
+#: The route the ddpdoctor rounds must have taken (set by ``main`` once the native hook is built).
+EXPECT_TIMING_ENV = "DDPDOCTOR_BENCH_EXPECT_TIMING"
 DEBUG_ENV = "TORCH_DISTRIBUTED_DEBUG"
 #: Pseudo debug setting: DETAIL set with ``dist.set_debug_level`` *after* ``init_process_group``.
 NOWRAP = "DETAIL-nowrap"
@@ -177,8 +188,20 @@ def _run_round(
             monitor = ddpdoctor.instrument(ddp, sink=NullSink())
         if not isinstance(monitor, ddpdoctor.Monitor):
             raise RuntimeError("ddpdoctor.instrument did not attach (returned a disabled monitor)")
+    elif mode == "pyroute":  # routes only: ddpdoctor with its Python comm hook (the native one off)
+        os.environ[NATIVE_ENV] = "0"
+        try:
+            monitor = ddpdoctor.instrument(ddp, run_dir=run_dir)
+        finally:
+            del os.environ[NATIVE_ENV]
+        if not isinstance(monitor, ddpdoctor.Monitor):
+            raise RuntimeError("ddpdoctor.instrument did not attach (returned a disabled monitor)")
     elif mode == "pyhook":  # attribution only: DDP's allreduce done by a minimal Python comm hook
         ddp.register_comm_hook(ddp.process_group, _python_allreduce_hook)
+    elif mode == "nativehook":  # routes only: ddpdoctor's C++ timed hook alone, its ring never drained
+        from ddpdoctor.runtime import native_hook
+
+        native_hook.load().register_timed_hook(ddp.reducer, ddp.process_group, native_hook.RING_CAPACITY)
     profiler = None
     ctx: Any = contextlib.nullcontext()
     if mode == "profiler":
@@ -209,6 +232,10 @@ def _run_round(
     except Exception:  # noqa: BLE001 - a private torch API: the bucket count is informative only
         out["buckets"] = None
     if monitor is not None:
+        out["timing"] = monitor.attachment.header.timing
+        expected = "python" if mode == "pyroute" else os.environ.get(EXPECT_TIMING_ENV, "")
+        if expected and out["timing"] != expected:
+            raise RuntimeError(f"ddpdoctor round timed buckets with the {out['timing']} route, not {expected}")
         steps_before_close = monitor.steps
         probes_off = [name for name, on in monitor.probes.on.items() if not on]
         monitor.close()
@@ -380,6 +407,15 @@ def main(argv: list[str] | None = None) -> int:
         help="also time plain DDP with a minimal Python allreduce comm hook (the floor of any "
         "Python comm hook) and ddpdoctor with a NullSink (all probes, no writer, no file)",
     )
+    parser.add_argument(
+        "--routes",
+        action="store_true",
+        help="also time ddpdoctor on its Python comm hook route (DDPDOCTOR_NATIVE=0), plain DDP with "
+        "ddpdoctor's native C++ timed hook alone, and plain DDP with a minimal Python comm hook "
+        "(the default ddpdoctor row takes the native route when it builds)",
+    )
+    parser.add_argument("--model", choices=["long", "short"], default=None, help="time one model only")
+    parser.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler rows")
     parser.add_argument("--no-debug-env", action="store_true", help="skip the TORCH_DISTRIBUTED_DEBUG groups")
     parser.add_argument("--json", default=None, help="write the raw per-round results here")
     args = parser.parse_args(argv)
@@ -393,19 +429,46 @@ def main(argv: list[str] | None = None) -> int:
         warm_long = args.warmup if args.warmup is not None else 4
         warm_short = 20
     plan = {"long": (warm_long, args.steps), "short": (warm_short, short_steps)}
-    models = list(SPECS)
+    models = [args.model] if args.model else list(SPECS)
+    # the launcher pays the native hook's one-time build, not the timed ranks; the ddpdoctor
+    # rounds must then take the native route
+    from ddpdoctor.runtime import native_hook
+
+    try:
+        native_hook.build()
+        os.environ[EXPECT_TIMING_ENV] = "native"
+    except native_hook.NativeUnavailable as exc:
+        print(
+            f"[bench] native comm hook unavailable ({exc}): the ddpdoctor rows take the Python route", file=sys.stderr
+        )
+        os.environ[EXPECT_TIMING_ENV] = "python"
 
     tools = [
         # calibration: what a tool that does nothing measures here (the noise floor)
         Tool("null", "(calibration) plain vs plain", "main", "plain", "main"),
         Tool("ddpdoctor", "ddpdoctor.instrument (file sink)", "main", "ddpdoctor", "main"),
     ]
-    if args.attribution:
+    if args.attribution or args.routes:
         tools.append(
             Tool("pyhook", "(attribution) plain DDP + minimal Python comm hook, no ddpdoctor", "main", "pyhook", "main")
         )
+    if args.attribution:
         tools.append(Tool("nullsink", "(attribution) ddpdoctor.instrument with NullSink", "main", "nullsink", "main"))
-    tools.append(Tool("profiler", "torch.profiler (CPU activities)", "main", "profiler", "main"))
+    if args.routes:
+        tools.append(
+            Tool(
+                "nativehook",
+                "(routes) plain DDP + ddpdoctor's C++ timed hook, no ddpdoctor",
+                "main",
+                "nativehook",
+                "main",
+            )
+        )
+        tools.append(
+            Tool("pyroute", "(routes) ddpdoctor.instrument, Python comm hook route", "main", "pyroute", "main")
+        )
+    if not args.no_profiler:
+        tools.append(Tool("profiler", "torch.profiler (CPU activities)", "main", "profiler", "main"))
     detail = Tool("detail", "TORCH_DISTRIBUTED_DEBUG=DETAIL", "detail", "plain", "envplain")
     nowrap = Tool(
         "detail-nowrap",

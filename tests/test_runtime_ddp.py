@@ -43,7 +43,10 @@ def test_no_collective_added_to_the_training_step(core: Any) -> None:
         # ... and at the process group, one all-reduce per bucket per step: the one DDP itself does
         # (natively in C++ without a hook, through the same method with torch's Python allreduce hook)
         buckets_logged = sum(len(s.b_ready_us) for s in run.ranks[r["rank"]].steps)
-        assert {k: v for k, v in instr.items() if k.startswith("pg.")} == {"pg.allreduce": buckets_logged}
+        # (ddpdoctor's native comm hook calls it from C++, unseen here, as DDP does without a hook)
+        native = run.ranks[r["rank"]].header.timing == "native"
+        expected = {} if native else {"pg.allreduce": buckets_logged}
+        assert {k: v for k, v in instr.items() if k.startswith("pg.")} == expected
         assert pyhook["pg.allreduce"] == pyhook["all_reduce"] == buckets_logged > 6
         assert "cuda.synchronize" not in instr
 

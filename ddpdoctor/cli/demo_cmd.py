@@ -13,6 +13,7 @@ from typing import Any
 from ddpdoctor.analysis import analyze
 from ddpdoctor.cli.ports import free_port
 from ddpdoctor.cli.render_text import render
+from ddpdoctor.cli.run_cmd import prepare_native
 from ddpdoctor.events.layout import DEFAULT_ROOT
 from ddpdoctor.runlog import load_run
 
@@ -68,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
         print("ddpdoctor demo: --ranks must be at least 1", file=sys.stderr)
         return 2
     quiet_numpy_warning()
+    # the one-time build of the native comm hook is paid here, not by the ranks (which inherit
+    # DDPDOCTOR_NATIVE=0 when it cannot be built)
+    env = dict(os.environ)
+    prepare_native(env, "ddpdoctor demo")
+    os.environ.update(env)
     import torch.multiprocessing as mp
 
     from ddpdoctor.cli.demo_training import DemoConfig, train_rank

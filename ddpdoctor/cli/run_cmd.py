@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from ddpdoctor.autoload import SITE_DIR
@@ -71,6 +72,50 @@ def child_env(
     if hang_timeout is not None:
         env[HANG_TIMEOUT_ENV] = repr(float(hang_timeout))
     return env
+
+
+#: ``0`` turns the native comm hook off (read by ``ddpdoctor.runtime.native_hook``).
+NATIVE_ENV = "DDPDOCTOR_NATIVE"
+#: Longest a first build may take before the ranks start without it.
+NATIVE_BUILD_TIMEOUT_S = 900.0
+
+
+def prepare_native(env: dict[str, str], prefix: str) -> None:
+    """Build ddpdoctor's native comm hook before any rank starts, so the ranks only load it.
+
+    The build (~30 s, once per torch version, then cached) runs in a child process of this
+    launcher, which has no torch imported. When it cannot be built, ``env`` gets
+    ``DDPDOCTOR_NATIVE=0``: the ranks take the Python comm hook at once instead of each trying
+    to build. Says so in one line; never fails the run.
+    """
+    if env.get(NATIVE_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return
+    started = time.monotonic()
+    why = ""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ddpdoctor.runtime.native"],
+            env=dict(os.environ),
+            capture_output=True,
+            text=True,
+            timeout=NATIVE_BUILD_TIMEOUT_S,
+            check=False,
+        )
+        if proc.returncode != 0:
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            why = lines[-1] if lines else f"exit {proc.returncode}"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        why = str(exc)
+    took = time.monotonic() - started
+    if why:
+        env[NATIVE_ENV] = "0"
+        print(
+            f"{prefix}: warning: {why}; per-bucket timing uses the Python comm hook",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif took > 5.0:
+        print(f"{prefix}: built the native comm hook in {took:.0f} s (once per torch version)", flush=True)
 
 
 def _new_run_dir() -> Path:
@@ -130,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddpdoctor run: note: {advice}", file=sys.stderr, flush=True)
     if args.endpoint:
         print(f"ddpdoctor run: streaming to {args.endpoint}", flush=True)
+    prepare_native(env, "ddpdoctor run")
     try:
         proc = subprocess.Popen(cmd, env=env)
     except OSError as exc:

@@ -69,6 +69,9 @@ class Header(_Record, tag="header", kw_only=True):
     buffers: list[BufferInfo] = []
     reason: str = "attach"  # "attach", or "rewrap" when ddpdoctor.rewrap rebuilt DDP mid-run
     first_step: int = 0  # index of the first step recorded under this header
+    # what timed the buckets: "python" (a Python comm hook) or "native" (ddpdoctor's C++ comm hook for
+    # DDP's default all-reduce; a user hook registered after instrument is then timed in Python)
+    timing: str = "python"
 
 
 class BucketInfo(msgspec.Struct):

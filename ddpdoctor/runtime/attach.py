@@ -15,6 +15,11 @@ and passes every bucket to the inner (the user's, or DDP's own) hook without tim
 and later ``register_comm_hook`` calls still fill that inner slot, under DDP's own "only once"
 rule.
 
+On the native route (``native_hook``: CPU model, no hook registered before, the extension
+loaded) the "comm_hook" step registers ddpdoctor's C++ timed hook instead, with two forward hooks
+for its per-step Python side; if the reducer refuses it, that step falls back to the Python hook.
+After ``detach`` the native hook stays too, all-reducing and stamping nothing.
+
 Fault injection (tests): ``fail_at`` (or ``$DDPDOCTOR_TEST_FAIL_ATTACH``) names a step of
 ``STEPS`` to fail at.
 """
@@ -28,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpdoctor.events import Header
-from ddpdoctor.runtime import comm_hook, torch_compat
+from ddpdoctor.runtime import comm_hook, native_hook, torch_compat
 
 #: Every step of the transaction, in order ("validate" and "build" change nothing).
 STEPS = (
@@ -98,6 +103,8 @@ class Attachment:
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self._handles: list[Any] = []
         self._existing: tuple[Callable[..., Any], object, str] | None = None
+        #: The native comm hook (DDP's default all-reduce timed in C++); None: the Python route.
+        self.native: native_hook.NativeTiming | None = None
 
     @property
     def ddp(self) -> Any:
@@ -158,6 +165,8 @@ class Attachment:
             if self._existing is not None:
                 state.inner_hook, state.inner_state, state.user_hook_name = self._existing
             self.hook_state = state
+            if self._existing is None:
+                self._choose_native(ddp, monitor, state)
         original = ddp._sync_buffers if torch_compat.available("buffer_timing") else None
         # The shadow lives in the instance's __dict__: a strong bound method there would be a
         # cycle through the instance, which reference counting alone never frees.
@@ -179,6 +188,28 @@ class Attachment:
             self._sync_buffers = sync_buffers
         self._getstate = _state_without_ddpdoctor(ddp)
 
+    def _choose_native(self, ddp: Any, monitor: Any, state: comm_hook.HookState) -> None:
+        """The native route when its extension loads and takes this DDP (CPU models, DDP's default
+        all-reduce, no hook registered before). A user hook registered later is handed the buckets
+        by the native hook, through ``comm_hook.timed_hook`` (the Python route times it)."""
+        module = native_hook.choose(cuda=bool(getattr(monitor, "_cuda", False)))
+        if module is None:
+            return
+        native = native_hook.NativeTiming(module, ddp, monitor)
+        try:
+            native.check(ddp)
+        except Exception as exc:  # noqa: BLE001 - the extension cannot take this DDP: the Python route, said once
+            native_hook.choose_failed(f"{type(exc).__name__}: {exc}")
+            return
+        self.native = native
+
+        def python_route() -> None:
+            native.delegate(state, comm_hook.timed_hook)
+
+        state.on_user_hook = python_route
+        if self.header is not None:
+            self.header.timing = "native"
+
     def _plan(
         self, extra: tuple[tuple[str, Callable[[], None], Callable[[], None]], ...]
     ) -> list[tuple[str, Callable[[], None]]]:
@@ -196,7 +227,7 @@ class Attachment:
         if self.hook_state is not None:
             if self._existing is not None:
                 plan.append(("rebuild_reducer", self._rebuild_reducer))
-            plan.append(("comm_hook", self._register_comm_hook))
+            plan.append(("comm_hook", self._arm_native if self.native is not None else self._register_comm_hook))
             if self._existing is not None:
                 plan.append(("retire_old_reducer", self._retire_old_reducer))
         return plan
@@ -268,6 +299,42 @@ class Attachment:
         if self._existing is not None and ddp.logger is not None:
             ddp.logger._set_comm_hook_name(self._existing[2])
 
+    def _arm_native(self) -> None:
+        """Native route: the native comm hook on the reducer, and the forward hooks that run its
+        per-step Python side (the pre-hook runs before ddpdoctor's own, which closes the step)."""
+        ddp, native = self.ddp, self.native
+        assert native is not None
+        handles = [
+            ddp.register_forward_pre_hook(self._native_forward_pre, prepend=True),
+            ddp.register_forward_hook(self._native_forward_post),
+        ]
+        try:
+            native.register(ddp)
+        except Exception as exc:  # noqa: BLE001 - the reducer refused the native hook: the Python route, said once
+            for handle in handles:
+                handle.remove()
+            native_hook.choose_failed(f"{type(exc).__name__}: {exc}")
+            self.native = None
+            assert self.hook_state is not None
+            self.hook_state.on_user_hook = None
+            if self.header is not None:
+                self.header.timing = "python"
+            self._register_comm_hook()
+            return
+        self._handles += handles
+
+    def _native_forward_pre(self, module: Any, args: Any) -> None:
+        native = self.native
+        if native is not None and native.registered and not native.delegated:
+            # stamps that a step's backward callbacks did not drain (its output got no
+            # gradient) are still the open step's, which ddpdoctor's own pre-hook closes next
+            native.drain(self.monitor.recorder.current)
+
+    def _native_forward_post(self, module: Any, args: Any, output: Any) -> None:
+        native = self.native
+        if native is not None and native.registered:
+            native.on_forward_post(module, output)
+
     def _retire_old_reducer(self) -> None:
         torch_compat.remove_reducer_hooks(self._old_reducer)
         self._old_reducer = None
@@ -300,6 +367,8 @@ class Attachment:
             del _attached[ddp]
         if self.hook_state is not None:
             self.hook_state.detach()
+        if self.native is not None:
+            self.native.stop()
         self._undo = []
         # the shadow closes over DDP's own bound method: a monitor the user keeps must not keep
         # the model (and its reducer and process group) alive once detached

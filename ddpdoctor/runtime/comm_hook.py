@@ -7,6 +7,11 @@ inner slot by shadowing ``register_comm_hook`` on the instance. A hook registere
 found in ``ddp._comm_hooks``; since the reducer will not take a second one, the reducer is
 rebuilt the way DDP itself rebuilds it when unpickled, with the same parameters
 (``runtime/attach.py`` does that, as one step of its transaction).
+
+On the native route (``runtime/native_hook.py``: DDP's default all-reduce timed in C++) the
+native hook is the one on the reducer. A user hook registered after ``instrument`` (at any time,
+as with plain DDP) is handed every bucket by the native hook, through ``timed_hook``, which
+times it as on the Python route; a second one gets DDP's "can only be called once" error.
 """
 
 from __future__ import annotations
@@ -42,13 +47,23 @@ class HookUnsupported(RuntimeError):
 class HookState:
     """State of ``timed_hook``: the observer (weak: the hook outlives it) and the inner hook."""
 
-    __slots__ = ("_monitor", "inner_hook", "inner_state", "user_hook_name", "__weakref__")
+    __slots__ = (
+        "_monitor",
+        "inner_hook",
+        "inner_state",
+        "user_hook_name",
+        "on_user_hook",
+        "__weakref__",
+    )
 
     def __init__(self, monitor: BucketObserver, inner_hook: Callable[..., Any], inner_state: object) -> None:
         self._monitor = weakref.ref(monitor)
         self.inner_hook = inner_hook
         self.inner_state = inner_state
         self.user_hook_name: str | None = None
+        #: Native route: hands the buckets to ``timed_hook`` (a user hook was registered after
+        #: instrument, so the Python route times it). None on the Python route.
+        self.on_user_hook: Callable[[], None] | None = None
 
     @property
     def monitor(self) -> BucketObserver | None:
@@ -224,6 +239,7 @@ def shadow_registration(ddp: Any, state: HookState) -> None:
         ddp._check_comm_hook(hook)
         if state.user_hook_name is not None:
             raise RuntimeError(_ONCE_MSG)
+        _take_python_route(state)
         name = getattr(hook, "__qualname__", repr(hook))
         if ddp.logger is not None:
             ddp.logger._set_comm_hook_name(name)
@@ -238,6 +254,7 @@ def shadow_registration(ddp: Any, state: HookState) -> None:
             raise RuntimeError(f"ddpdoctor cannot time the built-in comm hook {comm_hook_type}")
         if state.user_hook_name is not None:
             raise RuntimeError(_ONCE_MSG)
+        _take_python_route(state)
         if ddp.logger is not None:
             ddp.logger._set_comm_hook_name(str(comm_hook_type))
         state.inner_hook, state.inner_state = _BUILTIN_EQUIVALENTS[kind], ddp.process_group
@@ -246,6 +263,14 @@ def shadow_registration(ddp: Any, state: HookState) -> None:
 
     ddp.__dict__["register_comm_hook"] = register_comm_hook
     ddp.__dict__["_register_builtin_comm_hook"] = register_builtin_comm_hook
+
+
+def _take_python_route(state: HookState) -> None:
+    """Native route, a user hook registered after instrument: the native hook hands the buckets
+    to ``timed_hook``, which times the user's hook as on the Python route."""
+    route, state.on_user_hook = state.on_user_hook, None
+    if route is not None:
+        route()
 
 
 def _announce(state: HookState) -> None:

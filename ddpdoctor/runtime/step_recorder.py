@@ -187,6 +187,15 @@ class StepRecorder:
     def bucket_done(self, step: OpenStep, index: int) -> None:
         _put(step.done, index, self.clock.now())  # any order: completions race on gloo's threads
 
+    def add_bucket_marks(self, step: OpenStep, marks: list[tuple[int, int, int, int, int]]) -> None:
+        """Per-bucket marks taken elsewhere (the native comm hook's ring), handed over at once:
+        (bucket index, ready, launch, done, bytes), host-clock ns; a done of 0 was not seen."""
+        for index, ready, launch, done, nbytes in marks:
+            _put(step.ready, index, ready)
+            _put(step.launch, index, launch)
+            _put(step.done, index, done or None)
+            _put(step.nbytes, index, nbytes)
+
     def bucket_layout(self, step: OpenStep, index: int, info: BucketInfo) -> None:
         if step.layout is not None:
             step.layout[index] = info

@@ -1,0 +1,497 @@
+"""Per-bucket timing at C++ cost: the native comm hook, its build, and its Python side.
+
+The hook (``native/timed_hook.cpp``) does what DDP does without a hook (scale each bucket by
+1/world size, all-reduce it) and stamps ready, launch and done per bucket on the monotonic clock
+(the clock of ``time.perf_counter_ns``) into a fixed-size ring. No Python runs per bucket and no
+GIL is taken on the comm thread; Python drains the ring once per step.
+
+Per step, ``NativeTiming`` adds (all on the training thread):
+
+- a gradient pre-hook on the autograd node of the DDP output of the synchronizing forward (it
+  returns None: gradients unchanged): it fires first in backward and queues an autograd final
+  callback, which runs once the graph is done: *backward compute end*;
+- that callback copies the buckets seen so far into the step (so the hang watchdog sees which
+  all-reduce is pending while DDP's finalization waits) and, from inside itself, queues a second
+  final callback: it runs after DDP's own ``finalize_backward`` (queued later), i.e. once every
+  bucket's all-reduce completed on this rank, and drains the ring into the step
+  (``StepRecorder.add_bucket_marks``).
+
+The build: ``torch.utils.cpp_extension`` in a child process (so its compiler, environment and a
+stale lock never touch the training process), under torch's own build lock, cached in torch's
+extension directory under a name that holds the torch version and the source's hash. Loading a
+cached build is an import of the shared object (milliseconds). ``ddpdoctor run`` and ``ddpdoctor
+demo`` build it before starting ranks (``python -m ddpdoctor.runtime.native``).
+
+Selection (``choose``): the native hook times DDP's default all-reduce on CPU models when it
+builds and loads; otherwise the Python comm hook does (``comm_hook.timed_hook``), said once
+(``CommHookWarning``). ``DDPDOCTOR_NATIVE=0`` forces the Python route.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+import weakref
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ddpdoctor.categories import CommHookWarning
+
+#: ``0`` (or ``off``/``false``/``no``) forces the Python comm hook.
+ENV = "DDPDOCTOR_NATIVE"
+#: Test-only: ``compile`` builds a source that does not compile (the fallback path).
+FAULT_ENV = "DDPDOCTOR_TEST_NATIVE_FAULT"
+SOURCE = Path(__file__).parent / "native" / "timed_hook.cpp"
+#: Ring entries: a step drains it, so this only has to exceed the buckets of one step; a rank
+#: that stops draining (closed monitor) overwrites the oldest and memory stays at ~48 bytes each.
+RING_CAPACITY = 4096
+#: Give up on a build (compiler stuck, a stale build lock) after this long.
+BUILD_TIMEOUT_S = 600.0
+_OK_MARK = "ddpdoctor-built"
+
+
+class NativeUnavailable(RuntimeError):
+    """The native hook cannot be built or loaded here (the message says why)."""
+
+
+def enabled_by_env() -> bool:
+    """False when ``DDPDOCTOR_NATIVE`` turns the native hook off."""
+    return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _source_text() -> str:
+    text = SOURCE.read_text()
+    if os.environ.get(FAULT_ENV) == "compile":
+        text = '#include "ddpdoctor_test_missing_header.h"  // a source that does not compile\n' + text
+    return text
+
+
+def _torch_tag() -> str:
+    import torch
+
+    git = str(getattr(torch.version, "git_version", "") or "")[:8]
+    tag = f"py{sys.version_info[0]}{sys.version_info[1]}_{torch.__version__}_{git}"
+    return "".join(c if c.isalnum() else "_" for c in tag)
+
+
+def extension_name(text: str | None = None) -> str:
+    """The extension's name: torch version and source hash, so another torch or another source
+    never loads a stale build (torch's extension directory is shared by every torch of a Python)."""
+    digest = hashlib.sha256((text if text is not None else _source_text()).encode()).hexdigest()[:12]
+    return f"ddpdoctor_timed_hook_{_torch_tag()}_{digest}"
+
+
+def build_directory(name: str) -> Path:
+    """Where torch builds and caches ``name`` (``$TORCH_EXTENSIONS_DIR`` or torch's default)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root()) / name
+
+
+def _built(directory: Path, name: str) -> Path | None:
+    so = directory / f"{name}.so"
+    return so if (directory / _OK_MARK).exists() and so.exists() else None
+
+
+def _tool_path() -> str:
+    """PATH for the build: this interpreter's scripts directory first (a pip-installed ``ninja``
+    lives there, and torch looks ninja up on PATH)."""
+    dirs = [str(Path(sys.executable).parent)]
+    try:
+        import ninja
+
+        dirs.insert(0, str(ninja.BIN_DIR))
+    except Exception:  # noqa: BLE001, S110 - the ninja package is optional: a system ninja serves as well
+        pass
+    return os.pathsep.join([*dirs, os.environ.get("PATH", "")])
+
+
+def _build_here(name: str, directory: Path, text: str, verbose: bool = False) -> None:
+    """Build (or reuse) the extension in this process (the child of ``build``)."""
+    import fcntl
+
+    from torch.utils.cpp_extension import load_inline
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "ddpdoctor.lock", "w") as lock:
+        # Builders take this lock first: the kernel releases it when a builder dies, so ranks
+        # that start together wait for one build, and torch's own lock file, which a killed
+        # build leaves behind (torch then waits for ever), is known to be stale here.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _built(directory, name) is not None:
+            return
+        (directory / "lock").unlink(missing_ok=True)
+        load_inline(
+            name=name,
+            cpp_sources=[text],
+            build_directory=str(directory),
+            extra_cflags=["-O2"],
+            verbose=verbose,
+        )
+        tmp = directory / f"{_OK_MARK}.{os.getpid()}"
+        tmp.write_text(f"{name}\n")
+        tmp.replace(directory / _OK_MARK)
+
+
+def build(timeout: float = BUILD_TIMEOUT_S, verbose: bool = False) -> Path:
+    """Build the extension unless it is cached; return its shared object.
+
+    The compiler runs in a child process under torch's build lock (ranks that build at once
+    wait for one another). Raises ``NativeUnavailable`` with the build's last output lines.
+    """
+    text = _source_text()
+    name = extension_name(text)
+    directory = build_directory(name)
+    so = _built(directory, name)
+    if so is not None:
+        return so
+    # the child imports this very ddpdoctor, wherever the parent found it
+    package_root = str(Path(__file__).resolve().parents[2])
+    python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PATH=_tool_path(), PYTHONPATH=python_path)
+    code = (
+        "import sys; from pathlib import Path; from ddpdoctor.runtime import native_hook as n; "
+        "n._build_here(sys.argv[1], Path(sys.argv[2]), sys.stdin.read(), sys.argv[3] == '1')"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, name, str(directory), "1" if verbose else "0"],
+            input=text,
+            capture_output=not verbose,
+            text=True,
+            env=env,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise NativeUnavailable(f"the build did not finish in {timeout:.0f} s") from None
+    except OSError as exc:
+        raise NativeUnavailable(f"cannot start the build: {exc}") from None
+    so = _built(directory, name)
+    if proc.returncode != 0 or so is None:
+        tail = " | ".join((proc.stderr or proc.stdout or "").strip().splitlines()[-3:])
+        raise NativeUnavailable(f"the build failed (exit {proc.returncode}): {tail or 'no output'}")
+    return so
+
+
+def _import(name: str, so: Path) -> ModuleType:
+    import torch  # noqa: F401 - the extension's symbols resolve against torch's libraries
+
+    spec = importlib.util.spec_from_file_location(name, so)
+    if spec is None or spec.loader is None:
+        raise NativeUnavailable(f"cannot load {so}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_problem: str | None = None
+_warned = False
+#: Seconds the last ``load`` took (build included when it built), for the benches.
+load_seconds: float | None = None
+
+
+def load() -> ModuleType:
+    """The extension module, built if needed, once per process; ``NativeUnavailable`` if not."""
+    global _module, _problem, load_seconds
+    with _lock:
+        if _module is not None:
+            return _module
+        if _problem is not None:
+            raise NativeUnavailable(_problem)
+        t = time.perf_counter()
+        try:
+            so = build()
+            _module = _import(so.stem, so)
+        except Exception as exc:  # any build or load failure means the Python route; kept as the reason
+            _problem = str(exc) if isinstance(exc, NativeUnavailable) else f"{type(exc).__name__}: {exc}"
+            raise NativeUnavailable(_problem) from exc
+        finally:
+            load_seconds = time.perf_counter() - t
+        return _module
+
+
+def reset() -> None:
+    """Forget the loaded module and any failure (tests)."""
+    global _module, _problem, _warned
+    with _lock:
+        _module, _problem, _warned = None, None, False
+
+
+def choose_failed(why: str) -> None:
+    """Say once per process that the Python route times the buckets, and why."""
+    global _warned
+    with _lock:
+        first = not _warned
+        _warned = True
+    if first:
+        warnings.warn(
+            f"ddpdoctor: the native comm hook is unavailable ({why}); per-bucket timing uses the Python "
+            f"comm hook (costs more on short steps; {ENV}=0 skips the build). Training is not affected.",
+            CommHookWarning,
+            stacklevel=5,
+        )
+
+
+def choose(cuda: bool) -> ModuleType | None:
+    """The extension when the native hook should time this model, else None (Python route).
+
+    CUDA models keep the Python route, whose marks are CUDA events on the gradient's stream. A
+    build or load failure is said once per process (``CommHookWarning``).
+    """
+    if cuda or not enabled_by_env():
+        return None
+    try:
+        return load()
+    except NativeUnavailable as exc:
+        choose_failed(str(exc))
+        return None
+
+
+def _output_tensors(output: Any, limit: int = 8) -> list[Any]:
+    """The tensors requiring grad in a forward's output (nested tuples, lists, dicts), at most ``limit``."""
+    import torch
+
+    found: list[Any] = []
+    stack = [output]
+    while stack and len(found) < limit:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+    return found
+
+
+class NativeTiming:
+    """The native hook of one DDP instance: its registration, and the per-step Python side."""
+
+    def __init__(self, module: ModuleType, ddp: Any, monitor: Any) -> None:
+        self._module = module
+        self._monitor = weakref.ref(monitor)
+        self.ring: Any = None
+        # bucket parameters come back as TensorImpl addresses (Tensor._cdata)
+        self._names = {p._cdata: (n, str(p.dtype).removeprefix("torch.")) for n, p in ddp.module.named_parameters()}
+        self._want_layout = False
+        self._queued: Any = None  # the step whose backward callbacks are queued
+        self.delegated = False
+
+    @property
+    def registered(self) -> bool:
+        return self.ring is not None
+
+    def check(self, ddp: Any) -> None:
+        """Raise unless the extension takes this DDP's reducer and process group (changes nothing)."""
+        if not self._module.accepts(ddp.reducer, ddp.process_group):
+            raise NativeUnavailable("no reducer or process group")
+
+    def register(self, ddp: Any) -> None:
+        """Put the hook on DDP's reducer (for good: a reducer takes one hook)."""
+        self.ring = self._module.register_timed_hook(ddp.reducer, ddp.process_group, RING_CAPACITY)
+        self.delegated = False
+
+    def delegate(self, state: Any, hook: Any) -> None:
+        """A user hook registered after this one: hand it every bucket, through ``hook(state,
+        bucket)`` (ddpdoctor's Python comm hook, which times it). From then on the Python route
+        times the buckets and this side does nothing per step."""
+        self.ring.delegate(state, hook)
+        self.delegated = True
+
+    def stop(self) -> None:
+        """Detached: the hook keeps all-reducing and stamps nothing."""
+        if self.ring is not None:
+            self.ring.set_enabled(False)
+
+    # -- per step (training thread) ------------------------------------------------------
+
+    def on_forward_post(self, ddp: Any, output: Any) -> None:
+        """After a synchronizing training forward: hook its output, ask for the layout if wanted."""
+        monitor = self._monitor()
+        if self.ring is None or self.delegated or monitor is None or monitor.closed or not monitor.probes.on["buckets"]:
+            return
+        if not (ddp.require_backward_grad_sync and ddp.training and _grad_enabled()):
+            return
+        t = time.perf_counter_ns()
+        try:
+            step = monitor.recorder.current
+            if step is None or not step.synced_forward:
+                return
+            want = step.layout is not None and monitor.probes.on["layout"]
+            if want != self._want_layout:
+                self.ring.want_layout(want)
+                self._want_layout = want
+            if monitor.probes.on["backward_end"]:
+                hook = _OutputGradHook(weakref.ref(self), step)
+                for tensor in _output_tensors(output):
+                    node = tensor.grad_fn
+                    # a pre-hook on the node that made the output (cheaper than a tensor hook);
+                    # a leaf output has none
+                    if node is not None:
+                        node.register_prehook(hook)
+                    else:
+                        tensor.register_hook(hook)
+        except Exception as exc:  # noqa: BLE001 - runs in DDP's forward: a failing probe is switched off, never breaks training
+            monitor.probes.failed("buckets", exc)
+        finally:
+            monitor.own_ns += time.perf_counter_ns() - t
+
+    def on_output_grad(self, step: Any) -> None:
+        """First thing in backward: queue the backward-end callback (once per step)."""
+        if self._queued is step:
+            return
+        self._queued = step
+        from ddpdoctor.runtime import torch_compat
+
+        this = weakref.ref(self)
+        torch_compat.queue_backward_callback(lambda: _call(this, "on_backward_end", step))
+
+    def on_backward_end(self, step: Any) -> None:
+        """The graph is done (DDP's finalization not yet run): stamp it, queue the next callback."""
+        monitor = self._monitor()
+        if monitor is None or monitor.closed:
+            return
+        try:
+            monitor.recorder.backward_end(step)
+        except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); never breaks training
+            monitor.probes.failed("backward_end", exc)
+        self._look(monitor, step)
+        from ddpdoctor.runtime import torch_compat
+
+        this = weakref.ref(self)
+        try:
+            # queued from inside a final callback: it runs after DDP's finalize_backward, i.e.
+            # once every bucket's all-reduce completed on this rank
+            torch_compat.queue_backward_callback(lambda: _call(this, "drain", step))
+        except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); never breaks training
+            monitor.probes.failed("buckets", exc)
+
+    def _look(self, monitor: Any, step: Any) -> None:
+        """The buckets so far, into the step, left in the ring: while DDP's finalization waits for
+        the all-reduces, the hang watchdog sees which bucket is pending (the drain that follows
+        overwrites them with the final marks)."""
+        if self.ring is None or not monitor.probes.on["buckets"]:
+            return
+        t = time.perf_counter_ns()
+        try:
+            marks = self.ring.peek()
+            if marks:
+                monitor.recorder.add_bucket_marks(step, _shifted(marks))
+        except Exception as exc:  # noqa: BLE001 - inside loss.backward(): never breaks training
+            monitor.probes.failed("buckets", exc)
+        finally:
+            monitor.own_ns += time.perf_counter_ns() - t
+
+    def drain(self, step: Any) -> None:
+        """Move the ring's stamps into ``step`` (the step whose backward ran them)."""
+        monitor = self._monitor()
+        if self.ring is None or monitor is None or monitor.closed:
+            return
+        t = time.perf_counter_ns()
+        try:
+            marks = self.ring.drain()
+            # the parameter lists go with the marks, whether used or not: nothing accumulates
+            layout = self.ring.take_layout() if self._want_layout else []
+            if not marks or step is None or not step.synced_forward or not monitor.probes.on["buckets"]:
+                return
+            monitor.recorder.add_bucket_marks(step, _shifted(marks))
+            if layout and step.layout is not None:
+                self._layout(monitor, step, marks, layout)
+        except Exception as exc:  # noqa: BLE001 - inside loss.backward() or forward: never breaks training
+            monitor.probes.failed("buckets", exc)
+        finally:
+            monitor.own_ns += time.perf_counter_ns() - t
+
+    def _layout(
+        self,
+        monitor: Any,
+        step: Any,
+        marks: list[tuple[int, int, int, int, int]],
+        layout: list[tuple[int, list[int]]],
+    ) -> None:
+        from ddpdoctor.events import BucketInfo
+
+        nbytes = {index: b for index, _, _, _, b in marks}
+        for index, params in layout:
+            named = [self._names.get(p, ("?", "")) for p in params]
+            dtype = next((d for _, d in named if d), "")
+            info = BucketInfo(index=index, params=[n for n, _ in named], bytes=nbytes.get(index, 0), dtype=dtype)
+            monitor.recorder.bucket_layout(step, index, info)
+
+
+def _shifted(marks: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+    """The marks on the host clock ddpdoctor uses (the tests' clock offset, when it is set)."""
+    from ddpdoctor.runtime import clocks
+
+    off = clocks._OFFSET_NS
+    if not off:
+        return marks
+    return [(i, r + off, la + off, d + off if d else 0, b) for i, r, la, d, b in marks]
+
+
+class _OutputGradHook:
+    """A gradient hook on the forward's output: returns None, so the gradient is unchanged."""
+
+    __slots__ = ("timing", "step")
+
+    def __init__(self, timing: weakref.ref[NativeTiming], step: Any) -> None:
+        self.timing = timing
+        self.step = step
+
+    def __call__(self, grad: Any) -> None:  # grad: the output's gradient(s); left unchanged
+        timing = self.timing()
+        if timing is None:
+            return
+        monitor = timing._monitor()
+        if monitor is None or monitor.closed:
+            return
+        try:
+            timing.on_output_grad(self.step)
+        except Exception as exc:  # noqa: BLE001 - runs in loss.backward(): a failing probe is switched off, never breaks training
+            monitor.probes.failed("backward_end", exc)
+
+
+def _call(ref: weakref.ref[NativeTiming], method: str, step: Any) -> None:
+    timing = ref()
+    if timing is not None:
+        getattr(timing, method)(step)
+
+
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ddpdoctor.runtime.native [--verbose]``: build (or find) the extension, print
+    where it is and how long building and loading took; exit 1 when it cannot be built."""
+    args = sys.argv[1:] if argv is None else argv
+    if not enabled_by_env():
+        print(f"ddpdoctor: native comm hook off ({ENV}=0)")
+        return 0
+    t = time.perf_counter()
+    try:
+        so = build(verbose="--verbose" in args)
+        built = time.perf_counter() - t
+        t = time.perf_counter()
+        module = _import(so.stem, so)
+        loaded = time.perf_counter() - t
+    except Exception as exc:  # noqa: BLE001 - reported to the caller as the reason the Python route is used
+        print(f"ddpdoctor: native comm hook unavailable: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"ddpdoctor: native comm hook {module.__name__}: build/check {built:.2f} s, load {loaded * 1000:.1f} ms ({so})"
+    )
+    return 0

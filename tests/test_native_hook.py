@@ -1,0 +1,275 @@
+"""The native comm hook (``ddpdoctor/runtime/native_hook.py``) on real 2-rank gloo DDP.
+
+Per-bucket ready <= launch <= done on every step, losses bit-identical to plain DDP under every
+DDP option, ``DDPDOCTOR_NATIVE=0`` and a failed build taking the Python route with one warning,
+and a user's hook registered after ``instrument`` (before or after training started) still
+applied and timed. The extension is built once per session (cached in torch's extension dir).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpdoctor
+from ddpdoctor.events import Header, Layout, Step
+from ddpdoctor.runtime import native_hook
+from ddpdoctor.sinks.memory import MemorySink
+from tests.ddp_harness import run_ranks
+from tests.models import make_model
+from tests.runtime_workers import BUCKET_CAP_MB, sum_hook, train
+
+_ONCE = "can only be called once"
+
+
+@pytest.fixture(scope="session")
+def native_built() -> Path:
+    """Build (or find) the extension once per session; skip where it cannot build here."""
+    try:
+        return native_hook.build()
+    except native_hook.NativeUnavailable as exc:
+        pytest.skip(f"the native comm hook cannot be built here: {exc}")
+
+
+def _records(sink: MemorySink) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {"header": [], "step": [], "layout": []}
+    for r in sink.records:
+        if isinstance(r, Header):
+            out["header"].append(r)
+        elif isinstance(r, Step):
+            out["step"].append(r)
+        elif isinstance(r, Layout):
+            out["layout"].append(r)
+    return out
+
+
+def _summary(sink: MemorySink) -> dict[str, Any]:
+    recs = _records(sink)
+    return {
+        "timing": [h.timing for h in recs["header"]],
+        "steps": [
+            (s.b_ready_us, s.b_launch_us, s.b_done_us, s.b_bytes, s.bwd_end_us, s.sync_end_us) for s in recs["step"]
+        ],
+        "layouts": [
+            (lay.reason, [(b.index, b.params, b.bytes, b.dtype) for b in lay.buckets], lay.comm_hook)
+            for lay in recs["layout"]
+        ],
+    }
+
+
+def _instrumented(rank: int, options: dict[str, Any], steps: int = 6) -> tuple[list[float], dict[str, Any], list[str]]:
+    sink = MemorySink()
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = ddpdoctor.instrument(ddp, sink=sink)
+        losses = train(ddp, rank, steps)
+        monitor.close()
+    said = [f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, ddpdoctor.DDPDoctorWarning)]
+    return losses, _summary(sink), said
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "static_graph": {"static_graph": True},
+    "find_unused": {"find_unused_parameters": True},
+    "bucket_view": {"gradient_as_bucket_view": True},
+}
+
+
+def native_checks(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"rank": rank, "variants": {}}
+    # train() runs a no_sync micro-step before every third step
+    for name, options in VARIANTS.items():
+        plain = train(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, **options), rank)
+        out["variants"][name] = (plain, *_instrumented(rank, options))
+
+    os.environ[native_hook.ENV] = "0"
+    out["forced_python"] = _instrumented(rank, {})
+    del os.environ[native_hook.ENV]
+
+    # a user's hook registered after instrument: before training, and after some steps
+    calls_plain: list[int] = []
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    ddp.register_comm_hook(calls_plain, sum_hook)
+    out["sum_plain"] = train(ddp, rank)
+    calls_late: list[int] = []
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    out["late_plain"] = train(ddp, rank, steps=3)
+    ddp.register_comm_hook(calls_late, sum_hook)
+    out["late_plain"] += train(ddp, rank, steps=3)
+    out["late_plain_calls"] = len(calls_late)
+    for when in ("before_training", "after_3_steps"):
+        calls: list[int] = []
+        sink = MemorySink()
+        ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+        monitor = ddpdoctor.instrument(ddp, sink=sink)
+        if when == "before_training":
+            ddp.register_comm_hook(calls, sum_hook)
+            losses = train(ddp, rank)
+        else:
+            losses = train(ddp, rank, steps=3)
+            ddp.register_comm_hook(calls, sum_hook)
+            losses += train(ddp, rank, steps=3)
+        try:
+            ddp.register_comm_hook(None, sum_hook)
+            second = "accepted"
+        except RuntimeError as exc:
+            second = str(exc)
+        monitor.close()
+        out[when] = (losses, len(calls), second, _summary(sink))
+    out["sum_plain_calls"] = len(calls_plain)
+    # the hook's clock is the one of time.perf_counter_ns
+    module = native_hook.load()
+    before = time.perf_counter_ns()
+    native = module.clock_ns()
+    after = time.perf_counter_ns()
+    out["clock"] = (before, native, after)
+    return out
+
+
+def fallback_checks(rank: int, world_size: int) -> dict[str, Any]:
+    """The build fails (``DDPDOCTOR_TEST_NATIVE_FAULT=compile``): the Python route, one warning."""
+    plain = train(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB), rank)
+    first = _instrumented(rank, {})
+    second = _instrumented(rank, {})
+    return {"plain": plain, "first": first, "second": second, "problem": native_hook._problem}
+
+
+@pytest.fixture(scope="module")
+def native(native_built: Path) -> list[dict[str, Any]]:
+    return run_ranks(native_checks, 2, timeout=240)
+
+
+def _check_marks(summary: dict[str, Any], buckets: int) -> None:
+    """Every step has every bucket's marks (``buckets`` once DDP rebuilt them)."""
+    assert len(summary["steps"]) == 6, "a step is missing"
+    assert len(summary["steps"][-1][0]) == buckets
+    for i, (ready, launch, done, nbytes, bwd_end, sync_end) in enumerate(summary["steps"]):
+        assert len(ready) == len(launch) == len(done) == len(nbytes) >= 1
+        assert sum(nbytes) == sum(summary["steps"][-1][3])  # every gradient byte, in every step
+        for r, la, d in zip(ready, launch, done, strict=True):
+            assert r is not None and la is not None and d is not None
+            assert 0 < r <= la <= d
+        assert bwd_end is not None
+        if i > 0:  # (static_graph's first step all-reduces from DDP's own final callback, later)
+            assert bwd_end >= max(ready)  # backward compute ends after its last bucket is ready
+        assert sync_end == max(done)
+
+
+def test_native_timing_every_bucket_every_step_and_identical_losses(native: list[dict[str, Any]]) -> None:
+    for r in native:
+        for name, (plain, losses, summary, said) in r["variants"].items():
+            assert losses == plain, name  # exact float equality, every step
+            assert not [w for w in said if "native" in w or "comm hook" in w], name
+            assert summary["timing"] == ["native"], name
+            buckets = len(summary["steps"][-1][0])
+            assert buckets >= 3, name  # BUCKET_CAP_MB splits the model
+            _check_marks(summary, buckets)
+
+
+def test_native_layout_names_every_parameter(native: list[dict[str, Any]]) -> None:
+    names = {n for n, _ in make_model().named_parameters()}
+    for r in native:
+        summary = r["variants"]["default"][2]
+        reasons = [reason for reason, _, _ in summary["layouts"]]
+        assert reasons[0] == "initial"
+        _, buckets, hook = summary["layouts"][-1]
+        assert hook is None
+        assert {p for _, params, _, _ in buckets for p in params} == names
+        assert all(dtype == "float32" and nbytes > 0 for _, _, nbytes, dtype in buckets)
+        # the layout's bytes are the steps' bytes
+        assert [nbytes for _, _, nbytes, _ in buckets] == summary["steps"][-1][3]
+
+
+def test_native_env_zero_takes_the_python_route(native: list[dict[str, Any]]) -> None:
+    for r in native:
+        losses, summary, said = r["forced_python"]
+        assert losses == r["variants"]["default"][0]
+        assert said == []
+        assert summary["timing"] == ["python"]
+        _check_marks(summary, len(summary["steps"][-1][0]))
+
+
+def test_user_hook_after_instrument_is_applied_and_timed(native: list[dict[str, Any]]) -> None:
+    for r in native:
+        for when in ("before_training", "after_3_steps"):
+            losses, calls, second, summary = r[when]
+            plain = "sum_plain" if when == "before_training" else "late_plain"
+            assert losses == r[plain], when  # the user's hook (a sum, not a mean) applied
+            assert calls == r[f"{plain}_calls"] > 0, when
+            assert _ONCE in second, when  # a second hook: DDP's own error, as without ddpdoctor
+            assert summary["timing"] == ["native"]
+            assert summary["layouts"][-1][2] == "sum_hook"  # the layout names the user's hook
+            _check_marks(summary, len(summary["steps"][-1][0]))
+
+
+def test_native_clock_is_perf_counter(native: list[dict[str, Any]]) -> None:
+    for r in native:
+        before, native_ns, after = r["clock"]
+        assert before <= native_ns <= after
+
+
+def test_build_failure_falls_back_once_and_training_is_unaffected(
+    native_built: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(native_hook.FAULT_ENV, "compile")
+    results = run_ranks(fallback_checks, 2, timeout=240)
+    for r in results:
+        assert "the build failed" in r["problem"]
+        for i, key in enumerate(("first", "second")):
+            losses, summary, said = r[key]
+            assert losses == r["plain"]
+            assert summary["timing"] == ["python"]
+            _check_marks(summary, len(summary["steps"][-1][0]))
+            # said once per process: at the first instrument only
+            if i == 0:
+                assert len(said) == 1 and said[0].startswith("CommHookWarning: ddpdoctor: the native comm hook"), said
+            else:
+                assert said == []
+
+
+def test_build_is_cached(native_built: Path) -> None:
+    t = time.perf_counter()
+    assert native_hook.build() == native_built
+    assert time.perf_counter() - t < 1.0  # a cached build is a file check
+    name = native_hook.extension_name()
+    assert torch.__version__.split("+")[0].replace(".", "_") in name
+    assert not dist.is_initialized()
+
+
+def test_run_launcher_builds_first_and_tells_the_ranks_when_it_cannot(
+    native_built: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddpdoctor.cli.run_cmd import prepare_native
+
+    env: dict[str, str] = {}
+    prepare_native(env, "ddpdoctor run")  # built: nothing to tell the ranks
+    assert native_hook.ENV not in env
+    monkeypatch.setenv(native_hook.FAULT_ENV, "compile")
+    prepare_native(env, "ddpdoctor run")
+    assert env[native_hook.ENV] == "0"  # the ranks take the Python route at once, without trying
+    err = capsys.readouterr().err
+    assert err.count("ddpdoctor run: warning:") == 1 and "Python comm hook" in err
+
+
+def three_rank_checks(rank: int, world_size: int) -> tuple[list[float], list[float], dict[str, Any]]:
+    plain = train(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB), rank)
+    losses, summary, _ = _instrumented(rank, {})
+    return plain, losses, summary
+
+
+def test_three_ranks_train_identically(native_built: Path) -> None:
+    """1/3 is not exact in floating point: the hook scales as DDP's own no-hook path does."""
+    for plain, losses, summary in run_ranks(three_rank_checks, 3, timeout=240):
+        assert losses == plain
+        assert summary["timing"] == ["native"]
+        _check_marks(summary, len(summary["steps"][-1][0]))
