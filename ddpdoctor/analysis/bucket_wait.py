@@ -3,6 +3,10 @@ bucket): how late each rank arrives, how long the others wait for it.
 
 A fast rank blocks in a bucket's all-reduce until the slowest rank reaches the same bucket, so
 per-rank durations even out; arrival times on aligned clocks do not.
+
+A step that some rank logged as a window row (the compact log keeps each bucket's ready time at
+sampled steps and around incidents only) is compared at its first and last bucket on every rank:
+a rank late at the first bucket, or still late at the last, is caught there.
 """
 
 from __future__ import annotations
@@ -23,29 +27,54 @@ class StepArrivals:
     bcast: bool = False  # the first collective is the buffer broadcast (at forward start), then the buckets
 
 
+def _ready(s: Step) -> tuple[list[float], bool] | None:
+    """The step's bucket ready times (complete), or its (first, last) from a window row: (times, per bucket)."""
+    if s.summary:
+        span = s.ready_span_us()
+        return (list(span), False) if span is not None else None
+    ready = s.b_ready_us
+    if not ready or any(t is None for t in ready):
+        return None
+    return ready, True
+
+
+def _first_last(times: list[float], bcast: bool) -> list[float]:
+    head = times[:1] if bcast else []
+    ready = times[1:] if bcast else times
+    return head + [min(ready), max(ready)]
+
+
 def arrivals(steps_by_rank: dict[int, list[Step]], clocks: ClockOffsets) -> list[StepArrivals]:
-    """Every step that all ranks logged with complete bucket ready times."""
+    """Every step that all ranks logged with complete bucket ready times (or their first and last)."""
     if len(steps_by_rank) < 2:
         return []
     by_step: dict[int, dict[int, list[float]]] = {}
     bcast_at: dict[int, dict[int, bool]] = {}
+    summary_at: set[int] = set()
     for rank, steps in steps_by_rank.items():
         offset = clocks.offset_us.get(rank, 0.0)
         for s in steps:
-            ready = s.b_ready_us
-            if not ready or any(t is None for t in ready):
+            got = _ready(s)
+            if got is None:
                 continue
+            ready, per_bucket = got
             base = s.t0_wall_ns / 1000.0 - offset
             # the buffer broadcast at forward start is the step's first collective: a rank that
             # starts late is caught there, and the others wait inside it, before any bucket
             first = [s.bcast_start_us] if s.bcast_start_us is not None else []
             by_step.setdefault(s.step, {})[rank] = [base + t for t in first + ready]
             bcast_at.setdefault(s.step, {})[rank] = bool(first)
+            if not per_bucket:
+                summary_at.add(s.step)
     out = []
     ranks = set(steps_by_rank)
     for step in sorted(by_step):
         per_rank = by_step[step]
-        if set(per_rank) != ranks or len({len(v) for v in per_rank.values()}) != 1:
+        if set(per_rank) != ranks:
+            continue
+        if step in summary_at:  # a window row on some rank: every rank at its first and last bucket
+            per_rank = {r: _first_last(v, bcast_at[step][r]) for r, v in per_rank.items()}
+        if len({len(v) for v in per_rank.values()}) != 1:
             continue
         n = len(next(iter(per_rank.values())))
         earliest = [min(per_rank[r][b] for r in per_rank) for b in range(n)]
