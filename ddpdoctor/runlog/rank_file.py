@@ -254,7 +254,7 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
     the same steps and stay comparable step by step, plus the last ``TAIL_STEPS``. A compact log
     (windows) also keeps its full step records, the per-bucket detail: all of them up to
     ``max_steps``, else the first and last ones outside the sampled schedule (what happened) and
-    the sampled ones at a stride. Only the lines that hold a kept step are decoded: the others are
+    the sampled ones at a stride (half of ``max_steps`` goes to each). Only the lines that hold a kept step are decoded: the others are
     told apart by the head of the line. ``steps_total`` and ``bare_steps`` still count every step.
     Every record that is not a step is kept, but process samples (``MAX_PROCS``).
     """
@@ -291,13 +291,14 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
     covered = _covered(windows, [s for s, _ in full]) if windows else 0
     total = rows + len(full) - covered
     last = max(max((s for s, _ in full), default=-1), max((s + n - 1 for s, n, _ in windows), default=-1))
-    stride = _power_of_two_stride(total, max_steps)
+    # a compact log shares the budget: half for the steps on the stride, half for the full records
+    stride = _power_of_two_stride(total, max_steps // 2 if windows else max_steps)
     tail_from = _tail_start(windows, full, last)
     on_stride = _OnStride(stride, tail_from)
     # full records: on the stride or in the tail; in a compact log also the ones that hold what happened
     keep_full = [i for s, i in full if s in on_stride]
     if windows:
-        keep_full = sorted(set(keep_full) | set(_detail(full, max_steps)))
+        keep_full = sorted(set(keep_full) | set(_detail(full, max_steps // 2)))
     keep_windows = [i for s, n, i in windows if on_stride.meets(s, n)]
     keep_procs = procs[:: max(1, -(-len(procs) // MAX_PROCS))]
     if procs and procs[-1] not in keep_procs:
@@ -306,7 +307,7 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
     for record in _decode_many([lines[i] for i in chosen], log):
         if isinstance(record, Window):
             log.windows += 1
-            for s in window_steps(record, on_stride):
+            for s in window_steps(record, on_stride.rows(record.step, record.n)):
                 log._add_step(s)
         else:
             log.add(record)
@@ -327,6 +328,13 @@ class _OnStride:
 
     def __contains__(self, step: object) -> bool:
         return isinstance(step, int) and (step % self.stride == 0 or step >= self.tail_from)
+
+    def rows(self, first: int, n: int) -> range | list[int]:
+        """The kept row indices of steps ``first`` .. ``first + n - 1``."""
+        if first + n - 1 >= self.tail_from:
+            tail = max(0, self.tail_from - first)
+            return sorted(set(range(-first % self.stride, tail, self.stride)) | set(range(tail, n)))
+        return range(-first % self.stride, n, self.stride)
 
     def meets(self, first: int, n: int) -> bool:
         """Whether steps ``first`` .. ``first + n - 1`` hold a kept one."""

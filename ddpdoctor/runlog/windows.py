@@ -7,9 +7,8 @@ full record had them (to the µs), empty per-bucket arrays, and ``b_count``,
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Iterable
 from itertools import accumulate
-from typing import Any
 
 from ddpdoctor.events import Step, Window
 
@@ -29,46 +28,60 @@ _COLUMNS = (
 )
 
 
-def _float(v: int | None) -> float | None:
-    return None if v is None else float(v)
+def _column(w: Window, name: str, n: int) -> list[int | None]:
+    values: list[int | None] = getattr(w, name)
+    return values if len(values) >= n else values + [None] * (n - len(values))
 
 
-def window_steps(w: Window, keep: Container[int] | None = None) -> list[Step]:
-    """The window's rows as steps, in step order (``keep``: only the steps it contains).
+def window_steps(w: Window, rows: Iterable[int] | None = None) -> list[Step]:
+    """The window's rows as steps, in step order (``rows``: only these row indices, ascending).
 
     A column shorter than ``n`` (a hand-edited or truncated record) reads as null past its end.
     """
-    n = w.n
+    n = min(w.n, len(w.t0)) if w.t0 else w.n
+    if rows is None:
+        rows = range(n)
     starts = list(accumulate(w.t0)) if w.t0 else [0] * n
-    columns = []
-    for name, field in _COLUMNS:
-        values = getattr(w, name)
-        columns.append((field, values if len(values) >= n else list(values) + [None] * (n - len(values))))
+    (fs, fwd, bs, bc, fe, be, rf, rl, se, os_, oe, end) = (_column(w, name, n) for name, _ in _COLUMNS)
     wall = w.wall if len(w.wall) >= n else [0] * n
     micro = w.micro if len(w.micro) >= n else [0] * n
     skew = w.t0_wall_ns - w.t0_mono_ns
+    rank, ddp, first, mono0 = w.rank, w.ddp, w.step, w.t0_mono_ns
+    bcast_bytes, clock, count, nbytes = w.bcast_bytes, w.clock, w.buckets, w.bytes
     out = []
-    for i in range(min(n, len(starts))):
-        step = w.step + i
-        if keep is not None and step not in keep:
-            continue
-        mono = w.t0_mono_ns + starts[i] * 1000
-        fields: dict[str, Any] = {field: _float(values[i]) for field, values in columns}
+    for i in rows:
+        if i >= n:
+            break
+        mono = mono0 + starts[i] * 1000
         out.append(
             Step(
-                rank=w.rank,
-                ddp=w.ddp,
-                step=step,
+                rank=rank,
+                ddp=ddp,
+                step=first + i,
                 t0_mono_ns=mono,
                 t0_wall_ns=mono + skew + wall[i] * 1000,
                 micro=micro[i],
-                fwd_start_us=fields.pop("fwd_start_us") or 0.0,
-                bcast_bytes=w.bcast_bytes,
-                clock=w.clock,
+                fwd_start_us=float(fs[i] or 0),
+                fwd_us=_f(fwd[i]),
+                bcast_start_us=_f(bs[i]),
+                bcast_us=_f(bc[i]),
+                bcast_bytes=bcast_bytes,
+                fwd_end_us=_f(fe[i]),
+                bwd_end_us=_f(be[i]),
+                sync_end_us=_f(se[i]),
+                opt_start_us=_f(os_[i]),
+                opt_end_us=_f(oe[i]),
+                end_us=_f(end[i]),
+                clock=clock,
                 summary=True,
-                b_count=w.buckets,
-                b_bytes_total=w.bytes,
-                **fields,
+                b_count=count,
+                b_first_ready_us=_f(rf[i]),
+                b_last_ready_us=_f(rl[i]),
+                b_bytes_total=nbytes,
             )
         )
     return out
+
+
+def _f(v: int | None) -> float | None:
+    return None if v is None else float(v)
