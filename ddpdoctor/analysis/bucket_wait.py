@@ -25,6 +25,7 @@ class StepArrivals:
     lateness_us: dict[int, list[float]] = field(default_factory=dict)  # behind the earliest rank, per collective
     wait_us: dict[int, float] = field(default_factory=dict)  # this rank blocked for others (max over buckets)
     bcast: bool = False  # the first collective is the buffer broadcast (at forward start), then the buckets
+    per_bucket: bool = True  # one collective per bucket; False: the first and the last bucket (a window row)
 
 
 def _ready(s: Step) -> tuple[list[float], bool] | None:
@@ -79,7 +80,7 @@ def arrivals(steps_by_rank: dict[int, list[Step]], clocks: ClockOffsets) -> list
         n = len(next(iter(per_rank.values())))
         earliest = [min(per_rank[r][b] for r in per_rank) for b in range(n)]
         latest = [max(per_rank[r][b] for r in per_rank) for b in range(n)]
-        sa = StepArrivals(step=step, bcast=all(bcast_at[step].values()))
+        sa = StepArrivals(step=step, bcast=all(bcast_at[step].values()), per_bucket=step not in summary_at)
         for r, times in per_rank.items():
             sa.lateness_us[r] = [t - e for t, e in zip(times, earliest, strict=False)]
             sa.wait_us[r] = max(lt - t for t, lt in zip(times, latest, strict=False))

@@ -54,7 +54,9 @@ class BufferInfo(msgspec.Struct, omit_defaults=True):
 class Header(_Record, tag="header", kw_only=True):
     """First line of every rank file: who wrote it and how DDP was configured."""
 
-    schema: int = SCHEMA_VERSION
+    # the log's schema version; writers set it (``SCHEMA_VERSION``). The default is the version of
+    # logs that left it out (it equalled the default then, and defaults are not written)
+    schema: int = 1
     run_id: str = ""
     world_size: int = 1
     local_rank: int = 0

@@ -252,10 +252,11 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
 
     Steps are kept at a power-of-two stride of their index, so ranks with similar step counts keep
     the same steps and stay comparable step by step, plus the last ``TAIL_STEPS``. A compact log
-    (windows) also keeps its full step records, the per-bucket detail: all of them up to
-    ``max_steps``, else the first and last ones outside the sampled schedule (what happened) and
-    the sampled ones at a stride (half of ``max_steps`` goes to each). Only the lines that hold a kept step are decoded: the others are
-    told apart by the head of the line. ``steps_total`` and ``bare_steps`` still count every step.
+    (windows) gives half of ``max_steps`` to the stride and half to its full step records, the
+    per-bucket detail: all of them when they fit, else the first and last ones outside the sampled
+    schedule (what happened) and the sampled ones at a stride. Only the lines that hold a kept
+    step are decoded: the others are told apart by the head of the line, so the cost grows with
+    ``max_steps``, not with the file. ``steps_total`` and ``bare_steps`` still count every step.
     Every record that is not a step is kept, but process samples (``MAX_PROCS``).
     """
     log = RankLog(rank=rank, ddp=ddp, path=path)

@@ -11,7 +11,9 @@ for every step, and ``Compactor`` decides what the file keeps of it.
   when a ``finding``, ``hang``, ``grad_flags``, ``probe_off`` or changed ``layout`` record goes
   by, when a step's bucket count or byte total changes (a bare step: a skipped backward), and
   when a step, or one of its phases (data, forward, backward, the wait after backward, the
-  optimizer), takes more than ``SLOW_FACTOR`` times its running median plus ``SLOW_FLOOR_US``.
+  optimizer), takes more than ``SLOW_FACTOR`` times its running median plus the larger of
+  ``SLOW_FLOOR_US`` and ``SLOW_STEP_SHARE`` of the median step (what costs a small share of a
+  step is jitter, on a busy host: it would write most steps in full).
 - **``window`` records** otherwise: one row per step in columns of whole µs (start, phases,
   first and last bucket ready), so every step of every rank is still there for cross-rank
   blame, stragglers and periodic patterns. A window closes at ``WINDOW_ROWS`` rows, when its
@@ -50,10 +52,11 @@ RING = 8
 AFTER = 8
 WINDOW_ROWS = 256
 WINDOW_S = 2.0
-#: A phase is anomalous above SLOW_FACTOR x its running median + SLOW_FLOOR_US (the floor keeps
-#: µs-scale jitter on short phases from counting).
+#: A phase is anomalous above SLOW_FACTOR x its running median + max(SLOW_FLOOR_US,
+#: SLOW_STEP_SHARE x the median step).
 SLOW_FACTOR = 2.0
 SLOW_FLOOR_US = 2000.0
+SLOW_STEP_SHARE = 0.5
 MEDIAN_OF = 64
 MEDIAN_EVERY = 16
 #: Steps seen before phases are judged against their medians.
@@ -104,10 +107,10 @@ class _Medians:
                 values.append(v)
         self.seen += 1
         if self.seen % MEDIAN_EVERY == 0 and self.seen >= WARMUP:
-            for i, values in enumerate(self.values):
-                if len(values) >= WARMUP:
-                    ordered = sorted(values)
-                    self.limits[i] = SLOW_FACTOR * ordered[len(ordered) // 2] + SLOW_FLOOR_US
+            medians = [sorted(v)[len(v) // 2] if len(v) >= WARMUP else None for v in self.values]
+            step = medians[0]  # the first phase is the whole step
+            margin = max(SLOW_FLOOR_US, SLOW_STEP_SHARE * step) if step is not None else SLOW_FLOOR_US
+            self.limits = [None if m is None else SLOW_FACTOR * m + margin for m in medians]
         return slow
 
 
