@@ -219,9 +219,23 @@ def is_bare(s: Step) -> bool:
 _HEAD = re.compile(rb'\{"kind":"(step|window)","rank":-?\d+(?:,"ddp":\d+)?,"step":(\d+)(?:,"n":(\d+))?')
 _BUCKETS = b'"buckets":'
 _READY = b'"b_ready_us":'
-_PROC = b'{"kind":"proc"'
-#: Process samples kept per rank by a sampled read (evenly spread, and the last one).
+#: Periodic records a sampled read keeps per rank (the first and last ``_ENDS``, evenly in between):
+#: process samples, fingerprints, unused-parameter checks, by the start of their kind.
 MAX_PROCS = 512
+MAX_CHECKS = 128
+_PERIODIC = {b'proc"': MAX_PROCS, b"finge": MAX_CHECKS, b"unuse": MAX_CHECKS}
+_ENDS = 8
+
+
+def _thin(rows: list[int], budget: int) -> list[int]:
+    """At most about ``budget`` of ``rows``: the first and last ``_ENDS``, a power-of-two stride between.
+
+    The records come at the same steps on every rank, so ranks keep the same ones.
+    """
+    if len(rows) <= budget:
+        return rows
+    stride = _power_of_two_stride(len(rows), budget)
+    return [row for k, row in enumerate(rows) if k % stride == 0 or k < _ENDS or k >= len(rows) - _ENDS]
 _records_of = msgspec.json.Decoder(list[Record]).decode
 
 
@@ -252,12 +266,13 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
 
     Steps are kept at a power-of-two stride of their index, so ranks with similar step counts keep
     the same steps and stay comparable step by step, plus the last ``TAIL_STEPS``. A compact log
-    (windows) gives half of ``max_steps`` to the stride and half to its full step records, the
+    (windows) gives half of ``max_steps`` to the stride and a quarter to its full step records, the
     per-bucket detail: all of them when they fit, else the first and last ones outside the sampled
     schedule (what happened) and the sampled ones at a stride. Only the lines that hold a kept
     step are decoded: the others are told apart by the head of the line, so the cost grows with
     ``max_steps``, not with the file. ``steps_total`` and ``bare_steps`` still count every step.
-    Every record that is not a step is kept, but process samples (``MAX_PROCS``).
+    Every record that is not a step is kept, but the periodic ones are thinned the same way
+    (``MAX_PROCS`` process samples, ``MAX_CHECKS`` fingerprints and unused-parameter checks).
     """
     log = RankLog(rank=rank, ddp=ddp, path=path)
     try:
@@ -271,22 +286,31 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
             log.corrupt_lines += 1
         data = data[:cut]
     lines = data.split(b"\n")
+    # lines by the start of their kind (``{"kind":"`` is 9 bytes): one cheap pass, no decoding
+    by_kind: dict[bytes, list[int]] = {}
+    for i, tag in enumerate([line[9:14] for line in lines]):
+        got = by_kind.get(tag)
+        if got is None:
+            by_kind[tag] = [i]
+        else:
+            got.append(i)
     full: list[tuple[int, int]] = []  # (step, line)
     windows: list[tuple[int, int, int]] = []  # (first step, rows, line)
-    procs: list[int] = []
-    others: list[int] = []
+    others: list[int] = []  # every other record, and any step line not as the writer puts it
     head = _HEAD.match
-    for i, line in enumerate(lines):
-        m = head(line)
+    for i in by_kind.pop(b'step"', []) + by_kind.pop(b"windo", []):
+        m = head(lines[i])
         if m is None:
-            if line.startswith(_PROC):
-                procs.append(i)
-            elif line.strip():
-                others.append(i)  # every other record, and any step line not as the writer puts it
+            others.append(i)
         elif m.group(1) == b"step":
             full.append((int(m.group(2)), i))
         else:
             windows.append((int(m.group(2)), int(m.group(3) or 0), i))
+    full.sort(key=lambda t: t[1])
+    windows.sort(key=lambda t: t[2])
+    # the periodic records: process samples, fingerprints, unused checks (the same steps on every rank)
+    periodic = [_thin(by_kind.pop(tag, []), budget) for tag, budget in _PERIODIC.items()]
+    others += [i for tag, rows in by_kind.items() for i in rows if tag or lines[i].strip()]
     # which steps the file has, and which of them are bare
     rows = sum(n for _, n, _ in windows)
     covered = _covered(windows, [s for s, _ in full]) if windows else 0
@@ -299,12 +323,9 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
     # full records: on the stride or in the tail; in a compact log also the ones that hold what happened
     keep_full = [i for s, i in full if s in on_stride]
     if windows:
-        keep_full = sorted(set(keep_full) | set(_detail(full, max_steps // 2)))
+        keep_full = sorted(set(keep_full) | set(_detail(full, max_steps // 4)))
     keep_windows = [i for s, n, i in windows if on_stride.meets(s, n)]
-    keep_procs = procs[:: max(1, -(-len(procs) // MAX_PROCS))]
-    if procs and procs[-1] not in keep_procs:
-        keep_procs.append(procs[-1])
-    chosen = sorted(others + keep_procs + keep_full + keep_windows)
+    chosen = sorted(others + [i for rows in periodic for i in rows] + keep_full + keep_windows)
     for record in _decode_many([lines[i] for i in chosen], log):
         if isinstance(record, Window):
             log.windows += 1
