@@ -236,6 +236,8 @@ def _thin(rows: list[int], budget: int) -> list[int]:
         return rows
     stride = _power_of_two_stride(len(rows), budget)
     return [row for k, row in enumerate(rows) if k % stride == 0 or k < _ENDS or k >= len(rows) - _ENDS]
+
+
 _records_of = msgspec.json.Decoder(list[Record]).decode
 
 
