@@ -233,3 +233,32 @@ def test_a_real_run_gives_the_same_findings_from_its_compact_log(tmp_path: Path)
         assert a.step == b.step
     lost = [f.evidence["time_lost_ms"] for r in (ra, rb) for f in r.findings if f.code == "straggler"]
     assert lost[1] == pytest.approx(lost[0], rel=0.02)
+
+
+def log_option_run(rank: int, world_size: int, tmp: str) -> None:
+    """Two models in one process group, one per ``log`` option value (none: the default)."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    for mode in ("full", None):
+        torch.manual_seed(0)
+        ddp = DDP(nn.Linear(8, 8))
+        with ddpdoctor.instrument(ddp, run_dir=Path(tmp) / str(mode), log=mode):
+            for _ in range(24):
+                ddp(torch.randn(4, 8)).sum().backward()
+
+
+def test_the_log_option_picks_what_the_file_keeps(tmp_path: Path) -> None:
+    run_ranks(log_option_run, 2, (str(tmp_path),), timeout=180)
+    for rank in (0, 1):
+        full = _lines(tmp_path / "full" / rank_file_name(rank))
+        compact = _lines(tmp_path / "None" / rank_file_name(rank))
+        assert [r["step"] for r in full if r["kind"] == "step"] == list(range(24))
+        assert not any(r["kind"] == "window" for r in full)
+        kept = [r["step"] for r in compact if r["kind"] == "step"]
+        rows = [r["step"] + i for r in compact if r["kind"] == "window" for i in range(r["n"])]
+        assert {*range(FIRST_FULL), 15} <= set(kept) and rows  # (a noisy host may add incidents)
+        assert sorted(set(kept) | set(rows)) == list(range(24))
+        headers = [r for r in full + compact if r["kind"] == "header"]
+        assert [h["schema"] for h in headers] == [2, 2]

@@ -13,8 +13,9 @@ for every step, and ``Compactor`` decides what the file keeps of it.
   when a step, or one of its phases (data, forward, backward, the wait after backward, the
   optimizer), takes more than ``SLOW_FACTOR`` times its running median plus the larger of
   ``SLOW_FLOOR_US`` and ``SLOW_STEP_SHARE`` times the median step: roughly, a step that took
-  twice as long. Less is jitter on a busy host (a 2-rank gloo run on a shared 2-core machine
-  sees a wait of a whole step every hundred steps or so); counting it wrote most steps in full.
+  twice as long, and 10 ms more. Less is jitter on a busy host (a 2-rank gloo run on a shared
+  2-core machine sees a wait of a whole step every hundred steps or so, and ms steps vary by
+  several ms); counting it wrote most steps in full.
 - **``window`` records** otherwise: one row per step in columns of whole µs (start, phases,
   first and last bucket ready), so every step of every rank is still there for cross-rank
   blame, stragglers and periodic patterns. A window closes at ``WINDOW_ROWS`` rows, when its
@@ -56,7 +57,7 @@ WINDOW_S = 2.0
 #: A phase is anomalous above SLOW_FACTOR x its running median + max(SLOW_FLOOR_US,
 #: SLOW_STEP_SHARE x the median step).
 SLOW_FACTOR = 2.0
-SLOW_FLOOR_US = 2000.0
+SLOW_FLOOR_US = 10_000.0
 SLOW_STEP_SHARE = 1.0
 MEDIAN_OF = 64
 MEDIAN_EVERY = 16
