@@ -28,17 +28,6 @@ class StepArrivals:
     per_bucket: bool = True  # one collective per bucket; False: the first and the last bucket (a window row)
 
 
-def _ready(s: Step) -> tuple[list[float], bool] | None:
-    """The step's bucket ready times (complete), or its (first, last) from a window row: (times, per bucket)."""
-    if s.summary:
-        span = s.ready_span_us()
-        return (list(span), False) if span is not None else None
-    ready = s.b_ready_us
-    if not ready or any(t is None for t in ready):
-        return None
-    return ready, True
-
-
 def _first_last(times: list[float], bcast: bool) -> list[float]:
     head = times[:1] if bcast else []
     ready = times[1:] if bcast else times
@@ -55,10 +44,15 @@ def arrivals(steps_by_rank: dict[int, list[Step]], clocks: ClockOffsets) -> list
     for rank, steps in steps_by_rank.items():
         offset = clocks.offset_us.get(rank, 0.0)
         for s in steps:
-            got = _ready(s)
-            if got is None:
-                continue
-            ready, per_bucket = got
+            if s.summary:
+                span = s.ready_span_us()
+                if span is None:
+                    continue
+                ready, per_bucket = list(span), False
+            else:  # the common case, inline: this loop runs over every step of every rank
+                ready, per_bucket = s.b_ready_us, True
+                if not ready or None in ready:
+                    continue
             base = s.t0_wall_ns / 1000.0 - offset
             # the buffer broadcast at forward start is the step's first collective: a rank that
             # starts late is caught there, and the others wait inside it, before any bucket
