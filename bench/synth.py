@@ -17,6 +17,7 @@ import random
 from collections.abc import Iterator
 
 from ddpdoctor.events import (
+    SCHEMA_VERSION,
     BucketInfo,
     BufferInfo,
     End,
@@ -60,6 +61,7 @@ def header(rank: int, world: int, *, buckets: int = 8, run_id: str = "synth") ->
     ]
     return Header(
         rank=rank,
+        schema=SCHEMA_VERSION,
         run_id=run_id,
         world_size=world,
         local_rank=rank % 8,

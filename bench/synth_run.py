@@ -1,11 +1,13 @@
 """Write a realistic synthetic run through ddpdoctor's own writer, then time ``ddpdoctor report`` on it.
 
 usage: python bench/synth_run.py --ranks 256 --steps 10000 [--straggler 17] [--buckets 8]
-                                 [--report] [--repeat 3] OUT
+                                 [--log-mode compact|full] [--only A:B] [--report] [--repeat 3] OUT
 
-Each rank file is written by a ``FileSink`` (the writer every training rank uses), from the
-records ``bench/synth.py`` generates: per-step records with per-bucket arrays, process samples,
-fingerprints and unused-parameter checks at the sampled steps, an end record. With ``--report``
+Each rank file is written by a ``FileSink`` (the writer every training rank uses, with the same
+compaction: ``--log-mode``, default compact), from the records ``bench/synth.py`` generates:
+per-step records with per-bucket arrays, process samples, fingerprints and unused-parameter
+checks at the sampled steps, an end record. ``--only A:B`` writes ranks A..B-1 alone (a big run
+written in parts; then ``--reuse --report``). It prints the bytes per rank-step. With ``--report``
 the script then runs ``python -m ddpdoctor report OUT --format json`` ``--repeat`` times in a
 fresh process each and prints the wall time and the peak RSS of that process (median of the
 runs), and whether the planted straggler was named.
@@ -31,8 +33,10 @@ from ddpdoctor.events.layout import rank_file_name
 from ddpdoctor.sinks import FileSink
 
 
-def write_rank(out: str, rank: int, world: int, steps: int, buckets: int, straggler: int | None) -> int:
-    sink = FileSink(Path(out) / rank_file_name(rank))
+def write_rank(
+    out: str, rank: int, world: int, steps: int, buckets: int, straggler: int | None, mode: str = "compact"
+) -> int:
+    sink = FileSink(Path(out) / rank_file_name(rank), mode=mode)
     n = 0
     for record in rank_records(rank, world, steps, buckets=buckets, straggler=straggler):
         sink.emit(record)
@@ -43,19 +47,31 @@ def write_rank(out: str, rank: int, world: int, steps: int, buckets: int, stragg
     return n
 
 
-def write_run(out: Path, ranks: int, steps: int, buckets: int, straggler: int | None, jobs: int) -> tuple[int, float]:
+def write_run(
+    out: Path,
+    ranks: int,
+    steps: int,
+    buckets: int,
+    straggler: int | None,
+    jobs: int,
+    mode: str = "compact",
+    only: range | None = None,
+) -> tuple[int, float]:
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    which = only if only is not None else range(ranks)
+    n = len(which)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         counts = list(
             pool.map(
                 write_rank,
-                [str(out)] * ranks,
-                range(ranks),
-                [ranks] * ranks,
-                [steps] * ranks,
-                [buckets] * ranks,
-                [straggler] * ranks,
+                [str(out)] * n,
+                which,
+                [ranks] * n,
+                [steps] * n,
+                [buckets] * n,
+                [straggler] * n,
+                [mode] * n,
             )
         )
     return sum(counts), time.monotonic() - started
@@ -87,11 +103,23 @@ def main() -> int:
     ap.add_argument("--report", action="store_true", help="then time `ddpdoctor report` on it")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--reuse", action="store_true", help="do not write: the run is already there")
+    ap.add_argument("--log-mode", choices=["compact", "full"], default="compact", help="what the writer keeps")
+    ap.add_argument("--only", default=None, help="A:B: write ranks A..B-1 only")
     args = ap.parse_args()
     if not args.reuse:
-        n, dt = write_run(args.out, args.ranks, args.steps, args.buckets, args.straggler, args.jobs)
-        size = sum(f.stat().st_size for f in args.out.iterdir())
-        print(f"wrote {n:,} records, {size / 2**20:,.0f} MiB, {args.ranks} ranks x {args.steps:,} steps in {dt:.1f} s")
+        only = None
+        if args.only:
+            a, _, b = args.only.partition(":")
+            only = range(int(a), int(b))
+        n, dt = write_run(
+            args.out, args.ranks, args.steps, args.buckets, args.straggler, args.jobs, args.log_mode, only
+        )
+        written = len(only) if only is not None else args.ranks
+        size = sum(f.stat().st_size for f in args.out.iterdir() if only is None or int(f.name[5:10]) in only)
+        print(
+            f"wrote {n:,} records, {size / 2**20:,.0f} MiB, {written} ranks x {args.steps:,} steps in {dt:.1f} s: "
+            f"{size / (written * args.steps):.1f} bytes per rank-step ({args.log_mode} log)"
+        )
     if args.report:
         runs = [time_report(args.out) for _ in range(args.repeat)]
         secs = [r[0] for r in runs]

@@ -100,33 +100,39 @@ def test_tail_starts_over_when_the_file_is_truncated_or_deleted(tmp_path: Path) 
     assert tail.poll() == []
 
 
-def _write_synth(run_dir: Path, ranks: int, steps: int, straggler: int | None = None) -> None:
+def _write_synth(run_dir: Path, ranks: int, steps: int, straggler: int | None = None, mode: str = "compact") -> None:
     from bench.synth import rank_records
     from ddpdoctor.sinks import FileSink
 
     for rank in range(ranks):
-        sink = FileSink(run_dir / f"rank-{rank:05d}.jsonl")
+        sink = FileSink(run_dir / f"rank-{rank:05d}.jsonl", mode=mode)
         for record in rank_records(rank, ranks, steps, straggler=straggler):
             sink.emit(record)
         sink.close()
 
 
-def test_a_sampled_load_keeps_the_same_steps_on_every_rank_and_counts_all(tmp_path: Path) -> None:
-    _write_synth(tmp_path, 3, 3000, straggler=2)
+@pytest.mark.parametrize("mode", ["compact", "full"])
+def test_a_sampled_load_keeps_the_same_steps_on_every_rank_and_counts_all(tmp_path: Path, mode: str) -> None:
+    _write_synth(tmp_path, 3, 3000, straggler=2, mode=mode)
     with (tmp_path / "rank-00001.jsonl").open("ab") as f:
         f.write(b'garbage\n{"kind": "step", "rank": 1, "step": 3000, "t0_mo')  # garbage, then a torn tail
     run = load_run(tmp_path, max_steps=256)
     kept = {r: [s.step for s in log.steps] for r, log in run.ranks.items()}
-    assert run.ranks[0].step_stride == 16  # the smallest power of two that keeps <= 256 of 3000
+    # the smallest power of two that keeps <= 256 of 3000 (a compact log: <= 128, and 128 full records)
+    stride = 16 if mode == "full" else 32
+    assert run.ranks[0].step_stride == stride
     assert kept[0] == kept[1] == kept[2]  # comparable step by step
-    assert all(s % 16 == 0 for s in kept[0] if s < 3000 - 128) and kept[0][-128:] == list(range(2872, 3000))
+    # on the stride, the last ones, and (compact log) the full records: per-bucket detail is kept
+    off_stride = [s for s in run.ranks[0].steps if s.step % stride and s.step < 3000 - 128]
+    assert kept[0][-128:] == list(range(2872, 3000))
+    assert all(not s.summary for s in off_stride) and (len(off_stride) > 0) == (mode == "compact")
     assert [log.steps_total for log in run.ranks.values()] == [3000] * 3
     assert run.ranks[1].corrupt_lines == 2 and run.ranks[1].torn_tail
     full = load_run(tmp_path)
     assert len(run.ranks[0].fingerprints) == len(full.ranks[0].fingerprints) == 62  # all non-step records kept
     assert sum(len(log.steps) for log in full.ranks.values()) == 9000
     report = ddpdoctor.analyze(run)
-    assert report.run["steps_sampled_every"] == 16 and report.ranks[0]["steps"] == 3000
+    assert report.run["steps_sampled_every"] == stride and report.ranks[0]["steps"] == 3000
     [straggler] = [f for f in report.findings if f.code == "straggler"]
     assert straggler.ranks == [2] and straggler.evidence["phase"] == "backward"
     assert [f.code for f in report.findings] == ["straggler"]

@@ -26,7 +26,7 @@ def _lines(path: Path) -> list[bytes]:
 
 
 def test_file_sink_writes_json_lines_in_order_and_closes(tmp_path: Path) -> None:
-    sink = FileSink(tmp_path / "run" / "rank-00003.jsonl")
+    sink = FileSink(tmp_path / "run" / "rank-00003.jsonl", mode="full")  # every record as it came
     for i in range(1000):
         sink.emit(_step(i))
     sink.emit(End(rank=3, t_mono_ns=0, t_wall_ns=0, steps=1000, reason="close"))
@@ -55,7 +55,7 @@ def test_file_sink_reaches_disk_within_the_flush_interval_without_close(tmp_path
 
 def test_flush_makes_everything_durable_at_once(tmp_path: Path) -> None:
     path = tmp_path / "rank-00000.jsonl"
-    sink = FileSink(path, flush_interval=60.0)
+    sink = FileSink(path, flush_interval=60.0, mode="full")
     try:
         for i in range(10):
             sink.emit(_step(i))

@@ -14,7 +14,7 @@ def sync_during_accumulation(steps: list[Step], rank: int) -> list[Finding]:
     cycles: list[list[Step]] = []
     current: list[Step] = []
     for s in steps:
-        if not s.b_ready_us:
+        if not s.bucket_count():
             continue
         current.append(s)
         if s.opt_start_us is not None:
@@ -26,11 +26,11 @@ def sync_during_accumulation(steps: list[Step], rank: int) -> list[Finding]:
     per_opt = median(len(c) for c in accumulating)
     wasted = [s for c in accumulating for s in c[:-1]]
     ar_ms = [
-        (s.sync_end_us - min(t for t in s.b_ready_us if t is not None)) / 1000.0
+        (s.sync_end_us - span[0]) / 1000.0
         for s in wasted
-        if s.sync_end_us is not None
+        if s.sync_end_us is not None and (span := s.ready_span_us()) is not None
     ]
-    nbytes = median(sum(b or 0 for b in s.b_bytes) for s in wasted)
+    nbytes = median(s.bucket_bytes() for s in wasted)
     return [
         Finding(
             code="sync-during-accumulation",

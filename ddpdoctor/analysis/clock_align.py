@@ -31,11 +31,14 @@ class ClockOffsets:
 
 
 def _done_times(steps: list[Step]) -> dict[int, list[float]]:
+    """Per step, every bucket's completion on the rank's wall clock; a window row has the last one only."""
     out: dict[int, list[float]] = {}
     for s in steps[-MAX_STEPS:]:
+        base = s.t0_wall_ns / 1000.0
         if s.b_done_us and all(t is not None for t in s.b_done_us):
-            base = s.t0_wall_ns / 1000.0
             out[s.step] = [base + t for t in s.b_done_us]
+        elif s.summary and s.b_count and s.sync_end_us is not None:
+            out[s.step] = [base + s.sync_end_us]
     return out
 
 
@@ -54,8 +57,11 @@ def estimate_offsets(steps_by_rank: dict[int, list[Step]]) -> ClockOffsets:
         deltas = [
             a - b
             for step, times in mine.items()
-            if step in ref and len(ref[step]) == len(times)
-            for a, b in zip(times, ref[step], strict=False)
+            if step in ref
+            # a full record on one side, a window row on the other: compare the last completion
+            for a, b in (
+                zip(times, ref[step], strict=True) if len(ref[step]) == len(times) else [(max(times), max(ref[step]))]
+            )
         ]
         if deltas:
             offsets[rank] = median(deltas)

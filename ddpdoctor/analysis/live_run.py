@@ -166,7 +166,7 @@ class LiveRun:
             if st.steps and rec.step <= st.steps[-1].step:
                 return  # read again (a file replaced under us) or out of order: already counted
             st.steps.append(rec)
-            if not rec.b_ready_us:
+            if not rec.bucket_count():
                 st.bare.append(rec.step)
             st.last_wall_ns = max(st.last_wall_ns, _step_wall_ns(rec))
             if st.hang is not None and st.hang.state == "stalled" and rec.step >= st.hang.step:

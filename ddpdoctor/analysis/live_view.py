@@ -146,6 +146,12 @@ def bucket_views(s: Step, lateness: Sequence[float] | None) -> tuple[BucketView,
             )
         )
     off = 1 if has_bcast else 0
+    span = s.ready_span_us() if s.summary else None
+    if span is not None:  # a window row: the first and the last bucket's ready, the step's sync end
+        for i, (name, ready, done) in enumerate((("first", span[0], None), ("last", span[1], s.sync_end_us))):
+            late = lateness[i + off] / 1000.0 if lateness and i + off < len(lateness) else None
+            out.append(BucketView(name, _ms(ready), _ms(done), 0, late))
+        return tuple(out)
     for i, ready in enumerate(s.b_ready_us):
         done = s.b_done_us[i] if i < len(s.b_done_us) else None
         nbytes = s.b_bytes[i] if i < len(s.b_bytes) else 0
@@ -197,7 +203,8 @@ def rank_row(
 def heatmap(arrivals: StepArrivals, has_bcast: bool) -> Heatmap:
     """The step's arrivals as a ranks x collectives grid of ms late."""
     n = len(next(iter(arrivals.lateness_us.values()), []))
-    names = (["bcast"] if has_bcast else []) + [f"b{i}" for i in range(n - (1 if has_bcast else 0))]
+    buckets = [f"b{i}" for i in range(n - (1 if has_bcast else 0))] if arrivals.per_bucket else ["first", "last"]
+    names = (["bcast"] if has_bcast else []) + buckets
     return Heatmap(
         step=arrivals.step,
         collectives=tuple(names),

@@ -26,8 +26,12 @@ def _diff(a: float | None, b: float | None) -> float | None:
 
 def step_phases(s: Step) -> dict[str, float | None]:
     """Phase durations in milliseconds (None where the log does not tell)."""
-    ready = [t for t in s.b_ready_us if t is not None]
-    first_ready = min(ready) if ready else None
+    if s.summary:
+        span = s.ready_span_us()
+        first_ready = span[0] if span else None
+    else:
+        ready = [t for t in s.b_ready_us if t is not None]
+        first_ready = min(ready) if ready else None
     exposed = _diff(s.bwd_end_us, s.sync_end_us)
     out_us = {
         "step": s.end_us,

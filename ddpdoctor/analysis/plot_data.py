@@ -138,6 +138,9 @@ def plot_data(run: Run) -> PlotData:
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
     clocks = estimate_offsets(steps_by_rank)
     arrived = {sa.step: sa for sa in arrivals(steps_by_rank, clocks)}
+    detailed = {k: sa for k, sa in arrived.items() if sa.per_bucket}
+    if detailed:  # a compact log: the plots show steps every rank logged bucket by bucket
+        arrived = detailed
     # the steps to pick from: those with arrivals from every rank when there are any, without
     # the first ones (DDP's first iteration and warm-up are slow or late for reasons of their own)
     times: dict[int, float] = {}

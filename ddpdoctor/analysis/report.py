@@ -84,7 +84,7 @@ def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: st
         "status": _rank_status(log, lost),
         "steps": log.steps_total,
         "last_step": last.step if last else None,
-        "buckets": len(last.b_ready_us) if last else 0,
+        "buckets": last.bucket_count() if last else 0,
         "buffer_bytes_per_step": last.bcast_bytes if last else 0,
         "medians_ms": {name: medians[name] for name in REPORTED},
         "clock_offset_ms": round(offset_us / 1000.0, 3),

@@ -213,12 +213,12 @@ def exposed_communication(steps: list[Step], rank: int, floor_us: dict[int, floa
     """
     exposed, comm, total = [], [], []
     for s in steps:
-        if s.sync_end_us is None or s.bwd_end_us is None or s.end_us is None or not s.b_ready_us:
+        span = s.ready_span_us()
+        if s.sync_end_us is None or s.bwd_end_us is None or s.end_us is None or span is None:
             continue
-        ready = [t for t in s.b_ready_us if t is not None]
         mine = max(0.0, s.sync_end_us - s.bwd_end_us)
         exposed.append(min(mine, floor_us.get(s.step, mine)) if floor_us else mine)
-        comm.append(s.sync_end_us - min(ready))
+        comm.append(s.sync_end_us - span[0])
         total.append(s.end_us)
     if len(exposed) < 5:
         return []

@@ -28,6 +28,7 @@ from ddpdoctor.events.schema import (
     Step,
     StreamDrops,
     Unused,
+    Window,
 )
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "StreamDrops",
     "UnknownRecord",
     "Unused",
+    "Window",
     "decode",
     "encode",
     "encode_into",

@@ -24,6 +24,9 @@ ENDPOINT_ENV = "DDPDOCTOR_ENDPOINT"
 TOKEN_ENV = "DDPDOCTOR_TOKEN"
 #: Seconds without progress before the hang watchdog records where a rank is (0: off).
 HANG_TIMEOUT_ENV = "DDPDOCTOR_HANG_TIMEOUT"
+#: What the rank files keep: "compact" (default: full step records at sampled steps and around
+#: anything anomalous, windows of per-step columns otherwise) or "full" (a full record per step).
+LOG_MODE_ENV = "DDPDOCTOR_LOG"
 
 #: Where run dirs go when nobody says (relative to the working directory).
 DEFAULT_ROOT = "ddpdoctor-runs"

@@ -7,6 +7,10 @@ ranks without assuming their clocks agree.
 
 Adding a field with a default keeps old logs readable; renaming or removing one bumps
 ``SCHEMA_VERSION``.
+
+Version 2 added the ``window`` record: the file writer keeps full ``step`` records at sampled
+steps and around anything anomalous, and rolls the other steps up into windows of per-step
+columns (``sinks.compact``). Version 1 logs (a ``step`` record for every step) read as before.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class _Record(msgspec.Struct, tag_field="kind", omit_defaults=True, kw_only=True):
@@ -50,7 +54,9 @@ class BufferInfo(msgspec.Struct, omit_defaults=True):
 class Header(_Record, tag="header", kw_only=True):
     """First line of every rank file: who wrote it and how DDP was configured."""
 
-    schema: int = SCHEMA_VERSION
+    # the log's schema version; writers set it (``SCHEMA_VERSION``). The default is the version of
+    # logs that left it out (it equalled the default then, and defaults are not written)
+    schema: int = 1
     run_id: str = ""
     world_size: int = 1
     local_rank: int = 0
@@ -121,6 +127,30 @@ class Step(_Record, tag="step", kw_only=True):
     opt_end_us: float | None = None
     end_us: float | None = None  # start of the next step: the step's duration
     clock: str = "host"
+    # Set only on steps read back from a ``window`` row (never written in a ``step`` record):
+    # the per-bucket arrays are empty there, and these say what the row kept of them.
+    summary: bool = False
+    b_count: int = 0  # buckets whose gradients were ready (0 with ``summary``: a bare step)
+    b_first_ready_us: float | None = None  # earliest bucket ready
+    b_last_ready_us: float | None = None  # latest bucket ready
+    b_bytes_total: int = 0
+
+    def ready_span_us(self) -> tuple[float, float] | None:
+        """(earliest, latest) bucket ready, from the arrays or a window row; None without any."""
+        if self.summary:
+            if self.b_first_ready_us is None or self.b_last_ready_us is None:
+                return None
+            return self.b_first_ready_us, self.b_last_ready_us
+        ready = [t for t in self.b_ready_us if t is not None]
+        return (min(ready), max(ready)) if ready else None
+
+    def bucket_count(self) -> int:
+        """Buckets whose gradients were ready in this step (0: a bare step, backward never reached DDP)."""
+        return self.b_count if self.summary else len(self.b_ready_us)
+
+    def bucket_bytes(self) -> int:
+        """Bytes of those buckets."""
+        return self.b_bytes_total if self.summary else sum(b or 0 for b in self.b_bytes)
 
 
 class ProcSample(_Record, tag="proc", kw_only=True):
@@ -234,6 +264,51 @@ class StreamDrops(_Record, tag="stream_drops", kw_only=True):
     dropped: int
 
 
+class Window(_Record, tag="window", kw_only=True):
+    """Steps ``step`` .. ``step + n - 1`` of one rank, one row per step, in columns.
+
+    What the compact log writes for steps that are neither sampled nor near anything anomalous
+    (those get a full ``step`` record; a step may have both, and the full record wins). Per row:
+
+    - ``t0``: the step's start on the monotonic clock, in µs after the previous row's (the first
+      row's is 0): ``t0_mono_ns`` of row i is the window's ``t0_mono_ns`` plus 1000 times the
+      running sum, exact to 1 µs;
+    - ``wall``: the row's ``t0_wall_ns - t0_mono_ns`` less the window's, in µs (empty: all 0);
+    - the phase columns: the ``Step`` field of the same name (``fwd_start`` is ``fwd_start_us``,
+      ...), in whole µs from the row's start, null where the probe saw nothing; an empty column
+      is null on every row; ``ready_first`` and ``ready_last`` are the earliest and the latest
+      bucket ready;
+    - ``micro``: ``Step.micro`` (empty: all 0).
+
+    Every row of a window has the same ``buckets`` (ready count; 0: no bucket at all, a bare
+    step), ``bytes`` (their sum), ``bcast_bytes`` and ``clock``.
+    """
+
+    step: int
+    n: int
+    t0_mono_ns: int
+    t0_wall_ns: int
+    buckets: int = 0
+    bytes: int = 0
+    bcast_bytes: int = 0
+    clock: str = "host"
+    t0: list[int] = []
+    wall: list[int] = []
+    micro: list[int] = []
+    fwd_start: list[int | None] = []
+    fwd: list[int | None] = []
+    bcast_start: list[int | None] = []
+    bcast: list[int | None] = []
+    fwd_end: list[int | None] = []
+    bwd_end: list[int | None] = []
+    ready_first: list[int | None] = []
+    ready_last: list[int | None] = []
+    sync_end: list[int | None] = []
+    opt_start: list[int | None] = []
+    opt_end: list[int | None] = []
+    end: list[int | None] = []
+
+
 Record = (
     Header
     | Layout
@@ -247,6 +322,7 @@ Record = (
     | FindingRecord
     | Hang
     | StreamDrops
+    | Window
 )
 RECORD_TYPES: tuple[type, ...] = (
     Header,
@@ -261,4 +337,5 @@ RECORD_TYPES: tuple[type, ...] = (
     FindingRecord,
     Hang,
     StreamDrops,
+    Window,
 )

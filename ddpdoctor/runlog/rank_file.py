@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,13 +25,18 @@ from ddpdoctor.events import (
     StreamDrops,
     UnknownRecord,
     Unused,
+    Window,
     decode,
 )
+from ddpdoctor.events.schedule import DEFAULT_EVERY
+from ddpdoctor.runlog.windows import window_steps
 
 #: Bare steps (without any bucket) remembered per rank: enough to name a skipped backward.
 MAX_BARE_STEPS = 1000
 #: Steps always kept at the end of a sampled rank log (what happened last: lost ranks, hangs).
 TAIL_STEPS = 128
+#: How far back a full step record may find the window row it replaces (the writer's ring and a window).
+_REPLACE_SCAN = 1024
 
 
 @dataclass
@@ -55,17 +61,21 @@ class RankLog:
     corrupt_lines: int = 0  # not JSON: garbage, or a line torn by a crash
     unknown_lines: int = 0  # JSON, but not a record this version knows
     torn_tail: bool = False  # the file ends in the middle of a line
-    steps_total: int = 0  # step records in the file (``steps`` holds them all unless sampled)
+    steps_total: int = 0  # steps in the file (``steps`` holds them all unless sampled)
     step_stride: int = 1  # ``steps`` keeps every step whose index is a multiple of this, and the last ones
     bare_steps: list[int] = field(default_factory=list)  # steps logged without any bucket (first 1000)
     stream_dropped: int = 0  # records the live stream lost (this file has them): the latest total
+    windows: int = 0  # window records read (a compact log: most steps are window rows, ``Step.summary``)
+    full_steps: int = 0  # full step records read
 
     def add(self, record: Record) -> None:
         if isinstance(record, Step):
-            self.steps.append(record)
-            self.steps_total += 1
-            if not record.b_ready_us and len(self.bare_steps) < MAX_BARE_STEPS:
-                self.bare_steps.append(record.step)
+            self.full_steps += 1
+            self._add_step(record)
+        elif isinstance(record, Window):
+            self.windows += 1
+            for s in window_steps(record):
+                self._add_step(s)
         elif isinstance(record, ProcSample):
             self.procs.append(record)
         elif isinstance(record, Layout):
@@ -91,6 +101,23 @@ class RankLog:
         elif isinstance(record, StreamDrops):
             self.stream_dropped = max(self.stream_dropped, record.dropped)
 
+    def _add_step(self, s: Step) -> None:
+        steps = self.steps
+        if self.windows and steps and s.step <= steps[-1].step:
+            # a compact log writes a step in full after its window row when something happened
+            # right after it: the full record wins, wherever the row is
+            for i in range(len(steps) - 1, max(-1, len(steps) - 1 - _REPLACE_SCAN), -1):
+                if steps[i].step == s.step:
+                    if steps[i].summary and not s.summary:
+                        steps[i] = s
+                    return
+                if steps[i].step < s.step:
+                    break
+        steps.append(s)
+        self.steps_total += 1
+        if is_bare(s) and len(self.bare_steps) < MAX_BARE_STEPS:
+            self.bare_steps.append(s.step)
+
     def segments(self) -> list[tuple[Header, int, int | None]]:
         """(header, first step, first step of the next header or None) for each DDP instance seen."""
         out = []
@@ -102,6 +129,9 @@ class RankLog:
 
 class RankFileTail:
     """Incremental reader: each ``poll()`` decodes the complete lines appended since the last.
+
+    Window records come out as the steps of their rows (``Step.summary``), so a reader sees
+    steps whichever way the writer kept them.
 
     A partial last line is held back until its newline arrives (``final=True`` counts it as torn
     instead). A file that shrank (truncated or replaced) is read again from the start.
@@ -151,10 +181,19 @@ class RankFileTail:
 
     def _decode(self, line: bytes, out: list[Record]) -> None:
         record = decode_counted(line, self.log)
-        if record is not None:
+        if record is None:
+            return
+        if isinstance(record, Window):  # what a reader gets is steps, whichever way they were written
+            steps = window_steps(record)
             if self.keep:
-                self.log.add(record)
-            out.append(record)
+                self.log.windows += 1
+                for s in steps:
+                    self.log._add_step(s)
+            out.extend(steps)
+            return
+        if self.keep:
+            self.log.add(record)
+        out.append(record)
 
 
 def decode_counted(line: bytes, log: RankLog) -> Record | None:
@@ -170,34 +209,72 @@ def decode_counted(line: bytes, log: RankLog) -> Record | None:
     return None
 
 
-class _Peek(msgspec.Struct):
-    """The few fields needed to choose which lines to decode in full."""
-
-    kind: str = ""
-    step: int | None = None
-    b_ready_us: msgspec.Raw = msgspec.Raw(b"")  # left undecoded: only whether it is there
+def is_bare(s: Step) -> bool:
+    """A step logged without any bucket (its backward never reached DDP)."""
+    return s.b_count == 0 if s.summary else not s.b_ready_us
 
 
-_peek_lines = msgspec.json.Decoder(_Peek).decode_lines
-_peek_one = msgspec.json.Decoder(_Peek).decode
+#: What the writer puts first on a step or window line (msgspec writes fields in their order):
+#: the step index (and a window's row count) without decoding the line.
+_HEAD = re.compile(rb'\{"kind":"(step|window)","rank":-?\d+(?:,"ddp":\d+)?,"step":(\d+)(?:,"n":(\d+))?')
+_BUCKETS = b'"buckets":'
+_READY = b'"b_ready_us":'
+#: Periodic records a sampled read keeps per rank (the first and last ``_ENDS``, evenly in between):
+#: process samples, fingerprints, unused-parameter checks, by the start of their kind.
+MAX_PROCS = 512
+MAX_CHECKS = 128
+_PERIODIC = {b'proc"': MAX_PROCS, b"finge": MAX_CHECKS, b"unuse": MAX_CHECKS}
+_ENDS = 8
 
 
-def _peek_all(lines: list[bytes], data: bytes) -> list[_Peek | None]:
+def _thin(rows: list[int], budget: int) -> list[int]:
+    """At most about ``budget`` of ``rows``: the first and last ``_ENDS``, a power-of-two stride between.
+
+    The records come at the same steps on every rank, so ranks keep the same ones.
+    """
+    if len(rows) <= budget:
+        return rows
+    stride = _power_of_two_stride(len(rows), budget)
+    return [row for k, row in enumerate(rows) if k % stride == 0 or k < _ENDS or k >= len(rows) - _ENDS]
+
+
+_records_of = msgspec.json.Decoder(list[Record]).decode
+
+
+def _power_of_two_stride(count: int, budget: int) -> int:
+    stride = 1
+    while count > stride * budget:
+        stride *= 2
+    return stride
+
+
+def _decode_many(lines: list[bytes], log: RankLog) -> list[Record]:
+    """Lines decoded in one C pass (one bad line: each line on its own, bad ones counted)."""
+    if not lines:
+        return []
     try:
-        peeks: list[_Peek | None] = list(_peek_lines(data))  # one C pass over the file: the common case
-        if len(peeks) == len(lines):
-            return peeks
+        return _records_of(b"[" + b",".join(lines) + b"]")
     except (msgspec.DecodeError, msgspec.ValidationError):
-        pass
-    return [_safe_peek(line) for line in lines]  # a bad line peeks as None: decoded (and counted) in full
+        out = []
+        for line in lines:
+            record = decode_counted(line, log)
+            if record is not None:
+                out.append(record)
+        return out
 
 
 def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
-    """One rank file with at most about ``max_steps`` step records kept (plus the last ones).
+    """One rank file with at most about ``max_steps`` steps decoded, whatever the file's length.
 
-    Every record that is not a step is kept. Steps are kept at a power-of-two stride of their
-    index, so ranks with similar step counts keep the same steps and stay comparable step by
-    step; ``steps_total`` and ``bare_steps`` still count every step in the file.
+    Steps are kept at a power-of-two stride of their index, so ranks with similar step counts keep
+    the same steps and stay comparable step by step, plus the last ``TAIL_STEPS``. A compact log
+    (windows) gives half of ``max_steps`` to the stride and a quarter to its full step records, the
+    per-bucket detail: all of them when they fit, else the first and last ones outside the sampled
+    schedule (what happened) and the sampled ones at a stride. Only the lines that hold a kept
+    step are decoded: the others are told apart by the head of the line, so the cost grows with
+    ``max_steps``, not with the file. ``steps_total`` and ``bare_steps`` still count every step.
+    Every record that is not a step is kept, but the periodic ones are thinned the same way
+    (``MAX_PROCS`` process samples, ``MAX_CHECKS`` fingerprints and unused-parameter checks).
     """
     log = RankLog(rank=rank, ddp=ddp, path=path)
     try:
@@ -210,32 +287,136 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
             log.torn_tail = True
             log.corrupt_lines += 1
         data = data[:cut]
-    lines = [line for line in data.split(b"\n") if line.strip()]
-    peeks = _peek_all(lines, data)
-    step_rows = [i for i, p in enumerate(peeks) if p is not None and p.kind == "step" and p.step is not None]
-    stride = 1
-    while len(step_rows) > stride * max_steps:
-        stride *= 2
-    tail = set(step_rows[-TAIL_STEPS:])
-    keep = [
-        i
-        for i, p in enumerate(peeks)
-        if p is None or p.kind != "step" or p.step is None or p.step % stride == 0 or i in tail
-    ]
-    for i in keep:
-        record = decode_counted(lines[i], log)
-        if record is not None:
+    lines = data.split(b"\n")
+    # lines by the start of their kind (``{"kind":"`` is 9 bytes): one cheap pass, no decoding
+    by_kind: dict[bytes, list[int]] = {}
+    for i, tag in enumerate([line[9:14] for line in lines]):
+        got = by_kind.get(tag)
+        if got is None:
+            by_kind[tag] = [i]
+        else:
+            got.append(i)
+    full: list[tuple[int, int]] = []  # (step, line)
+    windows: list[tuple[int, int, int]] = []  # (first step, rows, line)
+    others: list[int] = []  # every other record, and any step line not as the writer puts it
+    head = _HEAD.match
+    for i in by_kind.pop(b'step"', []) + by_kind.pop(b"windo", []):
+        m = head(lines[i])
+        if m is None:
+            others.append(i)
+        elif m.group(1) == b"step":
+            full.append((int(m.group(2)), i))
+        else:
+            windows.append((int(m.group(2)), int(m.group(3) or 0), i))
+    full.sort(key=lambda t: t[1])
+    windows.sort(key=lambda t: t[2])
+    # the periodic records: process samples, fingerprints, unused checks (the same steps on every rank)
+    periodic = [_thin(by_kind.pop(tag, []), budget) for tag, budget in _PERIODIC.items()]
+    others += [i for tag, rows in by_kind.items() for i in rows if tag or lines[i].strip()]
+    # which steps the file has, and which of them are bare
+    rows = sum(n for _, n, _ in windows)
+    covered = _covered(windows, [s for s, _ in full]) if windows else 0
+    total = rows + len(full) - covered
+    last = max(max((s for s, _ in full), default=-1), max((s + n - 1 for s, n, _ in windows), default=-1))
+    # a compact log shares the budget: half for the steps on the stride, half for the full records
+    stride = _power_of_two_stride(total, max_steps // 2 if windows else max_steps)
+    tail_from = _tail_start(windows, full, last)
+    on_stride = _OnStride(stride, tail_from)
+    # full records: on the stride or in the tail; in a compact log also the ones that hold what happened
+    keep_full = [i for s, i in full if s in on_stride]
+    if windows:
+        keep_full = sorted(set(keep_full) | set(_detail(full, max_steps // 4)))
+    keep_windows = [i for s, n, i in windows if on_stride.meets(s, n)]
+    chosen = sorted(others + [i for rows in periodic for i in rows] + keep_full + keep_windows)
+    for record in _decode_many([lines[i] for i in chosen], log):
+        if isinstance(record, Window):
+            log.windows += 1
+            for s in window_steps(record, on_stride.rows(record.step, record.n)):
+                log._add_step(s)
+        else:
             log.add(record)
-    log.steps_total = len(step_rows)
+    if windows:
+        _sort_steps(log)
+    log.steps_total = total
     log.step_stride = stride
-    log.bare_steps = [
-        p.step for i in step_rows if (p := peeks[i]) is not None and len(p.b_ready_us) == 0 and p.step is not None
-    ][:MAX_BARE_STEPS]
+    log.bare_steps = _bare(lines, full, windows)
     return log
 
 
-def _safe_peek(line: bytes) -> _Peek | None:
-    try:
-        return _peek_one(line)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+class _OnStride:
+    """The step indices a sampled read keeps: multiples of ``stride``, and all from ``tail_from`` on."""
+
+    def __init__(self, stride: int, tail_from: int) -> None:
+        self.stride = stride
+        self.tail_from = tail_from
+
+    def __contains__(self, step: object) -> bool:
+        return isinstance(step, int) and (step % self.stride == 0 or step >= self.tail_from)
+
+    def rows(self, first: int, n: int) -> range | list[int]:
+        """The kept row indices of steps ``first`` .. ``first + n - 1``."""
+        if first + n - 1 >= self.tail_from:
+            tail = max(0, self.tail_from - first)
+            return sorted(set(range(-first % self.stride, tail, self.stride)) | set(range(tail, n)))
+        return range(-first % self.stride, n, self.stride)
+
+    def meets(self, first: int, n: int) -> bool:
+        """Whether steps ``first`` .. ``first + n - 1`` hold a kept one."""
+        return first + n - 1 >= self.tail_from or (first + self.stride - 1) // self.stride * self.stride < first + n
+
+
+def _covered(windows: list[tuple[int, int, int]], full: list[int]) -> int:
+    """How many full steps are also a window row (written again in full after something happened)."""
+    from bisect import bisect_right
+
+    starts = sorted((s, n) for s, n, _ in windows)
+    firsts = [s for s, _ in starts]
+    count = 0
+    for step in full:
+        j = bisect_right(firsts, step) - 1
+        if j >= 0 and step < starts[j][0] + starts[j][1]:
+            count += 1
+    return count
+
+
+def _tail_start(windows: list[tuple[int, int, int]], full: list[tuple[int, int]], last: int) -> int:
+    """The first of the last ``TAIL_STEPS`` step indices (steps are numbered without gaps in a segment)."""
+    if not windows:
+        steps = [s for s, _ in full]
+        return steps[-TAIL_STEPS] if len(steps) >= TAIL_STEPS else (steps[0] if steps else 0)
+    return last - TAIL_STEPS + 1
+
+
+def _detail(full: list[tuple[int, int]], budget: int) -> list[int]:
+    """Lines of the full step records a compact log's sampled read keeps (see ``read_sampled``)."""
+    if len(full) <= budget:
+        return [i for _, i in full]
+    unsampled = [i for s, i in full if s % DEFAULT_EVERY]  # first steps, and around incidents
+    half = budget // 2
+    kept = unsampled if len(unsampled) <= half else unsampled[: half // 2] + unsampled[-(half - half // 2) :]
+    sampled = [(s, i) for s, i in full if not s % DEFAULT_EVERY]
+    every = DEFAULT_EVERY * _power_of_two_stride(len(sampled), budget - len(kept))
+    return kept + [i for s, i in sampled if not s % every]
+
+
+def _sort_steps(log: RankLog) -> None:
+    """Steps in index order, one per index, a full record over a window row (sampled reads add both)."""
+    best: dict[int, Step] = {}
+    for s in log.steps:
+        have = best.get(s.step)
+        if have is None or (have.summary and not s.summary):
+            best[s.step] = s
+    log.steps = [best[k] for k in sorted(best)]
+
+
+def _bare(lines: list[bytes], full: list[tuple[int, int]], windows: list[tuple[int, int, int]]) -> list[int]:
+    bare = [(s, s + 1) for s, i in full if _READY not in lines[i]]
+    bare += [(s, s + n) for s, n, i in windows if _BUCKETS not in lines[i][:200]]
+    out: list[int] = []
+    for a, b in sorted(bare):
+        for step in range(a, b):
+            if not out or step > out[-1]:
+                out.append(step)
+            if len(out) >= MAX_BARE_STEPS:
+                return out
+    return out

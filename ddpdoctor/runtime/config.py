@@ -34,6 +34,9 @@ class Options:
         endpoint: ``HOST:PORT`` of a ``ddpdoctor watch --listen`` or ``ddpdoctor collect`` to stream
             every record to as well (bounded queue, drops counted, never blocks training; the local
             file stays complete). Default: ``$DDPDOCTOR_ENDPOINT`` (when no ``sink`` is given).
+        log: what the rank file keeps: "compact" (full per-bucket step records at sampled steps and
+            around anything anomalous, a few numbers per step otherwise: ``sinks.compact``) or
+            "full" (every step's full record). Default: ``$DDPDOCTOR_LOG``, else "compact".
     """
 
     run_dir: str | os.PathLike[str] | None = None
@@ -43,6 +46,7 @@ class Options:
     check_every: int = CHECK_EVERY
     hang_timeout: float | None = None
     endpoint: str | None = None
+    log: str | None = None
 
     @classmethod
     def of(cls, options: Options | None = None, **overrides: Any) -> Options:

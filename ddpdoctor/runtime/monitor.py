@@ -244,7 +244,7 @@ class Monitor:
         self.run_dir = run_dir.resolve(explicit, self.rank, store, "0")
         self.path, self.ddp_index = run_dir.rank_file(self.run_dir, self.rank)
         try:
-            return FileSink(self.path)
+            return FileSink(self.path, mode=self.options.log)
         except SinkError as exc:
             warnings.warn(f"ddpdoctor: {exc}; training goes on without a log", LogWriteWarning, stacklevel=4)
             self.path = None

@@ -29,27 +29,12 @@ import weakref
 from typing import Any
 
 from ddpdoctor.events import Fingerprint, GradFlags, Header, Unused
+from ddpdoctor.events.schedule import is_sampled  # shared with the file writer (sinks.compact)
 from ddpdoctor.runtime import torch_compat
 from ddpdoctor.runtime.clocks import HostClock
 from ddpdoctor.runtime.fingerprints import Fingerprinter
 
 _requires_grad = operator.attrgetter("requires_grad")
-
-
-#: The dense start always reaches this step (0, 1, 3), however short ``check_every`` is.
-DENSE_AT_LEAST = 4
-
-
-def is_sampled(step: int, check_every: int) -> bool:
-    """Steps 0, 1, 3, 7, 15, ... (2**k - 1) below ``check_every`` (and always 0, 1, 3), and every
-    ``check_every``-th step.
-
-    A short run is compared often (a divergence planted after step 5 of 30 is seen at 7 and 15),
-    a long one costs one check per ``check_every`` steps.
-    """
-    if step % check_every == 0:
-        return True
-    return step < max(check_every, DENSE_AT_LEAST) and (step + 1) & step == 0
 
 
 class _Sample:

@@ -8,14 +8,25 @@ import warnings
 from pathlib import Path
 
 from ddpdoctor.categories import LogWriteWarning
-from ddpdoctor.events import encode_into
+from ddpdoctor.events import Record, encode_into
+from ddpdoctor.events.layout import LOG_MODE_ENV
+from ddpdoctor.events.schedule import DEFAULT_EVERY
 from ddpdoctor.sinks.background import BackgroundSink
 from ddpdoctor.sinks.base import SinkError
+from ddpdoctor.sinks.compact import Compactor
 
 #: Upper bound on how long an emitted record may sit in memory before it reaches the OS.
 FLUSH_INTERVAL_S = 0.2
 #: Records kept in memory when the disk cannot keep up; beyond this they are dropped and counted.
 MAX_PENDING = 100_000
+#: What the file keeps: see ``sinks.compact`` ("compact") or every step in full ("full").
+LOG_MODES = ("compact", "full")
+
+
+def log_mode(mode: str | None = None) -> str:
+    """The log mode asked for: ``mode``, else ``$DDPDOCTOR_LOG``, else "compact" (an unknown value too)."""
+    value = (mode or os.environ.get(LOG_MODE_ENV) or "compact").strip().lower()
+    return value if value in LOG_MODES else "compact"
 
 
 class FileSink(BackgroundSink):
@@ -27,12 +38,25 @@ class FileSink(BackgroundSink):
     rather than per record matters on small machines, where every wake-up of another thread
     costs the training threads a GIL hand-off. The file is opened (and the directory created) in
     the constructor so that an unwritable run dir is reported at once as ``SinkError``.
+
+    ``mode`` "compact" (the default, or ``$DDPDOCTOR_LOG``) writes full step records only at
+    sampled steps (every ``every``-th, dense at the start) and around anything anomalous, and
+    windows of per-step columns otherwise (``sinks.compact``); "full" writes every record as it
+    came. Compaction happens here, on the writer thread.
     """
 
-    def __init__(self, path: str | os.PathLike[str], flush_interval: float = FLUSH_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        flush_interval: float = FLUSH_INTERVAL_S,
+        mode: str | None = None,
+        every: int = DEFAULT_EVERY,
+    ) -> None:
         self.path = Path(path)
         self.flush_interval = flush_interval
         self.write_errors = 0
+        self.mode = log_mode(mode)
+        self.compactor: Compactor | None = Compactor(every) if self.mode == "compact" else None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115 - owned by the writer
@@ -51,9 +75,7 @@ class FileSink(BackgroundSink):
             self._wake.wait(self.flush_interval)
             self._wake.clear()
             requests = self._take_requests()
-            records = self._records
-            while records:  # after taking the requests: whatever was emitted before them is in
-                record = records.popleft()
+            for record in self._take_records(bool(requests)):
                 mark = len(buf)
                 try:
                     encode_into(record, buf)
@@ -70,6 +92,32 @@ class FileSink(BackgroundSink):
             self._file.close()
         except OSError as exc:
             self._report(str(exc))
+
+    def _take_records(self, drain: bool) -> list[Record]:
+        """What to write now: the records emitted so far, compacted (``drain``: nothing held back)."""
+        records = self._records
+        out: list[Record] = []
+        compactor = self.compactor
+        try:
+            while records:  # after taking the requests: whatever was emitted before them is in
+                record = records.popleft()
+                if compactor is None:
+                    out.append(record)
+                else:
+                    compactor.feed(record, out)
+            if compactor is not None:
+                if drain:
+                    compactor.drain(out)
+                else:
+                    compactor.tick(out)
+        except Exception as exc:  # noqa: BLE001 - a bug in compaction must not cost the log: write the rest in full
+            self.compactor = None
+            self._report(f"log compaction failed ({exc!r}); writing every step in full from here")
+            if compactor is not None:
+                out.extend(compactor.abandon())
+            while records:
+                out.append(records.popleft())
+        return out
 
     def _write(self, buf: bytearray) -> None:
         try:

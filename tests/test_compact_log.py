@@ -1,0 +1,264 @@
+"""The compact log: full step records at sampled steps and around incidents, windows elsewhere;
+read back, it gives the same steps (to the µs), the same findings, at a fraction of the bytes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+import ddpdoctor
+from ddpdoctor.events import FindingRecord, Record, Step, Window, decode
+from ddpdoctor.events.layout import LOG_MODE_ENV, rank_file_name
+from ddpdoctor.runlog import DirSource, load_run
+from ddpdoctor.sinks import FileSink, Sink
+from ddpdoctor.sinks.compact import AFTER, FIRST_FULL, RING, WINDOW_ROWS, WINDOW_S
+from ddpdoctor.sinks.file import FLUSH_INTERVAL_S
+from tests.ddp_harness import run_ranks
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def _write(run_dir: Path, records_of: Any, ranks: int, mode: str) -> None:
+    for rank in range(ranks):
+        sink = FileSink(run_dir / rank_file_name(rank), mode=mode)
+        for record in records_of(rank):
+            sink.emit(record)
+        sink.close()
+        assert not sink.dropped
+
+
+def _synth(ranks: int, steps: int, straggler: int | None = None) -> Any:
+    from bench.synth import rank_records
+
+    return lambda rank: rank_records(rank, ranks, steps, straggler=straggler)
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_bytes().splitlines() if line]  # what jq sees
+
+
+def _full_steps(path: Path) -> list[int]:
+    return [r["step"] for r in _lines(path) if r["kind"] == "step"]
+
+
+def test_a_compact_log_reads_back_as_the_full_log(tmp_path: Path) -> None:
+    _write(tmp_path / "full", _synth(3, 700, straggler=2), 3, "full")
+    _write(tmp_path / "compact", _synth(3, 700, straggler=2), 3, "compact")
+    full, compact = load_run(tmp_path / "full"), load_run(tmp_path / "compact")
+    for rank in range(3):
+        a, b = full.ranks[rank], compact.ranks[rank]
+        assert b.windows > 0 and b.steps_total == a.steps_total == 700
+        assert [s.step for s in a.steps] == [s.step for s in b.steps] == list(range(700))
+        for x, y in zip(a.steps, b.steps, strict=True):
+            if not y.summary:
+                assert x == y  # a full record is the runtime's record, as it was
+                continue
+            assert abs(x.t0_mono_ns - y.t0_mono_ns) <= 500 and abs(x.t0_wall_ns - y.t0_wall_ns) <= 1000
+            for name in ("fwd_start_us", "fwd_us", "bcast_start_us", "fwd_end_us", "bwd_end_us", "sync_end_us"):
+                assert getattr(y, name) == pytest.approx(getattr(x, name), abs=0.5)
+            assert y.ready_span_us() == pytest.approx(x.ready_span_us(), abs=0.5)
+            assert y.bucket_count() == x.bucket_count() and y.bucket_bytes() == x.bucket_bytes()
+        lines = _lines(tmp_path / "compact" / rank_file_name(rank))
+        assert lines[0]["kind"] == "header" and lines[0]["schema"] == 2
+        for w in (r for r in lines if r["kind"] == "window"):
+            assert all(len(w[c]) == w["n"] for c in ("t0", "fwd", "bwd_end", "ready_first", "sync_end", "end"))
+    # the findings and the statistics do not depend on what the file kept
+    ra, rb = ddpdoctor.analyze(full), ddpdoctor.analyze(compact)
+    assert [(f.code, f.ranks) for f in ra.findings] == [(f.code, f.ranks) for f in rb.findings] == [("straggler", [2])]
+    assert ra.findings[0].evidence["time_lost_ms"] == pytest.approx(rb.findings[0].evidence["time_lost_ms"], rel=0.01)
+    for name, value in ra.stats["median_ms"].items():
+        assert rb.stats["median_ms"][name] == pytest.approx(value, abs=0.01), name
+
+
+def test_a_long_healthy_run_costs_at_most_150_bytes_per_rank_step(tmp_path: Path) -> None:
+    _write(tmp_path, _synth(2, 3000), 2, "compact")
+    size = sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert size / (2 * 3000) <= 150
+    assert len(_full_steps(tmp_path / rank_file_name(0))) < 3000 / 40  # first steps and sampled steps only
+
+
+def test_incidents_keep_the_steps_around_them_in_full(tmp_path: Path) -> None:
+    from bench.synth import rank_records
+
+    def records(rank: int) -> Any:
+        for r in rank_records(rank, 1, 600):
+            if isinstance(r, Step) and r.step == 420:
+                r.end_us = (r.end_us or 0.0) * 4  # a step four times slower than the others
+            yield r
+            if isinstance(r, Step) and r.step == 210:
+                yield FindingRecord(
+                    rank=rank, step=210, code="unused-parameters", severity="warning", title="t", detail="d", fix="f"
+                )
+
+    _write(tmp_path, records, 1, "compact")
+    full = set(_full_steps(tmp_path / rank_file_name(0)))
+    assert set(range(FIRST_FULL)) <= full and {50, 100, 550} <= full  # the first steps, the sampled ones
+    assert set(range(211 - RING, 211 + AFTER)) <= full  # the ring before the finding, and after it
+    assert set(range(421 - RING, 421 + AFTER)) <= full  # around the slow step
+    assert not full & {201, 222, 301, 401, 411, 430}  # and nothing else
+    log = load_run(tmp_path).ranks[0]
+    assert [s.step for s in log.steps] == list(range(600))
+    assert not log.steps[420].summary and log.steps[420].b_ready_us  # per-bucket detail where it happened
+
+
+def test_log_mode_full_writes_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LOG_MODE_ENV, "full")
+    sink = FileSink(tmp_path / rank_file_name(0))
+    assert sink.mode == "full" and sink.compactor is None
+    for r in _synth(1, 100)(0):
+        sink.emit(r)
+    sink.close()
+    assert _full_steps(tmp_path / rank_file_name(0)) == list(range(100))
+
+
+def test_a_version_1_log_still_reads(tmp_path: Path) -> None:
+    """A run written before the compact log (schema 1: a step record per step) reads as it did."""
+    run = load_run(FIXTURES / "v1-run")
+    assert sorted(run.ranks) == [0, 1]
+    for log in run.ranks.values():
+        assert log.header is not None and log.header.schema == 1 and log.windows == 0
+        assert [s.step for s in log.steps] == list(range(40)) and all(not s.summary for s in log.steps)
+    sampled = load_run(FIXTURES / "v1-run", max_steps=8)
+    assert sampled.ranks[0].step_stride == 8 and sampled.ranks[0].steps_total == 40
+    report = ddpdoctor.analyze(run)
+    assert report.run["log_schema"] == 1
+    assert [f.code for f in report.findings] == ["straggler"]
+
+
+def test_a_live_tail_sees_window_rows_within_the_window_time(tmp_path: Path) -> None:
+    """``ddpdoctor watch`` tails files: a window reaches the file at most WINDOW_S after its first row."""
+    from bench.synth import rank_records
+
+    path = tmp_path / rank_file_name(0)
+    sink = FileSink(path)
+    source = DirSource(tmp_path)
+    try:
+        for r in rank_records(0, 1, 40, end=False):
+            if isinstance(r, Step):  # 1 ms steps: 40 of them fill no window, only its time closes it
+                r = msgspec.structs.replace(r, t0_mono_ns=r.step * 1_000_000)
+            sink.emit(r)
+        start = time.monotonic()
+        seen: list[int] = []
+        while time.monotonic() - start < WINDOW_S + 5 and len(seen) < 40:
+            seen += [rr.record.step for rr in source.poll() if isinstance(rr.record, Step)]
+            time.sleep(0.02)  # polling the file with a deadline, not sleeping as synchronization
+        elapsed = time.monotonic() - start
+        assert seen == list(range(40))
+        assert elapsed <= WINDOW_S + FLUSH_INTERVAL_S + 1.0
+        assert any(isinstance(decode(line), Window) for line in path.read_bytes().splitlines())
+    finally:
+        sink.close()
+        source.close()
+
+
+def test_window_rows_are_bounded(tmp_path: Path) -> None:
+    _write(tmp_path, _synth(1, 2000), 1, "compact")
+    windows = [r for r in _lines(tmp_path / rank_file_name(0)) if r["kind"] == "window"]
+    assert windows and max(w["n"] for w in windows) <= WINDOW_ROWS
+    # a window closes at the row that reaches WINDOW_S of the rank's clock (89 ms synthetic steps)
+    assert max(sum(w["t0"][:-1]) for w in windows) < WINDOW_S * 1e6 <= max(sum(w["t0"]) for w in windows)
+
+
+# -- a real run ------------------------------------------------------------------------------------
+
+STEPS = 160
+SLOW_STEP = 100
+
+
+class _BothLogs(Sink):
+    """The same records to a compact and a full log: one run, read back both ways."""
+
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.sinks = [FileSink(run_dir / mode / rank_file_name(rank), mode=mode) for mode in ("compact", "full")]
+
+    def emit(self, record: Record) -> None:
+        for sink in self.sinks:
+            sink.emit(record)
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        return all([sink.flush(timeout) for sink in self.sinks])
+
+    def close(self, timeout: float = 5.0) -> None:
+        for sink in self.sinks:
+            sink.close(timeout)
+
+
+def both_logs_run(rank: int, world_size: int, tmp: str) -> None:
+    """Rank 1 is 15 ms slow in backward at every step, and 150 ms more at ``SLOW_STEP``."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    step = {"i": 0}
+
+    def delay(grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.015 + (0.15 if step["i"] == SLOW_STEP else 0.0))
+        return grad
+
+    if rank == 1:
+        model[-1].weight.register_hook(delay)
+    gen = torch.Generator().manual_seed(rank)
+    with ddpdoctor.instrument(ddp, sink=_BothLogs(Path(tmp), rank)):
+        for i in range(STEPS):
+            step["i"] = i
+            loss = ddp(torch.randn(8, 64, generator=gen)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def test_a_real_run_gives_the_same_findings_from_its_compact_log(tmp_path: Path) -> None:
+    run_ranks(both_logs_run, 2, (str(tmp_path),), timeout=240)
+    compact, full = load_run(tmp_path / "compact"), load_run(tmp_path / "full")
+    for rank in (0, 1):
+        path = tmp_path / "compact" / rank_file_name(rank)
+        kept = set(_full_steps(path))
+        assert compact.ranks[rank].windows > 0 and len(kept) < STEPS / 2
+        assert set(range(SLOW_STEP - 2, SLOW_STEP + 3)) <= kept  # both ranks: the slow step, in full, and around it
+        assert [s.step for s in compact.ranks[rank].steps] == [s.step for s in full.ranks[rank].steps]
+        assert path.stat().st_size < (tmp_path / "full" / rank_file_name(rank)).stat().st_size / 2
+    ra, rb = ddpdoctor.analyze(full), ddpdoctor.analyze(compact)
+    assert ("straggler", [1]) in [(f.code, f.ranks) for f in ra.findings]
+    assert [(f.code, f.severity, f.ranks) for f in ra.findings] == [(f.code, f.severity, f.ranks) for f in rb.findings]
+    for a, b in zip(ra.findings, rb.findings, strict=True):
+        assert a.step == b.step
+    lost = [f.evidence["time_lost_ms"] for r in (ra, rb) for f in r.findings if f.code == "straggler"]
+    assert lost[1] == pytest.approx(lost[0], rel=0.02)
+
+
+def log_option_run(rank: int, world_size: int, tmp: str) -> None:
+    """Two models in one process group, one per ``log`` option value (none: the default)."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    for mode in ("full", None):
+        torch.manual_seed(0)
+        ddp = DDP(nn.Linear(8, 8))
+        with ddpdoctor.instrument(ddp, run_dir=Path(tmp) / str(mode), log=mode):
+            for _ in range(24):
+                ddp(torch.randn(4, 8)).sum().backward()
+
+
+def test_the_log_option_picks_what_the_file_keeps(tmp_path: Path) -> None:
+    run_ranks(log_option_run, 2, (str(tmp_path),), timeout=180)
+    for rank in (0, 1):
+        full = _lines(tmp_path / "full" / rank_file_name(rank))
+        compact = _lines(tmp_path / "None" / rank_file_name(rank))
+        assert [r["step"] for r in full if r["kind"] == "step"] == list(range(24))
+        assert not any(r["kind"] == "window" for r in full)
+        kept = [r["step"] for r in compact if r["kind"] == "step"]
+        rows = [r["step"] + i for r in compact if r["kind"] == "window" for i in range(r["n"])]
+        assert {*range(FIRST_FULL), 15} <= set(kept) and rows  # (a noisy host may add incidents)
+        assert sorted(set(kept) | set(rows)) == list(range(24))
+        headers = [r for r in full + compact if r["kind"] == "header"]
+        assert [h["schema"] for h in headers] == [2, 2]
