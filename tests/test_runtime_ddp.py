@@ -55,6 +55,11 @@ def test_log_records_steps_buckets_layout_and_header(core: Any) -> None:
     _, tmp = core
     run = ddpdoctor.load_run(tmp / "instr")
     assert sorted(run.ranks) == [0, 1]
+    files = sorted(tmp.rglob("rank-*.jsonl"))
+    assert len(files) >= 2
+    for f in files:  # every log starts with its header (the process sampler waits for it)
+        with f.open() as lines:
+            assert json.loads(lines.readline())["kind"] == "header", f
     for rank, log in run.ranks.items():
         h = log.header
         assert isinstance(h, Header) and h.rank == rank and h.world_size == 2 and h.backend == "gloo"

@@ -80,6 +80,7 @@ class Monitor:
         self.path: Path | None = None
         self.run_dir: Path | None = None
         self.ddp_index = 0
+        self.header_written = False  # the process sampler waits for it: a log starts with its header
         # ddpdoctor's own time in its training-thread callbacks (forward hooks, buffer broadcast
         # wrapper less the broadcast, bucket-ready, optimizer): steps, checks and live findings
         self.own_ns = 0
@@ -167,6 +168,9 @@ class Monitor:
         self._buffer_bytes_age = _BUFFER_BYTES_EVERY
         self.checks = SampledChecks(ddp, attachment.header, self.check_every, self.emit, self.rank, self.ddp_index)
         self.emit(attachment.header)
+        if not self.header_written:
+            self.header_written = True
+            self._services.sample_now()
         if attachment.timing_off is not None:
             self.probes.on["buckets"] = False
             warnings.warn(

@@ -32,6 +32,10 @@ class ProcSampler:
         self._sources.add(source)
         self._wake.set()  # a first sample at once, so every rank file has one
 
+    def wake(self) -> None:
+        """Sample now (a source's header was just written: its first sample follows it)."""
+        self._wake.set()
+
     def remove(self, source: ProcSource) -> None:
         self._sources.discard(source)
 
@@ -68,8 +72,8 @@ class ProcSampler:
         # its own frame: no monitor stays referenced from this thread while it sleeps (a closed
         # monitor, and through it a DDP model, must be freed when the script lets it go)
         for source in list(self._sources):
-            if source.closed or not source.probes.on["proc"]:
-                continue
+            if source.closed or not source.probes.on["proc"] or not getattr(source, "header_written", True):
+                continue  # a log starts with its header: no sample before it
             try:
                 source.emit(self.sample(source))
             except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training

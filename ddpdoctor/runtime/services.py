@@ -53,6 +53,12 @@ class Services:
         if dog is not None:
             dog.add(monitor, hang_timeout)
 
+    def sample_now(self) -> None:
+        """A process sample for every member at once (a header was just written)."""
+        sampler = self._sampler
+        if sampler is not None:
+            sampler.wake()
+
     def leave(self, monitor: Any) -> None:
         """``monitor`` closes: nothing of the process refers to it any more."""
         if self._watchdog is not None:
