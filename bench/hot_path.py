@@ -15,12 +15,13 @@ a few hundred µs on one step in 50, shown amortized per step like everything el
 
 Figures are µs per step, totals over the pass divided by its steps.
 
-    python bench/hot_path.py [--steps 1000] [--bn]
+    python bench/hot_path.py [--steps 1000] [--bn] [--route native|python]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ddpdoctor
 from bench.harness import free_port, init_gloo
-from ddpdoctor.runtime import comm_hook, live_findings, optimizer_hooks, sampled_checks, step_recorder
+from ddpdoctor.runtime import comm_hook, live_findings, native_hook, optimizer_hooks, sampled_checks, step_recorder
 from ddpdoctor.runtime import monitor as monitor_module
 from ddpdoctor.sinks import NullSink
 
@@ -57,6 +58,11 @@ TOP = [
     (optimizer_hooks.OptimizerHooks, "_pre", "optimizer pre-hook", "step"),
     (optimizer_hooks.OptimizerHooks, "_post", "optimizer post-hook", "step"),
     (sampled_checks.SampledChecks, "_on_module_pre", "fingerprint (sampled steps only)", "sampled"),
+    # the native route: no Python per bucket; these run once a step
+    (native_hook.NativeTiming, "on_forward_post", "native: output hooked (forward post)", "step"),
+    (native_hook._OutputGradHook, "__call__", "native: backward start", "step"),
+    (native_hook.NativeTiming, "on_backward_end", "native: backward end + peek", "step"),
+    (native_hook.NativeTiming, "drain", "native: ring drained", "step"),
 ]
 
 #: Functions inside the entry points (pass 2 only), indented under the row they belong to.
@@ -89,7 +95,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--bn", action="store_true", help="BatchNorm between the layers (buffers broadcast)")
+    parser.add_argument(
+        "--route", choices=("native", "python"), default="native", help="how buckets are timed (default: native)"
+    )
     args = parser.parse_args()
+    os.environ["DDPDOCTOR_NATIVE"] = "1" if args.route == "native" else "0"
     init_gloo(0, 1, free_port())
     # the top-level entry points are wrapped before instrument: some are bound at registration
     for owner, name, label, _ in TOP:
@@ -99,6 +109,8 @@ def main() -> None:
     net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), *norm, nn.ReLU()) for _ in range(8)], nn.Linear(64, 4))
     ddp = DDP(net, bucket_cap_mb=0.02)
     monitor = ddpdoctor.instrument(ddp, sink=NullSink(), proc_interval=1000)
+    header = monitor.attachment.header
+    assert header is not None and header.timing == args.route, "the native hook did not load: see the warning"
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     x, y = torch.randn(8, 64), torch.randn(8, 4)
 
@@ -130,7 +142,10 @@ def main() -> None:
     def per_step(totals: dict[str, int], label: str) -> float:
         return float(totals.get(label, 0) / args.steps / 1000)
 
-    print(f"step {wall_us:.0f} µs (instrumented, timers included), {buckets} buckets, {args.steps} steps per pass")
+    print(
+        f"{args.route} route: step {wall_us:.0f} µs (instrumented, timers included), {buckets} buckets, "
+        f"{args.steps} steps per pass"
+    )
     for _, _, label, _ in TOP:
         print(f"  {label:40s} {per_step(top, label):7.1f} µs/step")
         for _, _, inner, parent in NESTED:
