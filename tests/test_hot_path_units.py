@@ -174,3 +174,25 @@ def test_optimizer_hooks_call_live_observers_and_skip_freed_ones() -> None:
         assert kept.calls == [True, False] and not hooks._handles
     finally:
         hooks.shutdown()
+
+
+def test_native_marks_in_order_or_not_give_the_same_step() -> None:
+    """A peek then a drain (every bucket once, in index order: lists built whole) give the marks
+    the bucket-by-bucket path gives (out of order, a bucket missing, a done not seen)."""
+    peek = [(0, 10, 11, 20, 400), (1, 12, 13, 0, 800)]
+    drain = [(0, 10, 11, 20, 400), (1, 12, 13, 25, 800), (2, 14, 15, 0, 96)]
+
+    def marks(*batches: list[tuple[int, int, int, int, int]]) -> tuple[list[Any], ...]:
+        recorder = StepRecorder(0, 0, lambda record: None)
+        step = recorder.forward_start(sync=True)
+        for batch in batches:
+            recorder.add_bucket_marks(step, batch)
+        return step.ready, step.launch, step.done, step.nbytes
+
+    expected = ([10, 12, 14], [11, 13, 15], [20, 25, None], [400, 800, 96])
+    assert marks(peek, drain) == expected
+    assert marks(drain) == expected
+    assert marks(list(reversed(drain))) == expected  # out of order: bucket by bucket
+    assert marks(drain, peek[:1]) == expected  # a late leftover overwrites only its own bucket
+    assert marks([drain[0], drain[2]]) == ([10, None, 14], [11, None, 15], [20, None, None], [400, None, 96])
+    assert marks([]) == ([], [], [], [])
