@@ -476,6 +476,41 @@ def test_live_view_names_a_real_straggler_within_10_steps(tmp_path: Path) -> Non
     assert seen_at is not None and healthy <= seen_at < healthy + 10, seen_at
 
 
+def test_the_hang_as_seen_now_replaces_the_first_watchdogs_view() -> None:
+    """Rank 1 skipped a backward and waits in step 4's buffer broadcast; rank 0 waits in step 3's
+    all-reduce. Rank 1's watchdog reports first: alone, it makes rank 0 look missing. Once rank
+    0's record arrives, the one hang finding names rank 1, and the first view is gone."""
+    live = LiveRun()
+    records = {r: synthetic_records(r, 2, range(3), end=None) for r in range(2)}
+    live.feed(RankRecord(r, 0, rec) for r in range(2) for rec in records[r])
+
+    def stalled(rank: int, step: int, phase: str, bucket: int | None) -> RankRecord:
+        at = T0_NS + 400_000_000
+        hang = Hang(
+            rank=rank,
+            t_mono_ns=at - T0_NS,
+            t_wall_ns=at,
+            step=step,
+            phase=phase,
+            pending_bucket=bucket,
+            waited_s=2.0,
+            buckets=4,
+            stack=["train.py:40 in main"],
+        )
+        return RankRecord(rank, 0, hang)
+
+    live.feed([stalled(1, 4, "buffer broadcast", None)])
+    first = [f for f in live.snapshot().findings if f.code == "hang"]
+    assert [(f.severity, f.ranks) for f in first] == [("error", [0])]  # as far as rank 1 can tell
+    live.feed([stalled(0, 3, "allreduce", 0)])
+    snap = live.snapshot()
+    hangs = [f for f in snap.findings if f.code == "hang"]
+    assert [(f.severity, f.ranks) for f in hangs] == [("error", [1])], [f.title for f in hangs]
+    assert {r.rank: r.status for r in snap.ranks} == {0: "hung", 1: "hung"}
+    live.feed([])  # the same view again: the same single entry
+    assert [f.code for f in live.snapshot().findings].count("hang") == 1
+
+
 @pytest.mark.slow
 def test_live_view_names_a_real_hang_while_the_job_is_hung(tmp_path: Path) -> None:
     """tests/scripts/skip_a_backward.py: rank 1 skips one backward, the job hangs; the watchdogs fire."""

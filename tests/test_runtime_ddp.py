@@ -204,8 +204,17 @@ def test_timings_measure_real_delays(tmp_path: Path) -> None:
     # the fast rank blocks in the all-reduce for the slow one, the slow rank does not wait
     assert fast["bucket_wait"] >= 0.7 * backward_s * 1e3, seen
     assert slow["bucket_wait"] < fast["bucket_wait"] / 3, seen
-    # both ranks' step times are evened out by the collective
-    assert abs(fast["step"] - slow["step"]) < 0.25 * slow["step"], seen
+    # the collective evens out both ranks' step times: over the same steps (the first left out,
+    # it holds the ranks' start-up skew) they take the same time. Totals, not medians: one step
+    # stretched by load on one rank moves a median of four but not the sum the ranks share
+    span = {
+        rank: {s.step: s.end_us for s in log.steps if s.step >= 1 and s.end_us is not None}
+        for rank, log in run.ranks.items()
+    }
+    common = sorted(set(span[0]) & set(span[1]))
+    assert len(common) >= 3, span
+    total = [sum(span[r][n] for n in common) for r in (0, 1)]
+    assert abs(total[0] - total[1]) < 0.1 * max(total), (total, seen)
 
 
 def test_other_ddp_options_train_identically_and_are_recorded(core: Any) -> None:

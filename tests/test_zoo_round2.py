@@ -53,8 +53,20 @@ def test_rank_1_slow_backward_on_every_third_step(tmp_path: Path) -> None:
     assert ev["pattern"] in ("periodic", "intermittent") and ev.get("every_n_steps") in (3, None)
 
 
-def test_communication_bound_under_load_no_straggler_and_predicted_savings(tmp_path: Path) -> None:
-    # other work loads both cores while the job runs: jitter on every rank, blamed on none
+def test_communication_bound_predicted_savings(tmp_path: Path) -> None:
+    f = by_code(report("communication_bound", tmp_path))["exposed-communication"]
+    assert f["severity"] == "warning"
+    p = f["evidence"]["predicted"]
+    assert p["compress_hook_step_ms"] < p["measured_step_ms"]  # half the bytes: a shorter step
+    assert "recommended_bucket_cap_mb" in p and "bucket_cap_step_ms" in p
+    assert "bf16_compress_hook" in f["fix"] and "bucket_cap_mb" in f["detail"]
+
+
+def test_communication_bound_under_load_no_straggler(tmp_path: Path) -> None:
+    # other work loads both cores while the job runs: jitter on every rank, blamed on none. The
+    # load also stretches compute more than the all-reduce, so the exposed share may fall under the
+    # warning line here (about a third of the step, loaded or not, on this machine): the finding's
+    # severity and advice are the quiet test's to check
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         rep = report("communication_bound", tmp_path)
@@ -64,12 +76,7 @@ def test_communication_bound_under_load_no_straggler_and_predicted_savings(tmp_p
             p.wait(timeout=10)
     found = by_code(rep)
     assert "straggler" not in found, found.get("straggler")
-    f = found["exposed-communication"]
-    assert f["severity"] == "warning"
-    p = f["evidence"]["predicted"]
-    assert p["compress_hook_step_ms"] < p["measured_step_ms"]  # half the bytes: a shorter step
-    assert "recommended_bucket_cap_mb" in p and "bucket_cap_step_ms" in p
-    assert "bf16_compress_hook" in f["fix"] and "bucket_cap_mb" in f["detail"]
+    assert "exposed-communication" in found, sorted(found)
 
 
 def test_find_unused_with_a_static_unused_set_suggests_static_graph(tmp_path: Path) -> None:

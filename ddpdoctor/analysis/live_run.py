@@ -385,10 +385,18 @@ class LiveRun:
                 skipped = steps_without_allreduce(bare, last, latest)  # names a skipped backward
             found = hang_findings(current, last, self._expected(), ended=ended, no_allreduce_steps=skipped)
         except Exception:  # noqa: BLE001 - the live view must not die of one detector's bug
-            found = []
+            return self._hung
+        # the hang as seen now replaces the hang as seen before: the ranks' watchdogs fire one
+        # after another, and the first one alone names the wrong rank (rank 1, ahead in a later
+        # collective, reports first: rank 0 looks missing). A resumed stall ("info") is history
+        # and stays
+        now = {_crossed("hang", tuple(f.ranks), f.severity): f for f in found}
+        for key in [k for k in self._findings if k.code == "hang" and k.origin == "cross-rank"]:
+            if key.severity != "info" and key not in now:
+                del self._findings[key]
         hung = False
-        for f in found:
-            self._findings[_crossed("hang", tuple(f.ranks), f.severity)] = f
+        for key, f in now.items():
+            self._findings[key] = f  # an entry kept keeps its place in the list
             hung = hung or f.severity == "error"
         # in a hang every stalled rank is hung, as the report says; the finding names the
         # missing rank and where it is
