@@ -131,6 +131,20 @@ def train(ddp: torch.nn.Module, rank: int, steps: int = 6) -> list[float]:
     return losses
 
 
+def train_uneven_under_join(ddp: DDP, rank: int, **join: Any) -> list[float]:
+    """Uneven inputs under ``Join``: rank 0 has 5 batches, the others 3; the final parameters."""
+    from torch.distributed.algorithms.join import Join
+
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    with Join([ddp], **join):
+        for x, y in batches(rank, 5 if rank == 0 else 3):
+            loss = ((ddp(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return torch.cat([p.detach().flatten() for p in ddp.module.parameters()]).tolist()
+
+
 def train_with_rebuild(ddp: DDP, rank: int, rebuild: Callable[[DDP], DDP], calls: list[int]) -> dict[str, Any]:
     """6 steps; after step 2 the head is frozen and DDP rebuilt by ``rebuild``."""
     ddp.register_comm_hook(calls, sum_hook)
@@ -269,6 +283,20 @@ def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         with ddpdoctor.instrument(ddp, run_dir=root / f"variant-{name}") as monitor:
             instr = train(ddp, rank)
         out["variants"][name] = (plain, instr, monitor.steps)
+
+    # uneven inputs under Join: the joined rank shadows the others' all-reduces through the comm
+    # hook, and Join syncs the final model: the same final parameters with ddpdoctor attached
+    plain_join = train_uneven_under_join(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB), rank)
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    with ddpdoctor.instrument(ddp, run_dir=root / "join"):
+        out["join"] = (plain_join, train_uneven_under_join(ddp, rank))
+    # divide_by_initial_world_size=False is honoured by DDP's no-hook path only: said once
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ddpdoctor.instrument(ddp, run_dir=root / "join-rescaled"):
+            train_uneven_under_join(ddp, rank, divide_by_initial_world_size=False)
+    out["join_rescaled_said"] = [str(w.message) for w in caught if issubclass(w.category, ddpdoctor.CommHookWarning)]
 
     # rewrap mid-training == rebuilding DDP by hand with the same options and hook
     def rebuilt_by_hand(ddp: DDP) -> DDP:

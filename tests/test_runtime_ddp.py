@@ -217,6 +217,24 @@ def test_timings_measure_real_delays(tmp_path: Path) -> None:
     assert abs(total[0] - total[1]) < 0.1 * max(total), (total, seen)
 
 
+def test_uneven_inputs_under_join_train_identically_and_raise_no_false_alarm(core: Any) -> None:
+    results, tmp = core
+    for r in results:
+        plain, instr = r["join"]
+        assert instr == plain, r["rank"]
+    run = ddpdoctor.load_run(tmp / "join")
+    assert {rank: len(log.steps) for rank, log in run.ranks.items()} == {0: 5, 1: 3}
+    # the ranks end at different steps; Join synced the final model, so the replicas agree there
+    finals = {rank: [f.step for f in log.fingerprints if f.final] for rank, log in run.ranks.items()}
+    assert finals == {0: [5], 1: [3]}
+    found = ddpdoctor.analyze(run).findings
+    assert not [f for f in found if f.code in ("replica-divergence", "buffer-divergence")], found
+    assert not [f for f in found if f.severity == "error"], found
+    for r in results:  # the one Join option a comm hook cannot honour is said, once per rank
+        said = r["join_rescaled_said"]
+        assert len(said) == 1 and "divide_by_initial_world_size=False" in said[0], said
+
+
 def test_other_ddp_options_train_identically_and_are_recorded(core: Any) -> None:
     results, tmp = core
     for r in results:

@@ -8,6 +8,7 @@ from typing import Any
 
 from ddpdoctor.analysis.evidence import BufferEvidence
 from ddpdoctor.analysis.findings import Finding, Severity
+from ddpdoctor.analysis.replicas import fingerprints_by_step
 from ddpdoctor.analysis.sizes import human_bytes, name_list
 from ddpdoctor.events import Fingerprint, Header, Step
 
@@ -157,11 +158,15 @@ def broadcast_redundancy(header: Header, prints: dict[int, list[Fingerprint]]) -
     broadcast = [i for i, b in enumerate(header.buffers) if b.broadcast]
     if len(prints) < 2 or not broadcast:
         return None
-    by_step: dict[int, dict[int, Fingerprint]] = {}
-    for rank, records in prints.items():
-        for fp in records:
-            if not fp.after_broadcast and len(fp.buffer_sums) == len(fp.buffer_norms) == len(header.buffers):
-                by_step.setdefault(fp.step, {})[rank] = fp
+    size = len(header.buffers)
+    by_step = {
+        step: {
+            r: fp
+            for r, fp in at.items()
+            if not fp.after_broadcast and len(fp.buffer_sums) == len(fp.buffer_norms) == size
+        }
+        for step, at in fingerprints_by_step(prints).items()
+    }
     steps = sorted(s for s, at in by_step.items() if set(at) == set(prints))
     if not steps:
         return None

@@ -44,14 +44,24 @@ def _steps_text(steps: list[int]) -> str:
     return ", ".join(map(str, steps)) if len(steps) <= 12 else f"{', '.join(map(str, steps[:10]))}, ... {steps[-1]}"
 
 
+def fingerprints_by_step(prints: Mapping[int, list[Fingerprint]]) -> dict[int, dict[int, Fingerprint]]:
+    """Each step's fingerprints, by rank, with every rank's final fingerprint (taken at close)
+    counted at the run's end: ranks that end at different steps (uneven inputs under Join, which
+    syncs the final model from the last rank to join) are compared with each other there, not a
+    rank's end with another rank's mid-run step of the same number."""
+    end = max((fp.step for records in prints.values() for fp in records if fp.final), default=0)
+    by_step: dict[int, dict[int, Fingerprint]] = {}
+    for rank, records in prints.items():
+        for fp in records:
+            by_step.setdefault(end if fp.final else fp.step, {})[rank] = fp
+    return by_step
+
+
 def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -> list[Finding]:
     """Parameters and buffers that differ across ranks at a step every rank fingerprinted."""
     if len(prints) < 2:
         return []
-    by_step: dict[int, dict[int, Fingerprint]] = {}
-    for rank, records in prints.items():
-        for fp in records:
-            by_step.setdefault(fp.step, {})[rank] = fp
+    by_step = fingerprints_by_step(prints)
     params = [p.name for p in header.params]
     buffers = header.buffers
     bad_params: dict[str, tuple[int, list[int], float]] = {}

@@ -204,6 +204,9 @@ class Fingerprint(_Record, tag="fingerprint", kw_only=True):
     buffer_sums: list[float] = []
     buffer_versions: list[int] = []
     after_broadcast: bool = False  # taken after DDP broadcast the buffers in this forward
+    # taken at the end of the rank's run (close or exit), ``step`` = steps it ran: ranks with
+    # uneven inputs under Join end at different steps and are compared at the run's end
+    final: bool = False
 
 
 class Unused(_Record, tag="unused", kw_only=True):

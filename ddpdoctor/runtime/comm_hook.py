@@ -1,7 +1,7 @@
 """Per-bucket timing through DDP's communication hook, keeping the user's own hook working.
 
 DDP accepts exactly one comm hook per reducer. ddpdoctor registers ``timed_hook``, which calls
-the *inner* hook: the user's, or one doing what DDP does by default (divide by world size, then
+the *inner* hook: the user's, or one doing what DDP does by default (scale by 1/world size, then
 all-reduce; bit-identical results). A user hook registered after ``instrument`` is routed to the
 inner slot by shadowing ``register_comm_hook`` on the instance. A hook registered before is
 found in ``ddp._comm_hooks``; since the reducer will not take a second one, the reducer is
@@ -75,14 +75,16 @@ class HookState:
 
 
 def mean_allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
-    """What DDP does without a hook: divide by the world size, then sum across ranks.
+    """What DDP does without a hook: scale by 1/world size, then sum across ranks.
 
-    Bit-identical to DDP's built-in path. It calls the process group directly: the public
-    ``dist.all_reduce`` wrapper costs several microseconds per bucket in argument checks and
-    logging. The future's value is a one-element list; ``timed_hook`` unwraps it.
+    Bit-identical to DDP's built-in path, which multiplies each gradient by the reciprocal as it
+    copies it into the bucket (a divide gives other bits whenever the world size is not a power
+    of two). It calls the process group directly: the public ``dist.all_reduce`` wrapper costs
+    several microseconds per bucket in argument checks and logging. The future's value is a
+    one-element list; ``timed_hook`` unwraps it.
     """
     tensor = bucket.buffer()
-    tensor.div_(process_group.size())
+    tensor.mul_(1.0 / process_group.size())
     return process_group.allreduce([tensor]).get_future()
 
 

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import operator
 import time
+import warnings
 import weakref
 from typing import Any
 
+from ddpdoctor.categories import CommHookWarning
 from ddpdoctor.events import Fingerprint, GradFlags, Header, Unused
 from ddpdoctor.events.schedule import is_sampled  # shared with the file writer (sinks.compact)
 from ddpdoctor.runtime import torch_compat
@@ -76,6 +78,7 @@ class SampledChecks:
         self.fingerprinter = Fingerprinter(self._deliver_fingerprint)
         self._grad_ready = torch_compat.available("grad_ready")
         self._post_forward = torch_compat.available("post_forward_timing", warn=False)
+        self._join_warned = False
 
     @property
     def ddp(self) -> Any:
@@ -115,6 +118,8 @@ class SampledChecks:
     # -- sampled steps --------------------------------------------------------------------
 
     def begin_sample(self, step: int, t0_mono_ns: int) -> None:
+        if not self._join_warned:
+            self._check_join()
         sample = self.sample = _Sample(step, t0_mono_ns)
         if self.broadcast_bumps is None:
             sample.pre_versions = self._buffer_versions()
@@ -145,6 +150,27 @@ class SampledChecks:
 
         ddp.__dict__["_post_forward"] = timed_post_forward
 
+    def _check_join(self) -> None:
+        """Say once that ``Join(divide_by_initial_world_size=False)`` is not honoured.
+
+        Without a comm hook, DDP divides a step's gradients by the ranks that have not joined;
+        with any comm hook (ddpdoctor's timing hook, like torch's own ``allreduce_hook``) they are
+        divided by the world size. Steps after a rank joined then get gradients scaled by
+        (ranks training) / (world size). Checked on sampled steps only (no cost per step)."""
+        ddp = self.ddp
+        config = getattr(ddp, "_join_config", None)
+        if not getattr(config, "enable", False) or getattr(ddp, "_divide_by_initial_world_size", True):
+            return
+        self._join_warned = True
+        warnings.warn(
+            "ddpdoctor: Join(divide_by_initial_world_size=False) is not honoured while ddpdoctor times the "
+            "buckets: like any DDP comm hook, its timing hook divides gradients by the world size, so after a "
+            "rank joins the others' gradients are scaled by (ranks training) / (world size). Use the default "
+            "divide_by_initial_world_size=True, or train this job without ddpdoctor attached.",
+            CommHookWarning,
+            stacklevel=2,
+        )
+
     def _on_module_pre(self, module: Any, args: Any) -> None:
         sample = self.sample
         if sample is None:
@@ -160,7 +186,7 @@ class SampledChecks:
     def _buffer_versions(self) -> list[int]:
         return [int(b._version) for _, b in self.ddp.module.named_buffers()]
 
-    def fingerprint(self, step: int, after_broadcast: bool) -> None:
+    def fingerprint(self, step: int, after_broadcast: bool, final: bool = False) -> None:
         """Fingerprint every parameter and buffer now, as of ``step``."""
         buffers = [b for _, b in self.ddp.module.named_buffers()]
         versions = [int(b._version) for b in buffers]
@@ -168,7 +194,7 @@ class SampledChecks:
         if bumps is not None and len(bumps) == len(versions) and self.broadcasts:
             # what DDP's own broadcasts added is no change of the buffer's (see the module docstring)
             versions = [v - self.broadcasts * d for v, d in zip(versions, bumps, strict=False)]
-        meta = (step, len(self.params), versions, after_broadcast)
+        meta = (step, len(self.params), versions, after_broadcast, final)
         self.fingerprinter.take(self.params + buffers, meta)
 
     def final(self, step: int) -> None:
@@ -179,11 +205,11 @@ class SampledChecks:
         of broadcast buffers is still not reported (the next forward's broadcast resyncs them).
         """
         self.end_sample()
-        self.fingerprint(step, False)
+        self.fingerprint(step, False, final=True)
         self.fingerprinter.drain()
 
     def _deliver_fingerprint(self, meta: Any, norms: list[float], sums: list[float]) -> None:
-        step, n, versions, after_broadcast = meta
+        step, n, versions, after_broadcast, final = meta
         self._emit(
             Fingerprint(
                 rank=self.rank,
@@ -195,6 +221,7 @@ class SampledChecks:
                 buffer_sums=sums[n:],
                 buffer_versions=versions,
                 after_broadcast=after_broadcast,
+                final=final,
             )
         )
 
