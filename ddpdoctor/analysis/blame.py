@@ -11,8 +11,11 @@ One rule covers steady, periodic and intermittent stragglers: a rank is named wh
 cost is *material* (a share of the window's time and an absolute floor), however few of the
 steps it was late in. Jitter is kept out three ways, all explicit here:
 
-- the noise floor: a step's margin below ``max(NOISE_FLOOR_MS, NOISE_FLOOR_SHARE * step)`` is
-  not counted at all;
+- the noise floor: a step's margin below ``max(NOISE_FLOOR_MS, NOISE_FLOOR_SHARE * step,
+  JITTER_MADS * MAD)`` is not counted at all, MAD being the median absolute deviation of the
+  window's step durations: the run's own jitter (other work on the host, a loaded machine) raises
+  the floor, while a straggler, late by the same delay or late in a minority of steps, leaves
+  the median step and its deviation where they were;
 - jitter moves between ranks: each rank's counted time is compared with what the *other* ranks
   were blamed for over the same steps (the median of them); a rank is named only for what it
   cost beyond that, and only when it cost at least ``DOMINANCE`` times as much;
@@ -39,6 +42,8 @@ from ddpdoctor.events import Step
 #: A step's margin (ms) below this, or below this share of the median step, is jitter: not counted.
 NOISE_FLOOR_MS = 5.0
 NOISE_FLOOR_SHARE = 0.10
+#: ... or below this many median absolute deviations of the window's step durations.
+JITTER_MADS = 3.0
 #: A rank is named when what it cost beyond the others' jitter is at least this many ms ...
 MIN_LOST_MS = 200.0
 #: ... and this share of the steps' wall time, ...
@@ -145,6 +150,21 @@ def _binomial_tail(k: int, n: int, p: float) -> float:
     return min(1.0, total)
 
 
+def _jitter_ms(per_step: Sequence[tuple[int, Margins]], durations: Mapping[int, float]) -> float:
+    """The window's own step-to-step jitter (ms): the median absolute deviation of its step
+    durations with each step's largest margin taken out (what the step would have taken had its
+    latest rank arrived with the runner-up). A straggler's delay is taken out with its margin, so
+    a steady, periodic or newly started straggler leaves this where it was; a loaded host, whose
+    time slices stretch every rank's steps by different amounts, raises it."""
+    base = [
+        durations[step] - max((m for m, _, _ in at.values()), default=0.0) for step, at in per_step if step in durations
+    ]
+    if len(base) < 3:
+        return 0.0
+    middle = median(base)
+    return median(abs(b - middle) for b in base)
+
+
 def blame(
     steps_by_rank: Mapping[int, Sequence[Step]],
     arrivals: Sequence[StepArrivals],
@@ -167,14 +187,17 @@ def blame(
         durations[sa.step] if sa.step in durations else step_ms + max(max(v) for v in sa.lateness_us.values()) / 1000.0
         for sa in arrivals
     )
-    floor = max(NOISE_FLOOR_MS, NOISE_FLOOR_SHARE * step_ms)
-    ranks = sorted({r for sa in arrivals for r in sa.lateness_us} | set(steps_by_rank))
-    late: dict[int, list[tuple[int, float, int, float]]] = {r: [] for r in ranks}
+    per_step: list[tuple[int, Margins]] = []
     for sa in arrivals:
         at = margins.get(sa.step) if margins is not None else None
-        for r, (margin, where, waited) in (at if at is not None else step_margins(sa)).items():
+        per_step.append((sa.step, at if at is not None else step_margins(sa)))
+    floor = max(NOISE_FLOOR_MS, NOISE_FLOOR_SHARE * step_ms, JITTER_MADS * _jitter_ms(per_step, durations))
+    ranks = sorted({r for sa in arrivals for r in sa.lateness_us} | set(steps_by_rank))
+    late: dict[int, list[tuple[int, float, int, float]]] = {r: [] for r in ranks}
+    for step, at in per_step:
+        for r, (margin, where, waited) in at.items():
             if margin >= floor:
-                late.setdefault(r, []).append((sa.step, margin, where, waited))
+                late.setdefault(r, []).append((step, margin, where, waited))
     lost = {r: sum(m for _, m, _, _ in v) for r, v in late.items()}
     events = sum(len(v) for v in late.values())
     ordered = sorted(lost[r] for r in ranks)  # for the median of the others, per rank in O(ranks)
