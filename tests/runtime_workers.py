@@ -145,6 +145,22 @@ def train_uneven_under_join(ddp: DDP, rank: int, **join: Any) -> list[float]:
     return torch.cat([p.detach().flatten() for p in ddp.module.parameters()]).tolist()
 
 
+def train_with_closure(ddp: DDP, rank: int, steps: int = 5) -> list[float]:
+    """``optimizer.step(closure)``, as Lightning runs every step: forward and backward inside it."""
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in batches(rank, steps):
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            opt.zero_grad()
+            loss = ((ddp(x) - y) ** 2).mean()
+            loss.backward()
+            return loss
+
+        losses.append(float(opt.step(closure)))
+    return losses
+
+
 def train_with_rebuild(ddp: DDP, rank: int, rebuild: Callable[[DDP], DDP], calls: list[int]) -> dict[str, Any]:
     """6 steps; after step 2 the head is frozen and DDP rebuilt by ``rebuild``."""
     ddp.register_comm_hook(calls, sum_hook)
@@ -290,6 +306,11 @@ def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
     with ddpdoctor.instrument(ddp, run_dir=root / "join"):
         out["join"] = (plain_join, train_uneven_under_join(ddp, rank))
+    # optimizer.step(closure): the optimizer's pre-hook runs before the forward
+    plain_closure = train_with_closure(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB), rank)
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    with ddpdoctor.instrument(ddp, run_dir=root / "closure"):
+        out["closure"] = (plain_closure, train_with_closure(ddp, rank))
     # divide_by_initial_world_size=False is honoured by DDP's no-hook path only: said once
     ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
     with warnings.catch_warnings(record=True) as caught:

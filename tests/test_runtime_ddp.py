@@ -235,6 +235,25 @@ def test_uneven_inputs_under_join_train_identically_and_raise_no_false_alarm(cor
         assert len(said) == 1 and "divide_by_initial_world_size=False" in said[0], said
 
 
+def test_an_optimizer_step_with_a_closure_is_timed_after_the_backward(core: Any) -> None:
+    results, tmp = core
+    for r in results:
+        plain, instr = r["closure"]
+        assert instr == plain
+    run = ddpdoctor.load_run(tmp / "closure")
+    for log in run.ranks.values():
+        assert len(log.steps) == 5
+        for s in log.steps:
+            # the forward and backward ran inside optimizer.step(): the optimizer's own work is
+            # what follows them, and the step's phases do not overlap
+            assert s.opt_start_us is not None and s.opt_end_us is not None, s
+            assert s.sync_end_us is not None and s.bwd_end_us is not None
+            assert max(s.sync_end_us, s.bwd_end_us) <= s.opt_start_us <= s.opt_end_us, s
+            assert s.end_us is None or s.opt_end_us <= s.end_us
+    medians = ddpdoctor.analyze(run).ranks[0]["medians_ms"]
+    assert medians["optimizer"] is not None and medians["optimizer"] >= 0
+
+
 def test_other_ddp_options_train_identically_and_are_recorded(core: Any) -> None:
     results, tmp = core
     for r in results:

@@ -127,6 +127,10 @@ class StepRecorder:
         now = self.clock.now()
         step = self.current
         if step is not None and (step.ready or (sync and step.synced_forward)):
+            if step.opt_start is not None and step.opt_end is None:
+                # an optimizer step that runs a closure (Lightning): its pre-hook came before
+                # this forward, which belongs to it; optimizer_end places the step's start
+                step.opt_start = None
             self._close(step, now)
             step = None
         if step is None:
@@ -221,7 +225,14 @@ class StepRecorder:
 
     def optimizer_end(self) -> None:
         step = self.current
-        if step is not None and step.opt_start is not None and step.opt_end is None:
+        if step is None or step.opt_end is not None:
+            return
+        if step.opt_start is None and step.ready and self.clock.always_ready:
+            # optimizer.step(closure): the closure ran this step's forward and backward inside
+            # the optimizer step; its own work began when the closure returned, after the
+            # backward and its all-reduces (host marks: the latest of them)
+            step.opt_start = max((m for m in (step.bwd_end, *step.done) if m is not None), default=None)
+        if step.opt_start is not None:
             step.opt_end = self.clock.now()
 
     # -- emission --------------------------------------------------------------------------
