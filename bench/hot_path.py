@@ -61,7 +61,7 @@ TOP = [
     # the native route: no Python per bucket; these run once a step
     (native_hook.NativeTiming, "on_forward_post", "native: output hooked (forward post)", "step"),
     (native_hook._OutputGradHook, "__call__", "native: backward start", "step"),
-    (native_hook.NativeTiming, "on_backward_end", "native: backward end + peek", "step"),
+    (native_hook.NativeTiming, "on_backward_end", "native: backward end", "step"),
     (native_hook.NativeTiming, "drain", "native: ring drained", "step"),
 ]
 

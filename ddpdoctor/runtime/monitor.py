@@ -414,6 +414,13 @@ class Monitor:
         except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); it must never break training
             self.probes.failed("backward_end", exc)
 
+    def buckets_in_flight(self) -> list[tuple[int, int, int, int, int]]:
+        """Native route: the current backward's bucket stamps not yet drained into the step
+        (bucket index, ready, launch, done, bytes; done 0 when not seen); empty otherwise."""
+        attachment = getattr(self, "attachment", None)
+        native = getattr(attachment, "native", None) if attachment is not None else None
+        return native.in_flight() if native is not None and native.registered else []
+
     def on_optimizer(self, start: bool) -> None:
         if self.closed or not self.probes.on["optimizer"]:
             return

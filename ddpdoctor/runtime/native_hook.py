@@ -10,11 +10,11 @@ Per step, ``NativeTiming`` adds (all on the training thread):
 - a gradient pre-hook on the autograd node of the DDP output of the synchronizing forward (it
   returns None: gradients unchanged): it fires first in backward and queues an autograd final
   callback, which runs once the graph is done: *backward compute end*;
-- that callback copies the buckets seen so far into the step (so the hang watchdog sees which
-  all-reduce is pending while DDP's finalization waits) and, from inside itself, queues a second
-  final callback: it runs after DDP's own ``finalize_backward`` (queued later), i.e. once every
-  bucket's all-reduce completed on this rank, and drains the ring into the step
-  (``StepRecorder.add_bucket_marks``).
+- that callback stamps it and, from inside itself, queues a second final callback: it runs
+  after DDP's own ``finalize_backward`` (queued later), i.e. once every bucket's all-reduce
+  completed on this rank, and drains the ring into the step (``StepRecorder.add_bucket_marks``).
+  While a step's stamps are still in the ring, the hang watchdog reads them (``in_flight``)
+  when it reports a stall, to name the pending bucket.
 
 The build: ``torch.utils.cpp_extension`` in a child process (so its compiler, environment and a
 stale lock never touch the training process), under torch's own build lock, cached in torch's
@@ -366,7 +366,6 @@ class NativeTiming:
             monitor.recorder.backward_end(step)
         except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); never breaks training
             monitor.probes.failed("backward_end", exc)
-        self._look(monitor, step)
         from ddpdoctor.runtime import torch_compat
 
         this = weakref.ref(self)
@@ -377,21 +376,15 @@ class NativeTiming:
         except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); never breaks training
             monitor.probes.failed("buckets", exc)
 
-    def _look(self, monitor: Any, step: Any) -> None:
-        """The buckets so far, into the step, left in the ring: while DDP's finalization waits for
-        the all-reduces, the hang watchdog sees which bucket is pending (the drain that follows
-        overwrites them with the final marks)."""
-        if self.ring is None or not monitor.probes.on["buckets"]:
-            return
-        t = time.perf_counter_ns()
-        try:
-            marks = self.ring.peek()
-            if marks:
-                monitor.recorder.add_bucket_marks(step, _shifted(marks))
-        except Exception as exc:  # noqa: BLE001 - inside loss.backward(): never breaks training
-            monitor.probes.failed("buckets", exc)
-        finally:
-            monitor.own_ns += time.perf_counter_ns() - t
+    def in_flight(self) -> list[tuple[int, int, int, int, int]]:
+        """The stamps of the buckets not drained yet, left in the ring (any thread; read only).
+
+        The hang watchdog reads them when it reports a stall: while DDP's finalization waits for
+        the all-reduces, they say which bucket is pending. Read then, not at every backward end,
+        they cost nothing per step and change nothing the watchdog's progress signature sees."""
+        if self.ring is None or self.delegated:
+            return []
+        return _shifted(self.ring.peek())
 
     def drain(self, step: Any) -> None:
         """Move the ring's stamps into ``step`` (the step whose backward ran them)."""

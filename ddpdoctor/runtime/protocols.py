@@ -55,6 +55,8 @@ class Watched(Emitter, Protocol):
     recorder: StepRecorder
     sink: Sink
 
+    def buckets_in_flight(self) -> list[tuple[int, int, int, int, int]]: ...
+
 
 class BucketObserver(Protocol):
     """What the timed comm hook calls on the training thread."""

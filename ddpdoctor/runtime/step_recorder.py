@@ -194,7 +194,7 @@ class StepRecorder:
     def add_bucket_marks(self, step: OpenStep, marks: list[tuple[int, int, int, int, int]]) -> None:
         """Per-bucket marks taken elsewhere (the native comm hook's ring), handed over at once:
         (bucket index, ready, launch, done, bytes), host-clock ns; a done of 0 was not seen."""
-        if len(marks) >= len(step.ready):  # a drain holds every mark of an earlier peek, and later ones
+        if len(marks) >= len(step.ready):  # a drain holds every mark handed over before, and later ones
             indices, ready_ns, launch_ns, done_ns, nbytes_ = zip(*marks, strict=True) if marks else ((),) * 5
             if indices == tuple(range(len(marks))):  # every bucket once, in index order: the common case
                 step.ready = list(ready_ns)

@@ -17,6 +17,7 @@ import threading
 import traceback
 import warnings
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ddpdoctor.analysis.hang import COLLECTIVE_PHASES
@@ -72,19 +73,31 @@ def signature(recorder: StepRecorder) -> tuple[Any, ...]:
     )
 
 
-def locate(recorder: StepRecorder) -> dict[str, Any]:
-    """Where the rank is: phase, step, buckets ready/done and the first pending bucket."""
+def locate(recorder: StepRecorder, in_flight: Sequence[tuple[int, int, int, int, int]] = ()) -> dict[str, Any]:
+    """Where the rank is: phase, step, buckets ready/done and the first pending bucket.
+
+    ``in_flight``: on the native route, the bucket stamps still in the ring (not yet drained
+    into the step: the drain runs once the all-reduces completed), as (index, ready, launch,
+    done, bytes) with done 0 when not seen.
+    """
     step = recorder.current
     if step is None:
         return {"step": recorder.next_index, "phase": "between steps"}
-    ready = [m is not None for m in list(step.ready)]
-    done = list(step.done) + [None] * max(0, len(ready) - len(step.done))
+    ready_marks: list[Any] = list(step.ready)
+    done_marks: list[Any] = list(step.done)
+    if not ready_marks and in_flight:
+        count = max(i for i, *_ in in_flight) + 1
+        ready_marks, done_marks = [None] * count, [None] * count
+        for index, ready_ns, _, done_ns, _ in in_flight:
+            ready_marks[index], done_marks[index] = ready_ns, done_ns or None
+    ready = [m is not None for m in ready_marks]
+    done = done_marks + [None] * max(0, len(ready) - len(done_marks))
     pending = next((i for i, m in enumerate(done) if m is None), None)
     if recorder.in_broadcast:
         phase = "buffer broadcast"
     elif recorder.in_forward:
         phase = "forward"
-    elif not step.ready:
+    elif not ready_marks:
         phase = "backward" if step.synced_forward else "between steps"
     elif step.bwd_end is None:
         phase = "backward"
@@ -218,7 +231,7 @@ class Watchdog:
 
     def _emit(self, watch: _Watch, state: str, waited: float) -> None:
         monitor = watch.monitor
-        where = locate(monitor.recorder)
+        where = locate(monitor.recorder, monitor.buckets_in_flight())
         stack = thread_stack(watch.thread_id) if state == "stalled" else []
         record = Hang(
             rank=monitor.rank,
