@@ -48,7 +48,8 @@ def test_rank_1_slow_backward_on_every_third_step(tmp_path: Path) -> None:
     f = by_code(report("straggler_intermittent", tmp_path))["straggler"]
     ev = f["evidence"]
     assert f["ranks"] == [1] and ev["phase"] == "backward"
-    assert 8 <= ev["latest_in_steps"] <= 12 and ev["steps"] == 30  # latest in a third of the steps ...
+    # latest in a third of the 29 steps after step 0 (start-up skew, left out) ...
+    assert 8 <= ev["latest_in_steps"] <= 12 and ev["steps"] == 29
     assert ev["time_lost_ms"] >= 8 * 110  # ... and named for what it cost
     assert ev["pattern"] in ("periodic", "intermittent") and ev.get("every_n_steps") in (3, None)
 

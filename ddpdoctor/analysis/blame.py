@@ -23,6 +23,8 @@ steps it was late in. Jitter is kept out three ways, all explicit here:
   jitter that picks ranks at random (a binomial tail below ``CHANCE``), or they are far larger
   than anything the other ranks were blamed for (``MAGNITUDE`` times their median).
 
+Step 0 is left out: its arrivals hold the ranks' start-up skew, not lateness in training.
+
 Everything here is a pure function of the steps and arrivals it is given, so the report (the
 whole run) and the live view (a sliding window) call the same code.
 """
@@ -179,6 +181,9 @@ def blame(
     instead of recomputing them over its window at every check."""
     if durations is None:
         durations = step_ms_of(steps_by_rank)
+    # step 0's arrivals hold the ranks' start-up skew (one rank imports, builds its model or
+    # attaches later than another, by hundreds of ms): not lateness in training
+    arrivals = [sa for sa in arrivals if sa.step > 0]
     window = tuple(sa.step for sa in arrivals)
     known = [durations[s] for s in window if s in durations]
     step_ms = median(known) if known else 0.0
