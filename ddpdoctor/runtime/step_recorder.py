@@ -338,8 +338,11 @@ class StepRecorder:
             )
         if step.layout is not None or (self._last_layout is not None and step.nbytes != self._last_bytes):
             self._emit_layout(step)  # a layout to look at, or one that moved (most steps: neither)
-        self.emit(record)
+        # counted before it is handed over: a signal handler that closes the monitor (SIGTERM)
+        # can run inside emit, after the sink took the record (the live checks come after it),
+        # and its End record must count this step
         self.steps_emitted += 1
+        self.emit(record)
         if resolved and not clock.always_ready:
             clock.recycle(step.marks())
 
