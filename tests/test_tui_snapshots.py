@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import io
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rich.console import Console
 from textual.app import App
+from textual.pilot import Pilot
 
 from ddpdoctor.runlog import DirSource
 from ddpdoctor_tui import WatchApp
@@ -42,8 +44,23 @@ def _screen(app: App[Any]) -> tuple[str, str]:
     return console.export_text(clear=False), console.export_text(styles=True)
 
 
-def assert_snapshot(app: App[Any], name: str) -> None:
-    text, ansi = _screen(app)
+async def _settled_screen(pilot: Pilot[Any], app: App[Any], timeout: float = 10.0) -> tuple[str, str]:
+    """The screen once two renders in a row agree: a snapshot the app has taken in is drawn at
+    the next refresh (a DataTable re-measures a widened column then, not when the cell changes)."""
+    deadline = time.monotonic() + timeout
+    await pilot.pause()
+    last = _screen(app)
+    while True:
+        await pilot.pause(0.05)
+        now = _screen(app)
+        if now == last:
+            return now
+        assert time.monotonic() < deadline, "the screen never settled"
+        last = now
+
+
+async def assert_snapshot(pilot: Pilot[Any], app: App[Any], name: str) -> None:
+    text, ansi = await _settled_screen(pilot, app)
     paths = {SNAPSHOTS / f"{name}.txt": text, SNAPSHOTS / f"{name}.ansi": ansi}
     if UPDATE:
         SNAPSHOTS.mkdir(exist_ok=True)
@@ -66,7 +83,7 @@ async def test_snapshot_straggler(tmp_path: Path) -> None:
     app = _app(write_run(tmp_path / "run", world=6, steps=40, straggler=4, end=None))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, at_step(app, 39))
-        assert_snapshot(app, "straggler")
+        await assert_snapshot(pilot, app, "straggler")
 
 
 async def test_snapshot_stepped_back_with_a_rank_selected(tmp_path: Path) -> None:
@@ -77,7 +94,7 @@ async def test_snapshot_stepped_back_with_a_rank_selected(tmp_path: Path) -> Non
         for _ in range(8):
             await pilot.press("left")
         await wait_for(pilot, at_step(app, 21))
-        assert_snapshot(app, "stepped_back")
+        await assert_snapshot(pilot, app, "stepped_back")
 
 
 async def test_snapshot_hang(tmp_path: Path) -> None:
@@ -85,7 +102,7 @@ async def test_snapshot_hang(tmp_path: Path) -> None:
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.health == "error")
         await pilot.press("down", "down")
-        assert_snapshot(app, "hang")
+        await assert_snapshot(pilot, app, "hang")
 
 
 async def test_snapshot_help(tmp_path: Path) -> None:
@@ -94,4 +111,4 @@ async def test_snapshot_help(tmp_path: Path) -> None:
         await wait_for(pilot, at_step(app, 9))
         await pilot.press("question_mark")
         await pilot.pause()
-        assert_snapshot(app, "help")
+        await assert_snapshot(pilot, app, "help")

@@ -66,8 +66,8 @@ def test_communication_bound_predicted_savings(tmp_path: Path) -> None:
 def test_communication_bound_under_load_no_straggler(tmp_path: Path) -> None:
     # other work loads both cores while the job runs: jitter on every rank, blamed on none. The
     # load also stretches compute more than the all-reduce, so the exposed share may fall under the
-    # warning line here (about a third of the step, loaded or not, on this machine): the finding's
-    # severity and advice are the quiet test's to check
+    # warning line here (about 0.4 of the step on a quiet machine): the finding's severity and
+    # advice are the quiet test's to check
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         rep = report("communication_bound", tmp_path)
