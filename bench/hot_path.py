@@ -60,8 +60,9 @@ TOP = [
     (sampled_checks.SampledChecks, "_on_module_pre", "fingerprint (sampled steps only)", "sampled"),
     # the native route: no Python per bucket; these run once a step
     (native_hook.NativeTiming, "on_forward_post", "native: output hooked (forward post)", "step"),
-    (native_hook._OutputGradHook, "__call__", "native: backward start", "step"),
-    (native_hook.NativeTiming, "on_backward_end", "native: backward end", "step"),
+    # backward start and end are stamped in C++ (Python only for a leaf output: these two rows)
+    (native_hook._OutputGradHook, "__call__", "native: backward start (leaf output)", "step"),
+    (native_hook.NativeTiming, "on_backward_end", "native: backward end (leaf output)", "step"),
     (native_hook.NativeTiming, "drain", "native: ring drained", "step"),
 ]
 

@@ -268,7 +268,7 @@ def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         raise RuntimeError("injected failure")
 
     monitor.recorder.bucket_ready = boom  # type: ignore[method-assign]
-    monitor.recorder.add_bucket_marks = boom  # type: ignore[method-assign]  # the native comm hook's
+    monitor.recorder.add_bucket_columns = boom  # type: ignore[method-assign]  # the native comm hook's
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out["probe"] = train(ddp, rank)

@@ -127,6 +127,16 @@ def native_checks(rank: int, world_size: int) -> dict[str, Any]:
         monitor.close()
         out[when] = (losses, len(calls), second, _summary(sink))
     out["sum_plain_calls"] = len(calls_plain)
+    # outputs that are leaves (a parameter returned as it is): beside a computed output, and alone
+    for only in (False, True):
+        plain = _train_leafy(DDP(_Leafy(only), bucket_cap_mb=BUCKET_CAP_MB), rank)
+        sink = MemorySink()
+        ddp = DDP(_Leafy(only), bucket_cap_mb=BUCKET_CAP_MB)
+        monitor = ddpdoctor.instrument(ddp, sink=sink)
+        instrumented = _train_leafy(ddp, rank)
+        hooks_left = len(ddp.module.scale._backward_hooks or {})
+        monitor.close()
+        out[f"leaf_output_{'only' if only else 'mixed'}"] = (plain, instrumented, _summary(sink), hooks_left)
     # the hook's clock is the one of time.perf_counter_ns
     module = native_hook.load()
     before = time.perf_counter_ns()
@@ -134,6 +144,38 @@ def native_checks(rank: int, world_size: int) -> dict[str, Any]:
     after = time.perf_counter_ns()
     out["clock"] = (before, native, after)
     return out
+
+
+class _Leafy(torch.nn.Module):
+    """Returns one of its parameters as it is, a leaf with no autograd node: beside a computed
+    output, or (``only``) with the other output detached."""
+
+    def __init__(self, only: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.only = only
+        self.lin = torch.nn.Linear(16, 16)
+        self.scale = torch.nn.Parameter(torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.lin(x)
+        return (y.detach() if self.only else y), self.scale
+
+
+def _train_leafy(ddp: DDP, rank: int, steps: int = 6) -> list[float]:
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps):
+        y, scale = ddp(torch.randn(8, 16, generator=gen))
+        # with only the leaf output in the graph, lin's gradient is zero, not missing (no
+        # find_unused_parameters needed)
+        loss = (y * scale).pow(2).mean() + scale.sum() + 0.0 * sum(p.sum() for p in ddp.module.lin.parameters())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
 
 
 def fallback_checks(rank: int, world_size: int) -> dict[str, Any]:
@@ -188,6 +230,18 @@ def test_native_layout_names_every_parameter(native: list[dict[str, Any]]) -> No
         assert all(dtype == "float32" and nbytes > 0 for _, _, nbytes, dtype in buckets)
         # the layout's bytes are the steps' bytes
         assert [nbytes for _, _, nbytes, _ in buckets] == summary["steps"][-1][3]
+
+
+def test_a_parameter_returned_as_an_output_is_timed_and_leaves_no_hook_behind(native: list[dict[str, Any]]) -> None:
+    # a leaf output gets a hook from Python (no autograd node to hook in C++), removed at the next
+    # forward: kept, they piled up on the parameter and the old ones drained later steps' buckets
+    for r in native:
+        for case in ("leaf_output_mixed", "leaf_output_only"):
+            plain, instrumented, summary, hooks_left = r[case]
+            assert instrumented == plain, case
+            assert summary["timing"] == ["native"], case
+            _check_marks(summary, buckets=len(summary["steps"][-1][0]))
+            assert hooks_left <= 1, case
 
 
 def test_native_env_zero_takes_the_python_route(native: list[dict[str, Any]]) -> None:

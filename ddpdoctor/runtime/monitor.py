@@ -421,6 +421,13 @@ class Monitor:
         native = getattr(attachment, "native", None) if attachment is not None else None
         return native.in_flight() if native is not None and native.registered else []
 
+    def backward_ended_in_flight(self) -> bool:
+        """Native route: the current backward's compute end is stamped (in C++) but not yet
+        drained into the step: the rank waits for its all-reduces."""
+        attachment = getattr(self, "attachment", None)
+        native = getattr(attachment, "native", None) if attachment is not None else None
+        return native.backward_ended() if native is not None and native.registered else False
+
     def on_optimizer(self, start: bool) -> None:
         if self.closed or not self.probes.on["optimizer"]:
             return

@@ -7,14 +7,18 @@ GIL is taken on the comm thread; Python drains the ring once per step.
 
 Per step, ``NativeTiming`` adds (all on the training thread):
 
-- a gradient pre-hook on the autograd node of the DDP output of the synchronizing forward (it
-  returns None: gradients unchanged): it fires first in backward and queues an autograd final
-  callback, which runs once the graph is done: *backward compute end*;
-- that callback stamps it and, from inside itself, queues a second final callback: it runs
-  after DDP's own ``finalize_backward`` (queued later), i.e. once every bucket's all-reduce
-  completed on this rank, and drains the ring into the step (``StepRecorder.add_bucket_marks``).
-  While a step's stamps are still in the ring, the hang watchdog reads them (``in_flight``)
-  when it reports a stall, to name the pending bucket.
+- ``Timing.arm`` after the synchronizing forward: a C++ pre-hook on the autograd node of each
+  DDP output (gradients pass unchanged). It fires first in backward and queues an autograd final
+  callback, which runs once the graph is done and stamps *backward compute end* in C++;
+- that callback queues a second one from inside itself: it runs after DDP's own
+  ``finalize_backward`` (queued later), i.e. once every bucket's all-reduce completed on this
+  rank, and calls Python once, to drain the ring into the step (``StepRecorder.add_bucket_columns``).
+  While a step's stamps are still in the ring, the hang watchdog reads them (``in_flight``,
+  ``backward_ended``) when it reports a stall, to name the phase and the pending bucket.
+
+An output made only of leaves (a parameter returned as it is: no autograd node) gets the same
+two callbacks from Python instead: a tensor hook, removed at the next forward, then
+``on_output_grad`` and ``on_backward_end``.
 
 The build: ``torch.utils.cpp_extension`` in a child process (so its compiler, environment and a
 stale lock never touch the training process), under torch's own build lock, cached in torch's
@@ -29,6 +33,7 @@ builds and loads; otherwise the Python comm hook does (``comm_hook.timed_hook``)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -285,7 +290,9 @@ class NativeTiming:
         # bucket parameters come back as TensorImpl addresses (Tensor._cdata)
         self._names = {p._cdata: (n, str(p.dtype).removeprefix("torch.")) for n, p in ddp.module.named_parameters()}
         self._want_layout = False
-        self._queued: Any = None  # the step whose backward callbacks are queued
+        self._queued: Any = None  # the step whose backward callbacks are queued (leaf outputs)
+        self._armed: Any = None  # the step whose backward the C++ hooks time
+        self._leaf_hooks: list[Any] = []  # hooks on leaf outputs, removed at the next forward
         self.delegated = False
 
     @property
@@ -299,7 +306,11 @@ class NativeTiming:
 
     def register(self, ddp: Any) -> None:
         """Put the hook on DDP's reducer (for good: a reducer takes one hook)."""
-        self.ring = self._module.register_timed_hook(ddp.reducer, ddp.process_group, RING_CAPACITY)
+        ring = self._module.register_timed_hook(ddp.reducer, ddp.process_group, RING_CAPACITY)
+        # called from C++ once a step, after DDP's finalize_backward; weak: the ring must not
+        # keep this object (and through the monitor, DDP) alive
+        ring.set_drain(functools.partial(_call_armed, weakref.ref(self)))
+        self.ring = ring
         self.delegated = False
 
     def delegate(self, state: Any, hook: Any) -> None:
@@ -311,8 +322,14 @@ class NativeTiming:
 
     def stop(self) -> None:
         """Detached: the hook keeps all-reducing and stamps nothing."""
+        self._drop_leaf_hooks()
         if self.ring is not None:
             self.ring.set_enabled(False)
+
+    def _drop_leaf_hooks(self) -> None:
+        hooks, self._leaf_hooks = self._leaf_hooks, []
+        for handle in hooks:
+            handle.remove()
 
     # -- per step (training thread) ------------------------------------------------------
 
@@ -333,15 +350,18 @@ class NativeTiming:
                 self.ring.want_layout(want)
                 self._want_layout = want
             if monitor.probes.on["backward_end"]:
-                hook = _OutputGradHook(weakref.ref(self), step)
-                for tensor in _output_tensors(output):
-                    node = tensor.grad_fn
-                    # a pre-hook on the node that made the output (cheaper than a tensor hook);
-                    # a leaf output has none
-                    if node is not None:
-                        node.register_prehook(hook)
-                    else:
-                        tensor.register_hook(hook)
+                self._drop_leaf_hooks()
+                tensors = _output_tensors(output)
+                made = [tensor for tensor in tensors if tensor.grad_fn is not None]
+                if made:
+                    self._armed = step
+                    self.ring.arm(made)  # C++ pre-hooks on the outputs' autograd nodes (this graph's)
+                elif tensors:
+                    # only leaves (a parameter returned as it is): no node to hook in C++, the same
+                    # callbacks from Python. A hook on a leaf outlives the graph, so it is removed
+                    # at the next forward (kept, hooks would pile up and fire for old steps).
+                    hook = _OutputGradHook(weakref.ref(self), step)
+                    self._leaf_hooks = [tensor.register_hook(hook) for tensor in tensors]
         except Exception as exc:  # noqa: BLE001 - runs in DDP's forward: a failing probe is switched off, never breaks training
             monitor.probes.failed("buckets", exc)
         finally:
@@ -386,21 +406,39 @@ class NativeTiming:
             return []
         return _shifted(self.ring.peek())
 
+    def backward_ended(self) -> bool:
+        """Whether the armed backward's compute end is stamped but not drained yet (any thread;
+        read only): the rank then waits in DDP's finalization, for the all-reduces."""
+        if self.ring is None or self.delegated:
+            return False
+        return bool(self.ring.backward_end())
+
+    def drain_armed(self) -> None:
+        """The armed step's drain (called from C++ after DDP's finalize_backward)."""
+        self.drain(self._armed)
+
     def drain(self, step: Any) -> None:
-        """Move the ring's stamps into ``step`` (the step whose backward ran them)."""
+        """Move the ring's stamps, and the backward end stamped in C++, into ``step`` (the step
+        whose backward ran them)."""
         monitor = self._monitor()
         if self.ring is None or monitor is None or monitor.closed:
             return
         t = time.perf_counter_ns()
         try:
-            marks = self.ring.drain()
+            from ddpdoctor.runtime import clocks
+
+            indices, ready, launch, done, nbytes, in_order, backward_end = self.ring.drain_columns(clocks._OFFSET_NS)
             # the parameter lists go with the marks, whether used or not: nothing accumulates
             layout = self.ring.take_layout() if self._want_layout else []
-            if not marks or step is None or not step.synced_forward or not monitor.probes.on["buckets"]:
+            if step is None or not step.synced_forward:
                 return
-            monitor.recorder.add_bucket_marks(step, _shifted(marks))
+            if backward_end is not None and monitor.probes.on["backward_end"]:
+                monitor.recorder.backward_end(step, backward_end)
+            if not indices or not monitor.probes.on["buckets"]:
+                return
+            monitor.recorder.add_bucket_columns(step, indices, ready, launch, done, nbytes, in_order)
             if layout and step.layout is not None:
-                self._layout(monitor, step, marks, layout)
+                self._layout(monitor, step, dict(zip(indices, nbytes, strict=True)), layout)
         except Exception as exc:  # noqa: BLE001 - inside loss.backward() or forward: never breaks training
             monitor.probes.failed("buckets", exc)
         finally:
@@ -410,12 +448,11 @@ class NativeTiming:
         self,
         monitor: Any,
         step: Any,
-        marks: list[tuple[int, int, int, int, int]],
+        nbytes: dict[int, int],
         layout: list[tuple[int, list[int]]],
     ) -> None:
         from ddpdoctor.events import BucketInfo
 
-        nbytes = {index: b for index, _, _, _, b in marks}
         for index, params in layout:
             named = [self._names.get(p, ("?", "")) for p in params]
             dtype = next((d for _, d in named if d), "")
@@ -459,6 +496,12 @@ def _call(ref: weakref.ref[NativeTiming], method: str, step: Any) -> None:
     timing = ref()
     if timing is not None:
         getattr(timing, method)(step)
+
+
+def _call_armed(ref: weakref.ref[NativeTiming]) -> None:
+    timing = ref()
+    if timing is not None:
+        timing.drain_armed()
 
 
 def _grad_enabled() -> bool:

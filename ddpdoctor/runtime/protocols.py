@@ -57,6 +57,8 @@ class Watched(Emitter, Protocol):
 
     def buckets_in_flight(self) -> list[tuple[int, int, int, int, int]]: ...
 
+    def backward_ended_in_flight(self) -> bool: ...
+
 
 class BucketObserver(Protocol):
     """What the timed comm hook calls on the training thread."""

@@ -191,30 +191,50 @@ class StepRecorder:
     def bucket_done(self, step: OpenStep, index: int) -> None:
         _put(step.done, index, self.clock.now())  # any order: completions race on gloo's threads
 
+    def add_bucket_columns(
+        self,
+        step: OpenStep,
+        indices: list[int],
+        ready: list[int],
+        launch: list[int],
+        done: list[int | None],
+        nbytes: list[int],
+        in_order: bool,
+    ) -> None:
+        """Per-bucket marks taken elsewhere (the native comm hook's ring), handed over at once
+        as columns, host-clock ns (done None: not seen). ``in_order``: ``indices`` is 0, 1, 2..."""
+        if in_order and len(indices) >= len(step.ready):
+            # every bucket once, in index order (the common case); a drain holds every mark
+            # handed over before, and later ones: the lists are taken whole
+            step.ready, step.launch, step.done, step.nbytes = ready, launch, done, nbytes  # type: ignore[assignment]
+            return
+        for index, r, la, d, b in zip(indices, ready, launch, done, nbytes, strict=True):
+            _put(step.ready, index, r)
+            _put(step.launch, index, la)
+            _put(step.done, index, d)
+            _put(step.nbytes, index, b)
+
     def add_bucket_marks(self, step: OpenStep, marks: list[tuple[int, int, int, int, int]]) -> None:
-        """Per-bucket marks taken elsewhere (the native comm hook's ring), handed over at once:
-        (bucket index, ready, launch, done, bytes), host-clock ns; a done of 0 was not seen."""
-        if len(marks) >= len(step.ready):  # a drain holds every mark handed over before, and later ones
-            indices, ready_ns, launch_ns, done_ns, nbytes_ = zip(*marks, strict=True) if marks else ((),) * 5
-            if indices == tuple(range(len(marks))):  # every bucket once, in index order: the common case
-                step.ready = list(ready_ns)
-                step.launch = list(launch_ns)
-                step.done = [d or None for d in done_ns]
-                step.nbytes = list(nbytes_)
-                return
-        for index, ready, launch, done, nbytes in marks:
-            _put(step.ready, index, ready)
-            _put(step.launch, index, launch)
-            _put(step.done, index, done or None)
-            _put(step.nbytes, index, nbytes)
+        """The same, from (bucket index, ready, launch, done, bytes) rows; a done of 0 was not seen."""
+        indices = [m[0] for m in marks]
+        self.add_bucket_columns(
+            step,
+            indices,
+            [m[1] for m in marks],
+            [m[2] for m in marks],
+            [m[3] or None for m in marks],
+            [m[4] for m in marks],
+            indices == list(range(len(marks))),
+        )
 
     def bucket_layout(self, step: OpenStep, index: int, info: BucketInfo) -> None:
         if step.layout is not None:
             step.layout[index] = info
 
-    def backward_end(self, step: OpenStep) -> None:
+    def backward_end(self, step: OpenStep, at: Mark = None) -> None:
+        """Backward compute ended now, or ``at`` (a host-clock mark taken elsewhere)."""
         if step.bwd_end is None:
-            step.bwd_end = self.clock.now()
+            step.bwd_end = self.clock.now() if at is None else at
 
     # -- optimizer -------------------------------------------------------------------------
 

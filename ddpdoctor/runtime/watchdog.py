@@ -73,12 +73,15 @@ def signature(recorder: StepRecorder) -> tuple[Any, ...]:
     )
 
 
-def locate(recorder: StepRecorder, in_flight: Sequence[tuple[int, int, int, int, int]] = ()) -> dict[str, Any]:
+def locate(
+    recorder: StepRecorder, in_flight: Sequence[tuple[int, int, int, int, int]] = (), backward_ended: bool = False
+) -> dict[str, Any]:
     """Where the rank is: phase, step, buckets ready/done and the first pending bucket.
 
     ``in_flight``: on the native route, the bucket stamps still in the ring (not yet drained
     into the step: the drain runs once the all-reduces completed), as (index, ready, launch,
-    done, bytes) with done 0 when not seen.
+    done, bytes) with done 0 when not seen. ``backward_ended``: on the native route, the
+    backward's compute end is stamped in the ring, not yet in the step.
     """
     step = recorder.current
     if step is None:
@@ -99,7 +102,7 @@ def locate(recorder: StepRecorder, in_flight: Sequence[tuple[int, int, int, int,
         phase = "forward"
     elif not ready_marks:
         phase = "backward" if step.synced_forward else "between steps"
-    elif step.bwd_end is None:
+    elif step.bwd_end is None and not backward_ended:
         phase = "backward"
     elif pending is not None:
         phase = "allreduce"
@@ -231,7 +234,7 @@ class Watchdog:
 
     def _emit(self, watch: _Watch, state: str, waited: float) -> None:
         monitor = watch.monitor
-        where = locate(monitor.recorder, monitor.buckets_in_flight())
+        where = locate(monitor.recorder, monitor.buckets_in_flight(), monitor.backward_ended_in_flight())
         stack = thread_stack(watch.thread_id) if state == "stalled" else []
         record = Hang(
             rank=monitor.rank,

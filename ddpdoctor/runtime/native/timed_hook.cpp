@@ -8,6 +8,12 @@
 // comm thread (GIL hand-offs); on short steps that is ~15% of the step. Nothing here takes the
 // GIL on the comm thread, and nothing allocates per bucket once the ring exists.
 //
+// The backward's own two instants are taken here too (``Timing.arm``): a pre-hook on the
+// autograd node of the synchronizing forward's output fires first in backward and queues a final
+// callback, which stamps *backward compute end* and queues a second one; that runs after DDP's own
+// finalize_backward (every bucket's all-reduce completed on this rank) and calls Python once, to
+// drain the ring into the step. One Python call per step instead of three.
+//
 // Built by ddpdoctor/runtime/native_hook.py with torch.utils.cpp_extension; the pybind functions
 // at the bottom are its whole interface.
 
@@ -16,6 +22,9 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <ATen/ThreadLocalPythonObjects.h>
 
 #include <chrono>
@@ -180,6 +189,40 @@ class Ring {
     return dropped_;
   }
 
+  // The backward of a synchronizing forward: ``arm`` at its forward (a new generation; an older
+  // graph's hooks then do nothing), ``start`` true once, for the first gradient to reach the
+  // output, ``end`` stamps backward compute end (0: not yet), taken by the drain.
+  uint64_t arm() {
+    std::lock_guard<std::mutex> lock(mu_);
+    started_ = 0;
+    return ++armed_;
+  }
+
+  bool start(uint64_t gen) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (gen != armed_ || started_ == gen) {
+      return false;
+    }
+    started_ = gen;
+    return true;
+  }
+
+  void end(uint64_t gen, int64_t t) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (gen == armed_ && backward_end_ == 0) {
+      backward_end_ = t;
+    }
+  }
+
+  int64_t backward_end(bool take) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t t = backward_end_;
+    if (take) {
+      backward_end_ = 0;
+    }
+    return t;
+  }
+
   size_t capacity() const {
     return slots_.size();
   }
@@ -192,6 +235,9 @@ class Ring {
   uint64_t dropped_ = 0;
   bool enabled_ = true;
   bool want_layout_ = false;
+  uint64_t armed_ = 0;  // generation of the last armed backward
+  uint64_t started_ = 0;  // generation whose backward started (its callbacks are queued)
+  int64_t backward_end_ = 0;
   std::vector<std::tuple<int64_t, std::vector<int64_t>>> layout_;
 };
 
@@ -216,11 +262,101 @@ class Delegate {
   std::shared_ptr<c10d::PythonCommHook> hook_;
 };
 
-// What Python holds: the ring and the delegate slot the hook on the reducer shares.
+// The Python function that drains the ring into the step (set once by NativeTiming). Owned by
+// the Handle alone, which Python owns: it is created and released with the GIL held. The
+// autograd hooks and callbacks hold it weakly, and lock it only with the GIL taken.
+class DrainCall {
+ public:
+  explicit DrainCall(py::object fn) : fn_(std::move(fn)) {}
+  void operator()() const {
+    fn_();  // throws error_already_set: a Python exception leaves backward as it would from Python
+  }
+
+ private:
+  py::object fn_;
+};
+
+void call_drain(const std::weak_ptr<DrainCall>& weak) {
+  py::gil_scoped_acquire gil;
+  if (auto call = weak.lock()) {  // released under the GIL, at the end of this scope
+    (*call)();
+  }
+}
+
+// What Python holds: the ring and the delegate slot the hook on the reducer shares, and the drain.
 struct Handle {
   std::shared_ptr<Ring> ring;
   std::shared_ptr<Delegate> delegate;
+  std::shared_ptr<DrainCall> drain_call;
 };
+
+// On the autograd node of a synchronizing forward's output: the first gradient to reach it queues
+// the two final callbacks (gradients pass unchanged). Queued now, at backward start, the first
+// runs before DDP's finalize_backward, which DDP queues at its first gradient ready: it stamps
+// backward compute end. Queued from inside it, the second runs after finalize_backward.
+class BackwardStart : public torch::autograd::FunctionPreHook {
+ public:
+  BackwardStart(std::shared_ptr<Ring> ring, uint64_t gen, std::weak_ptr<DrainCall> drain)
+      : ring_(std::move(ring)), gen_(gen), drain_(std::move(drain)) {}
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (ring_->start(gen_)) {
+      std::shared_ptr<Ring> ring = ring_;
+      const uint64_t gen = gen_;
+      std::weak_ptr<DrainCall> drain = drain_;
+      torch::autograd::Engine::get_default_engine().queue_callback([ring, gen, drain]() {
+        ring->end(gen, now_ns());
+        torch::autograd::Engine::get_default_engine().queue_callback([drain]() { call_drain(drain); });
+      });
+    }
+    return grads;
+  }
+
+ private:
+  std::shared_ptr<Ring> ring_;
+  uint64_t gen_;
+  std::weak_ptr<DrainCall> drain_;
+};
+
+// A new generation, with its pre-hook on each output's autograd node (every tensor given has one).
+int64_t arm(Handle& h, const std::vector<at::Tensor>& outputs) {
+  const uint64_t gen = h.ring->arm();
+  int64_t hooked = 0;
+  for (const auto& tensor : outputs) {
+    auto node = tensor.grad_fn();
+    if (node) {
+      node->add_pre_hook(std::make_unique<BackwardStart>(h.ring, gen, h.drain_call));
+      ++hooked;
+    }
+  }
+  return hooked;
+}
+
+// The ring's entries as columns, on the host clock shifted by ``offset`` (the tests' clock
+// offset): (indices, ready, launch, done, bytes, in index order, backward end), done None for an
+// all-reduce not seen complete, backward end None when not stamped. Python lists built here: one
+// call, no tuple per bucket.
+py::tuple drain_columns(Handle& h, int64_t offset) {
+  auto entries = h.ring->drain(false);
+  const int64_t backward_end = h.ring->backward_end(true);
+  py::list indices, ready, launch, done, nbytes;
+  bool in_order = true;
+  int64_t position = 0;
+  for (const auto& [index, r, l, d, b] : entries) {
+    in_order = in_order && index == position++;
+    indices.append(index);
+    ready.append(r + offset);
+    launch.append(l + offset);
+    if (d != 0) {
+      done.append(d + offset);
+    } else {
+      done.append(py::none());
+    }
+    nbytes.append(b);
+  }
+  py::object end = backward_end != 0 ? py::object(py::int_(backward_end + offset)) : py::object(py::none());
+  return py::make_tuple(indices, ready, launch, done, nbytes, in_order, end);
+}
 
 class TimedAllReduceHook
     : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
@@ -292,7 +428,7 @@ Handle register_timed_hook(
     const c10::intrusive_ptr<c10d::ProcessGroup>& group,
     int64_t capacity) {
   TORCH_CHECK(capacity > 0, "ring capacity must be positive");
-  Handle handle{std::make_shared<Ring>(static_cast<size_t>(capacity)), std::make_shared<Delegate>()};
+  Handle handle{std::make_shared<Ring>(static_cast<size_t>(capacity)), std::make_shared<Delegate>(), nullptr};
   reducer->register_comm_hook(std::make_unique<TimedAllReduceHook>(group, handle.ring, handle.delegate));
   return handle;
 }
@@ -318,6 +454,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("take_layout", [](Handle& h) { return h.ring->take_layout(); })
       .def("set_enabled", [](Handle& h, bool on) { h.ring->set_enabled(on); })
       .def("dropped", [](Handle& h) { return h.ring->dropped(); })
+      .def("set_drain", [](Handle& h, py::object fn) { h.drain_call = std::make_shared<DrainCall>(std::move(fn)); })
+      .def("arm", &arm, py::arg("outputs"))
+      .def("drain_columns", &drain_columns, py::arg("offset"))
+      .def("backward_end", [](Handle& h) { return h.ring->backward_end(false); })
       .def("capacity", [](Handle& h) { return h.ring->capacity(); })
       .def(
           "delegate",
