@@ -65,9 +65,13 @@ def _summary(sink: MemorySink) -> dict[str, Any]:
     }
 
 
-def _instrumented(rank: int, options: dict[str, Any], steps: int = 6) -> tuple[list[float], dict[str, Any], list[str]]:
+def _instrumented(
+    rank: int, options: dict[str, Any], steps: int = 6, eval_mode: bool = False
+) -> tuple[list[float], dict[str, Any], list[str]]:
     sink = MemorySink()
     ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, **options)
+    if eval_mode:
+        ddp.eval()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         monitor = ddpdoctor.instrument(ddp, sink=sink)
@@ -91,6 +95,10 @@ def native_checks(rank: int, world_size: int) -> dict[str, Any]:
     for name, options in VARIANTS.items():
         plain = train(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, **options), rank)
         out["variants"][name] = (plain, *_instrumented(rank, options))
+
+    # trained in eval mode (a way to freeze BatchNorm): DDP all-reduces as in train mode
+    plain = train(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB).eval(), rank)
+    out["eval_mode"] = (plain, *_instrumented(rank, {}, eval_mode=True))
 
     os.environ[native_hook.ENV] = "0"
     out["forced_python"] = _instrumented(rank, {})
@@ -242,6 +250,16 @@ def test_a_parameter_returned_as_an_output_is_timed_and_leaves_no_hook_behind(na
             assert summary["timing"] == ["native"], case
             _check_marks(summary, buckets=len(summary["steps"][-1][0]))
             assert hooks_left <= 1, case
+
+
+def test_training_in_eval_mode_is_timed_like_training(native: list[dict[str, Any]]) -> None:
+    for r in native:
+        plain, losses, summary, said = r["eval_mode"]
+        assert losses == plain
+        assert summary["timing"] == ["native"]
+        # (BatchNorm's buffers do not change in eval mode: constant-buffers is right to say so)
+        assert not [w for w in said if "native" in w or "comm hook" in w], said
+        _check_marks(summary, buckets=len(summary["steps"][-1][0]))
 
 
 def test_native_env_zero_takes_the_python_route(native: list[dict[str, Any]]) -> None:

@@ -325,7 +325,7 @@ class Attachment:
 
     def _native_forward_pre(self, module: Any, args: Any) -> None:
         native = self.native
-        if native is not None and native.registered and not native.delegated:
+        if native is not None and native.registered and not native.delegated and native.pending:
             # stamps that a step's backward callbacks did not drain (its output got no
             # gradient) are still the open step's, which ddpdoctor's own pre-hook closes next
             native.drain(self.monitor.recorder.current)

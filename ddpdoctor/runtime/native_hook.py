@@ -293,6 +293,9 @@ class NativeTiming:
         self._queued: Any = None  # the step whose backward callbacks are queued (leaf outputs)
         self._armed: Any = None  # the step whose backward the C++ hooks time
         self._leaf_hooks: list[Any] = []  # hooks on leaf outputs, removed at the next forward
+        #: a backward was armed and its drain has not run yet (its output got no gradient, say):
+        #: the next forward drains the ring into the open step (``Attachment._native_forward_pre``)
+        self.pending = False
         self.delegated = False
 
     @property
@@ -338,7 +341,9 @@ class NativeTiming:
         monitor = self._monitor()
         if self.ring is None or self.delegated or monitor is None or monitor.closed or not monitor.probes.on["buckets"]:
             return
-        if not (ddp.require_backward_grad_sync and ddp.training and _grad_enabled()):
+        # DDP all-reduces after any forward with grad enabled outside no_sync, in eval mode too
+        # (a model trained with model.eval() to freeze BatchNorm)
+        if not (ddp.require_backward_grad_sync and _grad_enabled()):
             return
         t = time.perf_counter_ns()
         try:
@@ -355,8 +360,10 @@ class NativeTiming:
                 made = [tensor for tensor in tensors if tensor.grad_fn is not None]
                 if made:
                     self._armed = step
+                    self.pending = True
                     self.ring.arm(made)  # C++ pre-hooks on the outputs' autograd nodes (this graph's)
                 elif tensors:
+                    self.pending = True
                     # only leaves (a parameter returned as it is): no node to hook in C++, the same
                     # callbacks from Python. A hook on a leaf outlives the graph, so it is removed
                     # at the next forward (kept, hooks would pile up and fire for old steps).
@@ -428,6 +435,7 @@ class NativeTiming:
             from ddpdoctor.runtime import clocks
 
             indices, ready, launch, done, nbytes, in_order, backward_end = self.ring.drain_columns(clocks._OFFSET_NS)
+            self.pending = False
             # the parameter lists go with the marks, whether used or not: nothing accumulates
             layout = self.ring.take_layout() if self._want_layout else []
             if step is None or not step.synced_forward:
