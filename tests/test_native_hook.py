@@ -96,6 +96,23 @@ def native_checks(rank: int, world_size: int) -> dict[str, Any]:
         plain = train(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, **options), rank)
         out["variants"][name] = (plain, *_instrumented(rank, options))
 
+    # compiled autograd asked for: the backward is timed from Python (it would not take the C++ hook)
+    import torch._dynamo.config as dynamo_config
+
+    python_starts: list[int] = []
+    on_output_grad = native_hook.NativeTiming.on_output_grad
+
+    def counted(self: native_hook.NativeTiming, step: Any) -> None:
+        python_starts.append(step.index)
+        on_output_grad(self, step)
+
+    native_hook.NativeTiming.on_output_grad = counted  # type: ignore[method-assign]  # counts the Python route's backward starts
+    dynamo_config.compiled_autograd = True
+    try:
+        out["compiled_autograd_asked"] = (*_instrumented(rank, {}), sorted(set(python_starts)))
+    finally:
+        dynamo_config.compiled_autograd = False
+        native_hook.NativeTiming.on_output_grad = on_output_grad  # type: ignore[method-assign]  # restored
     # trained in eval mode (a way to freeze BatchNorm): DDP all-reduces as in train mode
     plain = train(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB).eval(), rank)
     out["eval_mode"] = (plain, *_instrumented(rank, {}, eval_mode=True))
@@ -250,6 +267,17 @@ def test_a_parameter_returned_as_an_output_is_timed_and_leaves_no_hook_behind(na
             assert summary["timing"] == ["native"], case
             _check_marks(summary, buckets=len(summary["steps"][-1][0]))
             assert hooks_left <= 1, case
+
+
+def test_with_compiled_autograd_asked_for_the_backward_is_timed_from_python(native: list[dict[str, Any]]) -> None:
+    plain = {r["rank"]: r["variants"]["default"][0] for r in native}
+    for r in native:
+        losses, summary, said, python_starts = r["compiled_autograd_asked"]
+        assert python_starts == list(range(6))  # every step's backward began in Python
+        assert losses == plain[r["rank"]]
+        assert summary["timing"] == ["native"]  # the buckets still by the native hook
+        assert not said
+        _check_marks(summary, buckets=len(summary["steps"][-1][0]))
 
 
 def test_training_in_eval_mode_is_timed_like_training(native: list[dict[str, Any]]) -> None:

@@ -16,8 +16,9 @@ Per step, ``NativeTiming`` adds (all on the training thread):
   While a step's stamps are still in the ring, the hang watchdog reads them (``in_flight``,
   ``backward_ended``) when it reports a stall, to name the phase and the pending bucket.
 
-An output made only of leaves (a parameter returned as it is: no autograd node) gets the same
-two callbacks from Python instead: a tensor hook, removed at the next forward, then
+An output made only of leaves (a parameter returned as it is: no autograd node), or a backward
+that compiled autograd may trace (it knows Python hooks, not ours), gets the same two callbacks
+from Python instead: a node pre-hook (a tensor hook on a leaf, removed at the next forward), then
 ``on_output_grad`` and ``on_backward_end``.
 
 The build: ``torch.utils.cpp_extension`` in a child process (so its compiler, environment and a
@@ -358,17 +359,21 @@ class NativeTiming:
                 self._drop_leaf_hooks()
                 tensors = _output_tensors(output)
                 made = [tensor for tensor in tensors if tensor.grad_fn is not None]
-                if made:
+                if made and not _compiled_autograd_possible():
                     self._armed = step
                     self.pending = True
                     self.ring.arm(made)  # C++ pre-hooks on the outputs' autograd nodes (this graph's)
                 elif tensors:
                     self.pending = True
-                    # only leaves (a parameter returned as it is): no node to hook in C++, the same
-                    # callbacks from Python. A hook on a leaf outlives the graph, so it is removed
-                    # at the next forward (kept, hooks would pile up and fire for old steps).
+                    # the same callbacks from Python: for outputs that are only leaves (a parameter
+                    # returned as it is: no node to hook in C++), and where compiled autograd may
+                    # trace the graph (it takes Python hooks, not a C++ one of ours). A hook on a
+                    # leaf outlives the graph: it is removed at the next forward (kept, hooks
+                    # would pile up and fire for old steps).
                     hook = _OutputGradHook(weakref.ref(self), step)
-                    self._leaf_hooks = [tensor.register_hook(hook) for tensor in tensors]
+                    for tensor in made:
+                        tensor.grad_fn.register_prehook(hook)
+                    self._leaf_hooks = [tensor.register_hook(hook) for tensor in tensors if tensor.grad_fn is None]
         except Exception as exc:  # noqa: BLE001 - runs in DDP's forward: a failing probe is switched off, never breaks training
             monitor.probes.failed("buckets", exc)
         finally:
@@ -504,6 +509,18 @@ def _call(ref: weakref.ref[NativeTiming], method: str, step: Any) -> None:
     timing = ref()
     if timing is not None:
         getattr(timing, method)(step)
+
+
+def _compiled_autograd_possible() -> bool:
+    """Whether compiled autograd may run this backward: on (``compiled_autograd.enable``) or asked
+    for through ``torch._dynamo.config.compiled_autograd``. It compiles the hooks of the graph it
+    traces and knows Python hooks, not a C++ one of ours, so the backward is then timed from
+    Python. Read from ``sys.modules``: a process that never loaded dynamo cannot have it on."""
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled is not None and getattr(compiled, "compiled_autograd_enabled", False):
+        return True
+    config = sys.modules.get("torch._dynamo.config")
+    return config is not None and bool(getattr(config, "compiled_autograd", False))
 
 
 def _call_armed(ref: weakref.ref[NativeTiming]) -> None:
