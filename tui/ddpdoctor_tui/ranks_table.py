@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from rich.text import Text
 from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey
@@ -65,6 +67,7 @@ class RanksTable(DataTable[object]):
             cells = _cells(r)
             old = self._shown.get(r.rank)
             if old is None:
+                self._fit(zip((key for key, _ in COLUMNS), cells, strict=True))
                 self.add_row(*cells, key=str(r.rank))
             elif old != cells:
                 for (key, _), new, was in zip(COLUMNS, cells, old, strict=True):
@@ -73,8 +76,18 @@ class RanksTable(DataTable[object]):
                         # a wider value widens it instead of being cut ("15." for "15.3"). Only
                         # then: Textual re-measures the whole column when asked to fit a value.
                         wider = _width(new) > self.columns[ColumnKey(key)].content_width
+                        if wider:
+                            self._fit(((key, new),))
                         self.update_cell(str(r.rank), key, new, update_width=wider)
             self._shown[r.rank] = cells
+
+    def _fit(self, cells: Iterable[tuple[str, object]]) -> None:
+        """Widen the columns to the new cells now. Textual measures new rows and widened cells only
+        when idle, and a row drawn before that (the cursor's row, highlighted as it is added) was
+        cached at the old widths: it stayed one character short in a column its value filled."""
+        for key, cell in cells:
+            column = self.columns[ColumnKey(key)]
+            column.content_width = max(column.content_width, _width(cell))
 
     def selected_rank(self) -> int | None:
         if not self.row_count:
