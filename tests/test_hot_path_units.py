@@ -185,8 +185,17 @@ def test_native_marks_in_order_or_not_give_the_same_step() -> None:
     def marks(*batches: list[tuple[int, int, int, int, int]]) -> tuple[list[Any], ...]:
         recorder = StepRecorder(0, 0, lambda record: None)
         step = recorder.forward_start(sync=True)
-        for batch in batches:
-            recorder.add_bucket_marks(step, batch)
+        for batch in batches:  # as the native ring's drain hands them over: columns
+            indices = [m[0] for m in batch]
+            recorder.add_bucket_columns(
+                step,
+                indices,
+                [m[1] for m in batch],
+                [m[2] for m in batch],
+                [m[3] or None for m in batch],
+                [m[4] for m in batch],
+                indices == list(range(len(batch))),
+            )
         return step.ready, step.launch, step.done, step.nbytes
 
     expected = ([10, 12, 14], [11, 13, 15], [20, 25, None], [400, 800, 96])

@@ -414,19 +414,23 @@ class Monitor:
         except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); it must never break training
             self.probes.failed("backward_end", exc)
 
+    def _native(self) -> Any:
+        """The registered native hook's Python side, or None (Python route, or not attached yet)."""
+        attachment = getattr(self, "attachment", None)
+        native = getattr(attachment, "native", None) if attachment is not None else None
+        return native if native is not None and native.registered else None
+
     def buckets_in_flight(self) -> list[tuple[int, int, int, int, int]]:
         """Native route: the current backward's bucket stamps not yet drained into the step
         (bucket index, ready, launch, done, bytes; done 0 when not seen); empty otherwise."""
-        attachment = getattr(self, "attachment", None)
-        native = getattr(attachment, "native", None) if attachment is not None else None
-        return native.in_flight() if native is not None and native.registered else []
+        native = self._native()
+        return native.in_flight() if native is not None else []
 
     def backward_ended_in_flight(self) -> bool:
         """Native route: the current backward's compute end is stamped (in C++) but not yet
         drained into the step: the rank waits for its all-reduces."""
-        attachment = getattr(self, "attachment", None)
-        native = getattr(attachment, "native", None) if attachment is not None else None
-        return native.backward_ended() if native is not None and native.registered else False
+        native = self._native()
+        return native.backward_ended() if native is not None else False
 
     def on_optimizer(self, start: bool) -> None:
         if self.closed or not self.probes.on["optimizer"]:

@@ -214,19 +214,6 @@ class StepRecorder:
             _put(step.done, index, d)
             _put(step.nbytes, index, b)
 
-    def add_bucket_marks(self, step: OpenStep, marks: list[tuple[int, int, int, int, int]]) -> None:
-        """The same, from (bucket index, ready, launch, done, bytes) rows; a done of 0 was not seen."""
-        indices = [m[0] for m in marks]
-        self.add_bucket_columns(
-            step,
-            indices,
-            [m[1] for m in marks],
-            [m[2] for m in marks],
-            [m[3] or None for m in marks],
-            [m[4] for m in marks],
-            indices == list(range(len(marks))),
-        )
-
     def bucket_layout(self, step: OpenStep, index: int, info: BucketInfo) -> None:
         if step.layout is not None:
             step.layout[index] = info
