@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning
-from ddpdoctor.events import End, Header, ProbeOff, Record
+from ddpdoctor.events import End, Header, ProbeOff, ProcSample, Record, Step
 from ddpdoctor.runtime import run_dir, torch_compat, watchdog
 from ddpdoctor.runtime.attach import AttachError, Attachment, monitor_of
 from ddpdoctor.runtime.clocks import CudaClock, HostClock, mono_ns, wall_ns
@@ -40,6 +40,8 @@ _perf_ns = time.perf_counter_ns  # own_ns accounting: one lookup less per call o
 
 #: How often the buffer byte count is recomputed (buffers are rarely replaced).
 _BUFFER_BYTES_EVERY = 100
+#: Closed steps that waited this long (host ns) are emitted by a process sample.
+_STALE_NS = 1_000_000_000
 
 
 def _close_released(monitor: Monitor) -> None:
@@ -270,7 +272,24 @@ class Monitor:
     # -- records -------------------------------------------------------------------------
 
     def emit(self, record: Record) -> None:
-        """Hand a record to the sink and to the live checks (never raises)."""
+        """Hand a record to the sink and to the live checks (never raises).
+
+        Closed steps waiting for their emission go first, so the log keeps its order. A process
+        sample (the sampler's thread, every few seconds) takes them only once they have waited
+        ``_STALE_NS``: a job paused between steps (evaluation, a checkpoint) then shows its last
+        steps, while the steps of a running job are emitted by the training thread.
+        """
+        if type(record) is not Step:
+            recorder = getattr(self, "recorder", None)
+            if (
+                recorder is not None
+                and recorder.closed_waiting
+                and (type(record) is not ProcSample or recorder.closed_age_ns(mono_ns()) >= _STALE_NS)
+            ):
+                try:
+                    recorder.emit_closed()
+                except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
+                    self.probes.failed("emit", exc)
         if self.probes.on["emit"]:
             try:
                 self.sink.emit(record)
@@ -286,8 +305,12 @@ class Monitor:
         self.sink.flush(timeout=2.0)
 
     def flush(self, timeout: float = 2.0) -> bool:
-        """Make what was emitted so far durable (any thread; e.g. on SIGTERM). Never raises."""
+        """Make what was emitted so far, closed steps included, durable (any thread; e.g. on
+        SIGTERM). Never raises."""
         try:
+            recorder = getattr(self, "recorder", None)
+            if recorder is not None:
+                recorder.emit_closed()
             return self.sink.flush(timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - flush runs on any thread, SIGTERM included: never raises
             self.probes.failed("emit", exc)
@@ -298,8 +321,8 @@ class Monitor:
 
     @property
     def steps(self) -> int:
-        """Steps recorded so far."""
-        return self.recorder.steps_emitted
+        """Steps recorded so far (emitted, or closed and about to be)."""
+        return self.recorder.steps_closed
 
     @property
     def own_us(self) -> float:

@@ -3,11 +3,21 @@
 A *step* is one synchronized iteration: optional ``no_sync`` micro-steps, the synchronizing
 forward, its backward with the bucket all-reduces, and whatever follows (optimizer, data) until
 the next training forward starts, which closes the step. Everything here runs on the training
-thread, except ``bucket_done`` (called from the communication library's thread).
+thread, except ``bucket_done`` (called from the communication library's thread) and
+``emit_closed`` (any thread).
+
+Closed steps are emitted together (``emit_closed``): at once when the last emission was
+``BATCH_NS`` ago or more (every step of a job whose steps take that long), else with the next
+step to close after that, or at ``BATCH_STEPS`` steps. Why: a step record built right after a
+forward runs with cold caches at 3-4 times the cost of the same code run step after step in a
+loop, and on millisecond steps that cost was most of ddpdoctor's time on the training thread.
+Records keep their order: any other record a monitor emits first emits the closed steps.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +26,11 @@ from ddpdoctor.runtime.clocks import HostClock, Mark, mono_ns, wall_ns
 
 #: Steps whose CUDA events are still in flight are kept this long before being given up.
 MAX_PENDING_STEPS = 64
+#: Closed steps wait for the next emission at most this long (host ns) and this many steps.
+BATCH_NS = 50_000_000
+BATCH_STEPS = 32
+#: Longest wait for another thread's emission of closed steps (seconds).
+EMIT_WAIT_S = 5.0
 
 
 def _put(values: list[Any], index: int, value: Any) -> None:
@@ -47,6 +62,7 @@ class OpenStep:
         "end",
         "synced_forward",
         "layout",
+        "comm_hook",
     )
 
     def __init__(self, index: int, t0: Mark) -> None:
@@ -69,6 +85,7 @@ class OpenStep:
         self.end: Mark = None
         self.synced_forward = False
         self.layout: dict[int, BucketInfo] | None = None
+        self.comm_hook: str | None = None  # the comm hook in effect when its layout was asked for
 
     def marks(self) -> list[Mark]:
         out = [self.t0, self.fwd_start, self.fwd_end, self.bwd_end, self.opt_start, self.opt_end, self.end]
@@ -93,10 +110,20 @@ class StepRecorder:
         self.steps_emitted = 0
         self._next_index = 0
         self._pending: list[OpenStep] = []
+        # closed steps not emitted yet (host marks): appended by the training thread, taken by
+        # whichever thread emits them (``emit_closed``); deque append and popleft are atomic
+        self._closed: deque[OpenStep] = deque()
+        self._emitted_at = 0  # host ns of the last emission of closed steps
+        self._emit_lock = threading.Lock()  # one emitter at a time: steps reach the sink in order
+        self._emitting = 0  # thread id of the emitter (a record it emits must not re-enter)
         self._last_layout: list[tuple[int, str]] | None = None  # (bytes, dtype) per bucket
         self._last_bytes: list[int | None] = []
-        self._layout_wanted = True
+        # Layouts are looked at in the steps opened after these were set; the decision is taken
+        # when a step opens, not when the step before is emitted (closed steps wait for that)
+        self._layout_wanted = False  # bucket sizes moved: look at the next step's
+        self._layout_steps = 2  # DDP builds its buckets, then rebuilds them once after step 0
         self.comm_hook: str | None = None  # the user's comm hook in effect (None: DDP's default)
+        self._hook_asked: str | None = None  # the comm hook of the last step that captured a layout
         self._last_hook: str | None = None  # the one the last Layout record named
 
     @property
@@ -110,15 +137,13 @@ class StepRecorder:
 
     def set_comm_hook(self, name: str | None) -> None:
         """A comm hook now in effect (registered after ``instrument``): the next layout names it."""
-        self.comm_hook = name
-        if name != self._last_hook:
-            self._layout_wanted = True
+        self.comm_hook = name  # the next step opened captures the layout, naming it
 
     def reset_layout(self) -> None:
         """A new DDP instance: its buckets are new, look at them again."""
         self._last_layout = None
         self._last_bytes = []
-        self._layout_wanted = True
+        self._layout_steps = 1
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -136,8 +161,12 @@ class StepRecorder:
         if step is None:
             step = self.current = OpenStep(self._next_index, now)
             self._next_index += 1
-            if self._layout_wanted:
+            if self._layout_steps or self._layout_wanted or self.comm_hook != self._hook_asked:
                 step.layout = {}
+                step.comm_hook = self._hook_asked = self.comm_hook
+                self._layout_wanted = False
+                if self._layout_steps:
+                    self._layout_steps -= 1
         if sync:
             step.fwd_start = now
             step.synced_forward = True
@@ -249,13 +278,57 @@ class StepRecorder:
         if self.current is not None and self.current.synced_forward:
             self._close(self.current, None)
         self.current = None
+        self.emit_closed()
         self._drain(force=True)
+
+    @property
+    def steps_closed(self) -> int:
+        """Steps closed so far: emitted, or closed and waiting for the next emission."""
+        return self.steps_emitted + len(self._closed)
+
+    @property
+    def closed_waiting(self) -> bool:
+        """Closed steps wait for their emission."""
+        return bool(self._closed)
+
+    def closed_age_ns(self, now: int) -> int:
+        """How long ago closed steps were last emitted (host ns), when some wait; else 0."""
+        return now - self._emitted_at if self._closed else 0
+
+    def emit_closed(self, at: Mark = None) -> None:
+        """Emit the closed steps, oldest first, ``at`` (a host mark; None: now). Any thread; a
+        call made while this thread already emits them (a record that emission emits) returns."""
+        me = threading.get_ident()
+        if self._emitting == me or not self._closed:
+            return
+        # bounded: an emitter stuck in a sink must not stop the hang watchdog's report (the
+        # steps then wait for the next emission)
+        if not self._emit_lock.acquire(timeout=EMIT_WAIT_S):
+            return
+        self._emitting = me
+        try:
+            self._emitted_at = mono_ns() if at is None else at
+            closed = self._closed
+            while closed:
+                self._emit_step(closed.popleft())
+        finally:
+            self._emitting = 0
+            self._emit_lock.release()
 
     def _close(self, step: OpenStep, end: Mark) -> None:
         step.end = end
         self.current = None
         if self.clock.always_ready and not self._pending:
-            self._emit_step(step)  # host marks: nothing to wait for, no queue to go through
+            # host marks: nothing to wait for; emitted with the closed steps before it
+            closed = self._closed
+            closed.append(step)
+            if (
+                end is None
+                or len(closed) >= BATCH_STEPS
+                or end - self._emitted_at >= BATCH_NS
+                or self.steps_emitted == 0
+            ):
+                self.emit_closed(end)
             return
         self._pending.append(step)
         self._drain(force=False)
@@ -357,7 +430,7 @@ class StepRecorder:
         if step.layout:
             buckets = [step.layout[i] for i in sorted(step.layout)]
             signature = [(b.bytes, b.dtype) for b in buckets]
-            if signature != self._last_layout or (self.comm_hook != self._last_hook):
+            if signature != self._last_layout or (step.comm_hook != self._last_hook):
                 if self._last_layout is None:
                     reason = "initial"
                 elif signature == self._last_layout:
@@ -373,13 +446,11 @@ class StepRecorder:
                         step=step.index,
                         reason=reason,
                         buckets=buckets,
-                        comm_hook=self.comm_hook,
+                        comm_hook=step.comm_hook,
                     )
                 )
                 self._last_layout = signature
-                self._last_hook = self.comm_hook
+                self._last_hook = step.comm_hook
                 self._last_bytes = [b.bytes for b in buckets]
-            # DDP rebuilds its buckets once, before the second step's forward: look again then.
-            self._layout_wanted = step.index < 1
         elif self._last_layout is not None and step.nbytes != self._last_bytes:
             self._layout_wanted = True  # bucket sizes moved: capture names on the next step
