@@ -8,6 +8,7 @@ applied and timed. The extension is built once per session (cached in torch's ex
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 import warnings
@@ -162,12 +163,79 @@ def native_checks(rank: int, world_size: int) -> dict[str, Any]:
         hooks_left = len(ddp.module.scale._backward_hooks or {})
         monitor.close()
         out[f"leaf_output_{'only' if only else 'mixed'}"] = (plain, instrumented, _summary(sink), hooks_left)
+    out["arm_output"] = _arm_output_cases()
     # the hook's clock is the one of time.perf_counter_ns
     module = native_hook.load()
     before = time.perf_counter_ns()
     native = module.clock_ns()
     after = time.perf_counter_ns()
     out["clock"] = (before, native, after)
+    return out
+
+
+class _Sub(torch.Tensor):
+    """A Tensor subclass: its attributes may be Python's, so Python walks such an output."""
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    """A torch function mode that changes nothing."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+_Pair = collections.namedtuple("_Pair", "first second")
+
+
+class _Record(collections.OrderedDict):  # type: ignore[type-arg]
+    """A dict subclass, as model-output records are."""
+
+
+def _arm_output_cases() -> dict[str, tuple[int, int]]:
+    """``Timing.arm_output`` on outputs of every shape: (its answer, what Python's walk implies).
+
+    Python's: the number of tensors with an autograd node among the first ``OUTPUT_LIMIT``
+    requiring grad (``_output_tensors``), else -1 when some are leaves, else 0. Leaves before and
+    after computed tensors beyond the limit tell the order of the walk."""
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    monitor = ddpdoctor.instrument(ddp, sink=MemorySink())
+    native = monitor.attachment.native
+    assert native is not None and native.ring is not None
+    leaf = torch.nn.Parameter(torch.ones(3))
+
+    def made() -> torch.Tensor:
+        return leaf * 2
+
+    plain = torch.ones(3)
+    outputs: dict[str, Any] = {
+        "tensor": made(),
+        "leaf": leaf,
+        "no_grad": plain,
+        "none": None,
+        "tuple": (made(), leaf, plain),
+        "nested": [plain, [made(), (made(), "text")]],
+        "dict": {"a": made(), "b": {"c": leaf, "d": made()}},
+        "leaves_first": [leaf] * 4 + [made() for _ in range(6)],
+        "leaves_last": [made() for _ in range(6)] + [leaf] * 4,
+        "leaves_nested": {"x": [leaf, leaf, (leaf, made())], "y": [made() for _ in range(9)]},
+        "namedtuple": _Pair(made(), [leaf, made()]),
+        "dict_subclass": _Record(a=made(), b=leaf, c=[made()]),
+        "only_leaves": (leaf, [leaf]),
+        "subclass_beyond_limit": [made() for _ in range(8)] + [made().as_subclass(_Sub)],
+        "empty": [],
+    }
+    out: dict[str, tuple[int, int]] = {}
+    for name, output in outputs.items():
+        tensors = native_hook._output_tensors(output)
+        made_here = [t for t in tensors if t.grad_fn is not None]
+        python = len(made_here) if made_here else (-1 if tensors else 0)
+        out[name] = (native.ring.arm_output(output, native_hook.OUTPUT_LIMIT), python)
+    # a Tensor subclass within the limit, or a torch function mode: Python walks the output
+    out["subclass"] = (native.ring.arm_output((made(), made().as_subclass(_Sub)), native_hook.OUTPUT_LIMIT), -1)
+    output = made()
+    with _PassThrough():
+        out["function_mode"] = (native.ring.arm_output(output, native_hook.OUTPUT_LIMIT), -1)
+    monitor.close()
     return out
 
 
@@ -267,6 +335,14 @@ def test_a_parameter_returned_as_an_output_is_timed_and_leaves_no_hook_behind(na
             assert summary["timing"] == ["native"], case
             _check_marks(summary, buckets=len(summary["steps"][-1][0]))
             assert hooks_left <= 1, case
+
+
+def test_arm_output_hooks_what_the_python_walk_finds(native: list[dict[str, Any]]) -> None:
+    # the same tensors, in the same order, as _output_tensors; -1 (nothing armed) where Python
+    # hooks the output itself: only leaves, a Tensor subclass, a torch function mode
+    for r in native:
+        for name, (native_answer, python_answer) in r["arm_output"].items():
+            assert native_answer == python_answer, name
 
 
 def test_with_compiled_autograd_asked_for_the_backward_is_timed_from_python(native: list[dict[str, Any]]) -> None:
@@ -379,3 +455,17 @@ def test_three_ranks_train_identically(native_built: Path) -> None:
             assert losses == out["plain"], route
             assert summary["timing"] == [route]
             _check_marks(summary, len(summary["steps"][-1][0]))
+
+
+def test_same_requires_grad_reads_every_flag(native_built: Path) -> None:
+    """The per-forward requires_grad check in one call: equal only when every flag is the byte
+    given for it; a length that differs or an item that is not a tensor is "not the same" (the
+    checks then read the flags from Python)."""
+    same = native_hook._import(native_built.stem, native_built).same_requires_grad
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.zeros(3), torch.nn.Parameter(torch.ones(1))]
+    assert same(params, bytes([1, 0, 1]))
+    params[2].requires_grad_(False)
+    assert not same(params, bytes([1, 0, 1])) and same(params, bytes([1, 0, 0]))
+    assert not same(params, bytes([1, 0])) and not same(params[:2], bytes([1, 0, 0]))
+    assert not same([*params[:2], "w"], bytes([1, 0, 0]))
+    assert same([], b"")

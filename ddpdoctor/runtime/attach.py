@@ -325,14 +325,15 @@ class Attachment:
 
     def _native_forward_pre(self, module: Any, args: Any) -> None:
         native = self.native
-        if native is not None and native.registered and not native.delegated and native.pending:
+        # every forward: pending first, false but after a backward whose drain did not run
+        if native is not None and native.pending and native.registered and not native.delegated:
             # stamps that a step's backward callbacks did not drain (its output got no
             # gradient) are still the open step's, which ddpdoctor's own pre-hook closes next
             native.drain(self.monitor.recorder.current)
 
     def _native_forward_post(self, module: Any, args: Any, output: Any) -> None:
         native = self.native
-        if native is not None and native.registered:
+        if native is not None:  # (on_forward_post returns at once while nothing is registered)
             native.on_forward_post(module, output)
 
     def _retire_old_reducer(self) -> None:

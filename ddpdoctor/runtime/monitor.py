@@ -168,7 +168,16 @@ class Monitor:
         self._param_names = {id(p): n for n, p in ddp.module.named_parameters()}
         self._buffer_bytes = 0
         self._buffer_bytes_age = _BUFFER_BYTES_EVERY
-        self.checks = SampledChecks(ddp, attachment.header, self.check_every, self.emit, self.rank, self.ddp_index)
+        native = attachment.native
+        self.checks = SampledChecks(
+            ddp,
+            attachment.header,
+            self.check_every,
+            self.emit,
+            self.rank,
+            self.ddp_index,
+            same_flags=native.same_requires_grad if native is not None else None,
+        )
         self.emit(attachment.header)
         if not self.header_written:
             self.header_written = True

@@ -7,19 +7,24 @@ GIL is taken on the comm thread; Python drains the ring once per step.
 
 Per step, ``NativeTiming`` adds (all on the training thread):
 
-- ``Timing.arm`` after the synchronizing forward: a C++ pre-hook on the autograd node of each
-  DDP output (gradients pass unchanged). It fires first in backward and queues an autograd final
-  callback, which runs once the graph is done and stamps *backward compute end* in C++;
+- ``Timing.arm_output`` after the synchronizing forward: C++ walks the DDP output (as
+  ``_output_tensors`` does) and puts a C++ pre-hook on the autograd node of each output tensor
+  (gradients pass unchanged); Python reads no tensor attribute and makes no node object. The hook
+  fires first in backward and queues an autograd final callback, which runs once the graph is
+  done and stamps *backward compute end* in C++;
 - that callback queues a second one from inside itself: it runs after DDP's own
   ``finalize_backward`` (queued later), i.e. once every bucket's all-reduce completed on this
-  rank, and calls Python once, to drain the ring into the step (``StepRecorder.add_bucket_columns``).
+  rank, and calls one Python method, ``NativeTiming.drain`` (found through a weak reference, no
+  Python frame in between), to drain the ring into the step (``StepRecorder.add_bucket_columns``).
   While a step's stamps are still in the ring, the hang watchdog reads them (``in_flight``,
   ``backward_ended``) when it reports a stall, to name the phase and the pending bucket.
 
 An output made only of leaves (a parameter returned as it is: no autograd node), or a backward
 that compiled autograd may trace (it knows Python hooks, not ours), gets the same two callbacks
 from Python instead: a node pre-hook (a tensor hook on a leaf, removed at the next forward), then
-``on_output_grad`` and ``on_backward_end``.
+``on_output_grad`` and ``on_backward_end``. So does an output holding a Tensor subclass, or one
+made under a torch function mode, where Python code may answer ``requires_grad``/``grad_fn``:
+Python walks it and arms the C++ hooks itself (``_arm_from_python``), as before ``arm_output``.
 
 The build: ``torch.utils.cpp_extension`` in a child process (so its compiler, environment and a
 stale lock never touch the training process), under torch's own build lock, cached in torch's
@@ -34,7 +39,6 @@ builds and loads; otherwise the Python comm hook does (``comm_hook.timed_hook``)
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import os
@@ -48,7 +52,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from ddpdoctor.categories import CommHookWarning
+from ddpdoctor.runtime import clocks, torch_compat
 
 #: ``0`` (or ``off``/``false``/``no``) forces the Python comm hook.
 ENV = "DDPDOCTOR_NATIVE"
@@ -60,7 +67,17 @@ SOURCE = Path(__file__).parent / "native" / "timed_hook.cpp"
 RING_CAPACITY = 4096
 #: Give up on a build (compiler stuck, a stale build lock) after this long.
 BUILD_TIMEOUT_S = 600.0
+#: Output tensors hooked at most per forward (the first ones found, depth first).
+OUTPUT_LIMIT = 8
+#: ``torch._dynamo.config.compiled_autograd`` is read every this many synchronizing forwards (and
+#: at the first). Torch itself reads it only when a function is compiled, programs set it at their
+#: start, and a read walks torch's config module: per step it was most of this side's forward
+#: cost. Whether compiled autograd is on is read at every forward.
+CONFIG_EVERY = 16
 _OK_MARK = "ddpdoctor-built"
+#: The drain's default argument: the step whose backward the C++ hooks armed.
+_ARMED: Any = object()
+_perf_ns = time.perf_counter_ns  # one lookup less per call on the hot path
 
 
 class NativeUnavailable(RuntimeError):
@@ -80,8 +97,6 @@ def _source_text() -> str:
 
 
 def _torch_tag() -> str:
-    import torch
-
     git = str(getattr(torch.version, "git_version", "") or "")[:8]
     tag = f"py{sys.version_info[0]}{sys.version_info[1]}_{torch.__version__}_{git}"
     return "".join(c if c.isalnum() else "_" for c in tag)
@@ -188,8 +203,7 @@ def build(timeout: float = BUILD_TIMEOUT_S, verbose: bool = False) -> Path:
 
 
 def _import(name: str, so: Path) -> ModuleType:
-    import torch  # noqa: F401 - the extension's symbols resolve against torch's libraries
-
+    # (torch is imported: the extension's symbols resolve against its libraries)
     spec = importlib.util.spec_from_file_location(name, so)
     if spec is None or spec.loader is None:
         raise NativeUnavailable(f"cannot load {so}")
@@ -263,10 +277,8 @@ def choose(cuda: bool) -> ModuleType | None:
         return None
 
 
-def _output_tensors(output: Any, limit: int = 8) -> list[Any]:
+def _output_tensors(output: Any, limit: int = OUTPUT_LIMIT) -> list[Any]:
     """The tensors requiring grad in a forward's output (nested tuples, lists, dicts), at most ``limit``."""
-    import torch
-
     found: list[Any] = []
     stack = [output]
     while stack and len(found) < limit:
@@ -298,10 +310,18 @@ class NativeTiming:
         #: the next forward drains the ring into the open step (``Attachment._native_forward_pre``)
         self.pending = False
         self.delegated = False
+        self._asked = False  # torch._dynamo.config.compiled_autograd, as last read
+        self._asked_in = 0  # forwards until it is read again
 
     @property
     def registered(self) -> bool:
         return self.ring is not None
+
+    @property
+    def same_requires_grad(self) -> Any:
+        """The extension's ``same_requires_grad(tensors, expected_bytes)`` (None in an older build):
+        the per-forward requires_grad check in one call."""
+        return getattr(self._module, "same_requires_grad", None)
 
     def check(self, ddp: Any) -> None:
         """Raise unless the extension takes this DDP's reducer and process group (changes nothing)."""
@@ -311,9 +331,9 @@ class NativeTiming:
     def register(self, ddp: Any) -> None:
         """Put the hook on DDP's reducer (for good: a reducer takes one hook)."""
         ring = self._module.register_timed_hook(ddp.reducer, ddp.process_group, RING_CAPACITY)
-        # called from C++ once a step, after DDP's finalize_backward; weak: the ring must not
-        # keep this object (and through the monitor, DDP) alive
-        ring.set_drain(functools.partial(_call_armed, weakref.ref(self)))
+        # ``self.drain()`` is called from C++ once a step, after DDP's finalize_backward; weak:
+        # the ring must not keep this object (and through the monitor, DDP) alive
+        ring.set_drain(weakref.ref(self), "drain")
         self.ring = ring
         self.delegated = False
 
@@ -340,52 +360,71 @@ class NativeTiming:
     def on_forward_post(self, ddp: Any, output: Any) -> None:
         """After a synchronizing training forward: hook its output, ask for the layout if wanted."""
         monitor = self._monitor()
-        if self.ring is None or self.delegated or monitor is None or monitor.closed or not monitor.probes.on["buckets"]:
+        ring = self.ring
+        if ring is None or self.delegated or monitor is None or monitor.closed:
+            return
+        on = monitor.probes.on
+        if not on["buckets"]:
             return
         # DDP all-reduces after any forward with grad enabled outside no_sync, in eval mode too
         # (a model trained with model.eval() to freeze BatchNorm)
-        if not (ddp.require_backward_grad_sync and _grad_enabled()):
+        if not (ddp.require_backward_grad_sync and torch.is_grad_enabled()):
             return
-        t = time.perf_counter_ns()
+        t = _perf_ns()
         try:
             step = monitor.recorder.current
             if step is None or not step.synced_forward:
                 return
-            want = step.layout is not None and monitor.probes.on["layout"]
+            want = step.layout is not None and on["layout"]
             if want != self._want_layout:
-                self.ring.want_layout(want)
+                ring.want_layout(want)
                 self._want_layout = want
-            if monitor.probes.on["backward_end"]:
-                self._drop_leaf_hooks()
-                tensors = _output_tensors(output)
-                made = [tensor for tensor in tensors if tensor.grad_fn is not None]
-                if made and not _compiled_autograd_possible():
+            if on["backward_end"]:
+                if self._leaf_hooks:
+                    self._drop_leaf_hooks()
+                # compiled autograd first: the C++ must not hook a graph it may trace
+                self._asked_in -= 1
+                if self._asked_in <= 0:
+                    self._asked, self._asked_in = _compiled_autograd_asked(), CONFIG_EVERY
+                possible = self._asked or _compiled_autograd_enabled()
+                hooked = -1 if possible else ring.arm_output(output, OUTPUT_LIMIT)
+                if hooked > 0:  # C++ pre-hooks on the outputs' autograd nodes (this graph's)
                     self._armed = step
                     self.pending = True
-                    self.ring.arm(made)  # C++ pre-hooks on the outputs' autograd nodes (this graph's)
-                elif tensors:
-                    self.pending = True
-                    # the same callbacks from Python: for outputs that are only leaves (a parameter
-                    # returned as it is: no node to hook in C++), and where compiled autograd may
-                    # trace the graph (it takes Python hooks, not a C++ one of ours). A hook on a
-                    # leaf outlives the graph: it is removed at the next forward (kept, hooks
-                    # would pile up and fire for old steps).
-                    hook = _OutputGradHook(weakref.ref(self), step)
-                    for tensor in made:
-                        tensor.grad_fn.register_prehook(hook)
-                    self._leaf_hooks = [tensor.register_hook(hook) for tensor in tensors if tensor.grad_fn is None]
+                elif hooked:
+                    self._arm_from_python(step, output, possible)
         except Exception as exc:  # noqa: BLE001 - runs in DDP's forward: a failing probe is switched off, never breaks training
             monitor.probes.failed("buckets", exc)
         finally:
-            monitor.own_ns += time.perf_counter_ns() - t
+            monitor.own_ns += _perf_ns() - t
+
+    def _arm_from_python(self, step: Any, output: Any, compiled: bool) -> None:
+        """The output's hooks from Python, where ``arm_output`` armed nothing: outputs that are only
+        leaves, compiled autograd (``compiled``: it may run), a Tensor subclass or a torch
+        function mode."""
+        tensors = _output_tensors(output)
+        made = [tensor for tensor in tensors if tensor.grad_fn is not None]
+        if made and not compiled:
+            self._armed = step
+            self.pending = True
+            self.ring.arm(made)  # C++ pre-hooks on the outputs' autograd nodes (this graph's)
+        elif tensors:
+            self.pending = True
+            # the same callbacks from Python: for outputs that are only leaves (a parameter
+            # returned as it is: no node to hook in C++), and where compiled autograd may
+            # trace the graph (it takes Python hooks, not a C++ one of ours). A hook on a
+            # leaf outlives the graph: it is removed at the next forward (kept, hooks
+            # would pile up and fire for old steps).
+            hook = _OutputGradHook(weakref.ref(self), step)
+            for tensor in made:
+                tensor.grad_fn.register_prehook(hook)
+            self._leaf_hooks = [tensor.register_hook(hook) for tensor in tensors if tensor.grad_fn is None]
 
     def on_output_grad(self, step: Any) -> None:
         """First thing in backward: queue the backward-end callback (once per step)."""
         if self._queued is step:
             return
         self._queued = step
-        from ddpdoctor.runtime import torch_compat
-
         this = weakref.ref(self)
         torch_compat.queue_backward_callback(lambda: _call(this, "on_backward_end", step))
 
@@ -398,8 +437,6 @@ class NativeTiming:
             monitor.recorder.backward_end(step)
         except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); never breaks training
             monitor.probes.failed("backward_end", exc)
-        from ddpdoctor.runtime import torch_compat
-
         this = weakref.ref(self)
         try:
             # queued from inside a final callback: it runs after DDP's finalize_backward, i.e.
@@ -425,29 +462,28 @@ class NativeTiming:
             return False
         return bool(self.ring.backward_end())
 
-    def drain_armed(self) -> None:
-        """The armed step's drain (called from C++ after DDP's finalize_backward)."""
-        self.drain(self._armed)
-
-    def drain(self, step: Any) -> None:
+    def drain(self, step: Any = _ARMED) -> None:
         """Move the ring's stamps, and the backward end stamped in C++, into ``step`` (the step
-        whose backward ran them)."""
+        whose backward ran them; by default the one armed at its forward: the call from C++
+        after DDP's finalize_backward)."""
         monitor = self._monitor()
-        if self.ring is None or monitor is None or monitor.closed:
+        ring = self.ring
+        if ring is None or monitor is None or monitor.closed:
             return
-        t = time.perf_counter_ns()
+        t = _perf_ns()
         try:
-            from ddpdoctor.runtime import clocks
-
-            indices, ready, launch, done, nbytes, in_order, backward_end = self.ring.drain_columns(clocks._OFFSET_NS)
+            indices, ready, launch, done, nbytes, in_order, backward_end = ring.drain_columns(clocks._OFFSET_NS)
             self.pending = False
+            if step is _ARMED:
+                step = self._armed
             # the parameter lists go with the marks, whether used or not: nothing accumulates
-            layout = self.ring.take_layout() if self._want_layout else []
+            layout = ring.take_layout() if self._want_layout else None
             if step is None or not step.synced_forward:
                 return
-            if backward_end is not None and monitor.probes.on["backward_end"]:
+            on = monitor.probes.on
+            if backward_end is not None and on["backward_end"]:
                 monitor.recorder.backward_end(step, backward_end)
-            if not indices or not monitor.probes.on["buckets"]:
+            if not indices or not on["buckets"]:
                 return
             monitor.recorder.add_bucket_columns(step, indices, ready, launch, done, nbytes, in_order)
             if layout and step.layout is not None:
@@ -455,7 +491,7 @@ class NativeTiming:
         except Exception as exc:  # noqa: BLE001 - inside loss.backward() or forward: never breaks training
             monitor.probes.failed("buckets", exc)
         finally:
-            monitor.own_ns += time.perf_counter_ns() - t
+            monitor.own_ns += _perf_ns() - t
 
     def _layout(
         self,
@@ -475,8 +511,6 @@ class NativeTiming:
 
 def _shifted(marks: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
     """The marks on the host clock ddpdoctor uses (the tests' clock offset, when it is set)."""
-    from ddpdoctor.runtime import clocks
-
     off = clocks._OFFSET_NS
     if not off:
         return marks
@@ -511,28 +545,21 @@ def _call(ref: weakref.ref[NativeTiming], method: str, step: Any) -> None:
         getattr(timing, method)(step)
 
 
-def _compiled_autograd_possible() -> bool:
-    """Whether compiled autograd may run this backward: on (``compiled_autograd.enable``) or asked
-    for through ``torch._dynamo.config.compiled_autograd``. It compiles the hooks of the graph it
-    traces and knows Python hooks, not a C++ one of ours, so the backward is then timed from
-    Python. Read from ``sys.modules``: a process that never loaded dynamo cannot have it on."""
+def _compiled_autograd_enabled() -> bool:
+    """Whether compiled autograd is on now (``compiled_autograd.enable``, or a compiled function
+    asked for it running): it compiles the hooks of the graph it traces and knows Python hooks,
+    not a C++ one of ours. Read from ``sys.modules``: a process that never loaded dynamo cannot
+    have it on."""
     compiled = sys.modules.get("torch._dynamo.compiled_autograd")
-    if compiled is not None and getattr(compiled, "compiled_autograd_enabled", False):
-        return True
+    return compiled is not None and bool(getattr(compiled, "compiled_autograd_enabled", False))
+
+
+def _compiled_autograd_asked() -> bool:
+    """Whether ``torch._dynamo.config.compiled_autograd`` asks for compiled autograd: a function
+    compiled then may run this backward under it. Costs a walk through torch's config module
+    (microseconds): ``NativeTiming`` reads it every ``CONFIG_EVERY`` forwards."""
     config = sys.modules.get("torch._dynamo.config")
     return config is not None and bool(getattr(config, "compiled_autograd", False))
-
-
-def _call_armed(ref: weakref.ref[NativeTiming]) -> None:
-    timing = ref()
-    if timing is not None:
-        timing.drain_armed()
-
-
-def _grad_enabled() -> bool:
-    import torch
-
-    return torch.is_grad_enabled()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ import operator
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ddpdoctor.categories import CommHookWarning
@@ -58,7 +59,16 @@ class _Sample:
 class SampledChecks:
     """The checks of one monitor on one DDP instance (a new one after ``rewrap``)."""
 
-    def __init__(self, ddp: Any, header: Header, check_every: int, emit: Any, rank: int, ddp_index: int) -> None:
+    def __init__(
+        self,
+        ddp: Any,
+        header: Header,
+        check_every: int,
+        emit: Any,
+        rank: int,
+        ddp_index: int,
+        same_flags: Callable[[list[Any], bytes], bool] | None = None,
+    ) -> None:
         self._ddp: Any = weakref.ref(ddp)
         self.check_every = max(1, int(check_every))
         self._emit = emit
@@ -70,6 +80,10 @@ class SampledChecks:
         self.reduced = [p.reduced for p in header.params]
         self.ignored = [p.ignored for p in header.params]
         self.flags = [p.requires_grad for p in header.params]
+        # the native extension's one-call check (``same_requires_grad``), when it is loaded: a
+        # byte per parameter; None: the flags are read from Python
+        self._same_flags = same_flags
+        self._flag_bytes = bytes(self.flags)
         self.sample: _Sample | None = None
         self.bcast_in_forward = False  # set by the monitor when DDP broadcast buffers in this forward
         self.broadcasts = 0  # DDP's buffer broadcasts since attach (counted by the monitor)
@@ -102,11 +116,16 @@ class SampledChecks:
             self.begin_sample(step, t0_mono_ns)
 
     def check_grad_flags(self, step: int) -> None:
-        """Compare requires_grad with what DDP was built with: every forward, one C-level pass."""
+        """Compare requires_grad with what DDP was built with: every forward, one C-level pass
+        (one call into the native extension when it is loaded)."""
+        same = self._same_flags
+        if same is not None and same(self.params, self._flag_bytes):
+            return
         flags = list(map(_requires_grad, self.params))
         if flags == self.flags:
             return
         self.flags = flags
+        self._flag_bytes = bytes(flags)
         frozen = [n for n, r, f in zip(self.names, self.reduced, flags, strict=False) if r and not f]
         unfrozen = [
             n

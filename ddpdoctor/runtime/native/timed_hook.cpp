@@ -8,10 +8,13 @@
 // comm thread (GIL hand-offs); on short steps that is ~15% of the step. Nothing here takes the
 // GIL on the comm thread, and nothing allocates per bucket once the ring exists.
 //
-// The backward's own two instants are taken here too (``Timing.arm``): a pre-hook on the
-// autograd node of the synchronizing forward's output fires first in backward and queues a final
+// The backward's own two instants are taken here too (``Timing.arm_output``): after the
+// synchronizing forward it walks the output (tensors, lists, tuples, dict values) and puts a
+// pre-hook on the autograd node of each output tensor, so Python neither walks the output nor
+// makes a Python object per node. The pre-hook fires first in backward and queues a final
 // callback, which stamps *backward compute end* and queues a second one; that runs after DDP's own
-// finalize_backward (every bucket's all-reduce completed on this rank) and calls Python once, to
+// finalize_backward (every bucket's all-reduce completed on this rank) and calls one Python
+// method, the owner's ``drain()``, found through a weak reference (no Python frame in between), to
 // drain the ring into the step. One Python call per step instead of three.
 //
 // Built by ddpdoctor/runtime/native_hook.py with torch.utils.cpp_extension; the pybind functions
@@ -25,7 +28,10 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/ThreadLocalPythonObjects.h>
+#include <c10/util/SmallVector.h>
 
 #include <chrono>
 #include <string>
@@ -262,18 +268,31 @@ class Delegate {
   std::shared_ptr<c10d::PythonCommHook> hook_;
 };
 
-// The Python function that drains the ring into the step (set once by NativeTiming). Owned by
-// the Handle alone, which Python owns: it is created and released with the GIL held. The
-// autograd hooks and callbacks hold it weakly, and lock it only with the GIL taken.
+// What drains the ring into the step (set once by NativeTiming): a weak reference to its owner and
+// the name of the method to call on it with no arguments. Weak, because the owner holds the
+// Handle (a strong one would make a cycle the garbage collector cannot see through pybind's
+// Handle: the model would outlive its last reference). The method is looked up and called in one
+// C call (no bound method, no Python trampoline). Owned by the Handle alone, which Python owns:
+// it is created and released with the GIL held. The autograd hooks and callbacks hold it weakly,
+// and lock it only with the GIL taken.
 class DrainCall {
  public:
-  explicit DrainCall(py::object fn) : fn_(std::move(fn)) {}
+  DrainCall(py::object owner, py::str method) : owner_(std::move(owner)), method_(std::move(method)) {}
   void operator()() const {
-    fn_();  // throws error_already_set: a Python exception leaves backward as it would from Python
+    py::object owner = owner_();  // the referent, or None once it is gone
+    if (owner.is_none()) {
+      return;
+    }
+    PyObject* result = PyObject_CallMethodNoArgs(owner.ptr(), method_.ptr());
+    if (result == nullptr) {
+      throw py::error_already_set();  // a Python exception leaves backward as it would from Python
+    }
+    Py_DECREF(result);
   }
 
  private:
-  py::object fn_;
+  py::object owner_;
+  py::str method_;
 };
 
 void call_drain(const std::weak_ptr<DrainCall>& weak) {
@@ -330,6 +349,87 @@ int64_t arm(Handle& h, const std::vector<at::Tensor>& outputs) {
     }
   }
   return hooked;
+}
+
+// ``arm`` for a forward's output as Python has it: the first ``limit`` tensors requiring grad
+// found depth first in tensors, lists, tuples and dict values (the order and the limit of
+// native_hook._output_tensors), a new generation and a pre-hook on the autograd node of each that
+// has one. Returns how many nodes were hooked; 0: no tensor requires grad (nothing armed); -1:
+// nothing armed, Python hooks the output itself. That is so when the tensors requiring grad are
+// all leaves (no node to hook in C++: a tensor hook from Python), and wherever Python code could
+// answer ``requires_grad`` or ``grad_fn`` differently from C++ (a Tensor subclass, an active
+// torch function mode). With tensors made by the forward beside leaves, only the former are
+// hooked, as ``arm`` with Python's list did. Nothing is armed before the walk is complete, so an
+// exception (from a subclass's ``values()``, say) leaves the previous generation in place.
+int64_t arm_output(Handle& h, py::handle output, int64_t limit) {
+  if (at::impl::torch_function_mode_enabled()) {
+    return -1;
+  }
+  // std::shared_ptr<Node> before torch 2.13, an intrusive_ptr since: whatever grad_fn() returns
+  using NodePtr = std::decay_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
+  c10::SmallVector<NodePtr, 8> nodes;
+  c10::SmallVector<py::object, 16> stack;
+  stack.push_back(py::reinterpret_borrow<py::object>(output));
+  int64_t found = 0;
+  bool leaf = false;
+  auto push_reversed = [&stack](PyObject* seq) {  // a list or tuple: its first item is popped first
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = n - 1; i >= 0; --i) {
+      stack.push_back(py::reinterpret_borrow<py::object>(items[i]));
+    }
+  };
+  while (!stack.empty() && found < limit) {
+    py::object item = std::move(stack.back());
+    stack.pop_back();
+    PyObject* obj = item.ptr();
+    if (THPVariable_Check(obj)) {
+      if (!THPVariable_CheckExact(obj)) {
+        return -1;  // a Tensor subclass: its attributes may be Python's
+      }
+      const at::Tensor& tensor = THPVariable_Unpack(obj);
+      if (tensor.requires_grad()) {
+        ++found;
+        if (auto node = tensor.grad_fn()) {
+          nodes.push_back(std::move(node));
+        } else {
+          leaf = true;
+        }
+      }
+    } else if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
+      push_reversed(obj);
+    } else if (PyList_Check(obj) || PyTuple_Check(obj)) {
+      // a subclass (a namedtuple, say): through Python's reversed(), as _output_tensors does
+      PyObject* reversed = PyObject_CallOneArg(reinterpret_cast<PyObject*>(&PyReversed_Type), obj);
+      if (reversed == nullptr) {
+        throw py::error_already_set();
+      }
+      for (auto each : py::reinterpret_steal<py::iterator>(reversed)) {
+        stack.push_back(py::reinterpret_borrow<py::object>(each));
+      }
+    } else if (PyDict_Check(obj)) {
+      // an exact dict's values directly; a subclass's (a ModelOutput, say) from its values()
+      py::list values;
+      if (PyDict_CheckExact(obj)) {
+        PyObject* list = PyDict_Values(obj);
+        if (list == nullptr) {
+          throw py::error_already_set();
+        }
+        values = py::reinterpret_steal<py::list>(list);
+      } else {
+        values = py::list(item.attr("values")());
+      }
+      push_reversed(values.ptr());
+    }
+  }
+  if (nodes.empty()) {
+    return leaf ? -1 : 0;
+  }
+  const uint64_t gen = h.ring->arm();
+  for (auto& node : nodes) {
+    node->add_pre_hook(std::make_unique<BackwardStart>(h.ring, gen, h.drain_call));
+  }
+  return static_cast<int64_t>(nodes.size());
 }
 
 // The ring's entries as columns, on the host clock shifted by ``offset`` (the tests' clock
@@ -443,6 +543,27 @@ int64_t clock_ns() {
   return now_ns();
 }
 
+// Whether each tensor's requires_grad is the byte ``expected`` holds for it (1: True): the check
+// of every training forward (SampledChecks) in one call, no Python attribute read per parameter.
+// False as well for a length mismatch or an item that is not a tensor (Python then reads them).
+bool same_requires_grad(const py::list& tensors, const py::bytes& expected) {
+  char* flags = nullptr;
+  Py_ssize_t n = 0;
+  if (PyBytes_AsStringAndSize(expected.ptr(), &flags, &n) != 0) {
+    throw py::error_already_set();
+  }
+  if (n != static_cast<Py_ssize_t>(PyList_GET_SIZE(tensors.ptr()))) {
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* obj = PyList_GET_ITEM(tensors.ptr(), i);
+    if (!THPVariable_Check(obj) || THPVariable_Unpack(obj).requires_grad() != (flags[i] != 0)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -454,8 +575,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("take_layout", [](Handle& h) { return h.ring->take_layout(); })
       .def("set_enabled", [](Handle& h, bool on) { h.ring->set_enabled(on); })
       .def("dropped", [](Handle& h) { return h.ring->dropped(); })
-      .def("set_drain", [](Handle& h, py::object fn) { h.drain_call = std::make_shared<DrainCall>(std::move(fn)); })
+      .def(
+          "set_drain",
+          [](Handle& h, py::object owner, py::str method) {
+            h.drain_call = std::make_shared<DrainCall>(std::move(owner), std::move(method));
+          },
+          py::arg("owner"),
+          py::arg("method"))
       .def("arm", &arm, py::arg("outputs"))
+      .def("arm_output", &arm_output, py::arg("output"), py::arg("limit"))
       .def("drain_columns", &drain_columns, py::arg("offset"))
       .def("backward_end", [](Handle& h) { return h.ring->backward_end(false); })
       .def("capacity", [](Handle& h) { return h.ring->capacity(); })
@@ -468,5 +596,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("hook"));
   m.def("register_timed_hook", &register_timed_hook, py::arg("reducer"), py::arg("group"), py::arg("capacity"));
   m.def("accepts", &accepts, py::arg("reducer"), py::arg("group"));
+  m.def("same_requires_grad", &same_requires_grad, py::arg("tensors"), py::arg("expected"));
   m.def("clock_ns", &clock_ns, "now on the hook's clock (ns); compared with time.perf_counter_ns()");
 }
