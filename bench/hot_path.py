@@ -58,12 +58,11 @@ TOP = [
     (optimizer_hooks.OptimizerHooks, "_pre", "optimizer pre-hook", "step"),
     (optimizer_hooks.OptimizerHooks, "_post", "optimizer post-hook", "step"),
     (sampled_checks.SampledChecks, "_on_module_pre", "fingerprint (sampled steps only)", "sampled"),
-    # the native route: no Python per bucket; these run once a step
-    (native_hook.NativeTiming, "on_forward_post", "native: output hooked (forward post)", "step"),
-    # backward start and end are stamped in C++ (Python only for a leaf output: these two rows)
+    # the native route: no Python per bucket, and none in the backward (its start and end are
+    # stamped in C++; Python only for a leaf output: these two rows). Its per-step side runs
+    # inside the monitor's hooks: the rows below them (pass 2)
     (native_hook._OutputGradHook, "__call__", "native: backward start (leaf output)", "step"),
     (native_hook.NativeTiming, "on_backward_end", "native: backward end (leaf output)", "step"),
-    (native_hook.NativeTiming, "drain", "native: ring drained", "step"),
 ]
 
 #: Functions inside the entry points (pass 2 only), indented under the row they belong to.
@@ -75,6 +74,8 @@ NESTED = [
     (sampled_checks.SampledChecks, "check_grad_flags", "    requires_grad check", "forward pre-hook"),
     (sampled_checks.SampledChecks, "begin_sample", "    sample begins (sampled steps only)", "forward pre-hook"),
     (sampled_checks.SampledChecks, "end_sample", "    sample ends (the step after)", "forward pre-hook"),
+    (native_hook.NativeTiming, "on_forward_post", "  native: output armed", "forward post-hook"),
+    (native_hook.NativeTiming, "drain", "  native: ring drained", "optimizer pre-hook"),
 ]
 
 

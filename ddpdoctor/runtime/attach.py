@@ -300,19 +300,13 @@ class Attachment:
             ddp.logger._set_comm_hook_name(self._existing[2])
 
     def _arm_native(self) -> None:
-        """Native route: the native comm hook on the reducer, and the forward hooks that run its
-        per-step Python side (the pre-hook runs before ddpdoctor's own, which closes the step)."""
+        """Native route: the native comm hook on the reducer. Its per-step Python side runs in the
+        monitor's own hooks (forward, optimizer), which call it: no hook of its own."""
         ddp, native = self.ddp, self.native
         assert native is not None
-        handles = [
-            ddp.register_forward_pre_hook(self._native_forward_pre, prepend=True),
-            ddp.register_forward_hook(self._native_forward_post),
-        ]
         try:
             native.register(ddp)
         except Exception as exc:  # noqa: BLE001 - the reducer refused the native hook: the Python route, said once
-            for handle in handles:
-                handle.remove()
             native_hook.choose_failed(f"{type(exc).__name__}: {exc}")
             self.native = None
             assert self.hook_state is not None
@@ -320,21 +314,6 @@ class Attachment:
             if self.header is not None:
                 self.header.timing = "python"
             self._register_comm_hook()
-            return
-        self._handles += handles
-
-    def _native_forward_pre(self, module: Any, args: Any) -> None:
-        native = self.native
-        # every forward: pending first, false but after a backward whose drain did not run
-        if native is not None and native.pending and native.registered and not native.delegated:
-            # stamps that a step's backward callbacks did not drain (its output got no
-            # gradient) are still the open step's, which ddpdoctor's own pre-hook closes next
-            native.drain(self.monitor.recorder.current)
-
-    def _native_forward_post(self, module: Any, args: Any, output: Any) -> None:
-        native = self.native
-        if native is not None:  # (on_forward_post returns at once while nothing is registered)
-            native.on_forward_post(module, output)
 
     def _retire_old_reducer(self) -> None:
         torch_compat.remove_reducer_hooks(self._old_reducer)

@@ -111,6 +111,7 @@ class Monitor:
             )
             self.live = LiveFindings(self.rank, self.ddp_index, self.emit, self._flush_now)
             self._bwd_queued: OpenStep | None = None
+            self._native_timing: Any = None
             self._backward_end_ok = torch_compat.available("backward_end")
             svc = services()
             self._services = svc
@@ -164,6 +165,8 @@ class Monitor:
         assert attachment.header is not None
         self.ddp = ddp
         self.attachment = attachment
+        #: the native hook's per-step side, run from this monitor's hooks (None: Python route)
+        self._native_timing = attachment.native
         self._close_when_released(ddp)
         self._param_names = {id(p): n for n, p in ddp.module.named_parameters()}
         self._buffer_bytes = 0
@@ -209,7 +212,14 @@ class Monitor:
         attachment = getattr(self, "attachment", None)
         return attachment.hook_state if attachment is not None else None
 
+    def _drain_native(self) -> None:
+        """Native route: the stamps of a backward not drained yet go into the open step."""
+        native = getattr(self, "_native_timing", None)
+        if native is not None and native.pending and not native.delegated:
+            native.drain(self.recorder.current)
+
     def _detach(self) -> None:
+        self._native_timing = None
         checks = getattr(self, "checks", None)
         if checks is not None:
             checks.end_sample()
@@ -225,6 +235,7 @@ class Monitor:
         with self._close_lock:
             if self.closed:
                 return
+            self._drain_native()
             self.recorder.close()
             self._detach()
             self.recorder.reset_layout()
@@ -348,6 +359,10 @@ class Monitor:
         One function, not a timing wrapper around another: a call costs more than most of what
         it does, and this runs at every forward (``bench/hot_path.py``).
         """
+        native = self._native_timing
+        if native is not None and native.pending and not native.delegated:
+            # the last backward's stamps (native route) belong to the step this forward closes
+            native.drain(self.recorder.current)
         t = _perf_ns()
         on = self.probes.on
         if on["forward"] and torch.is_grad_enabled():
@@ -368,14 +383,18 @@ class Monitor:
         self.own_ns += _perf_ns() - t
 
     def on_forward_post(self, module: Any, args: Any, output: Any) -> None:
-        if not self.probes.on["forward"]:
-            return
-        t = _perf_ns()
-        try:
-            self.recorder.forward_end()
-        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
-            self.probes.failed("forward", exc)
-        self.own_ns += _perf_ns() - t
+        """Every forward's end (also one that raised: ``output`` None); on the native route,
+        the synchronizing forward's output is armed here (``NativeTiming.on_forward_post``)."""
+        if self.probes.on["forward"]:
+            t = _perf_ns()
+            try:
+                self.recorder.forward_end()
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
+                self.probes.failed("forward", exc)
+            self.own_ns += _perf_ns() - t
+        native = self._native_timing
+        if native is not None and output is not None:
+            native.on_forward_post(module, output)
 
     def on_sync_buffers(self, original: Any) -> Any:
         """DDP's buffer broadcast, timed apart from the forward around it."""
@@ -467,6 +486,9 @@ class Monitor:
     def on_optimizer(self, start: bool) -> None:
         if self.closed or not self.probes.on["optimizer"]:
             return
+        native = self._native_timing
+        if native is not None and native.pending and not native.delegated:
+            native.drain(self.recorder.current)  # the step's buckets, before its optimizer marks
         try:
             if start:
                 self.recorder.optimizer_start()
@@ -499,6 +521,7 @@ class Monitor:
             released.detach()  # the finalizer's reference to this monitor goes
         self._services.leave(self)
         try:
+            self._drain_native()
             self.recorder.close()
         except Exception as exc:  # noqa: BLE001 - closing must never break training
             self.probes.failed("emit", exc)

@@ -11,18 +11,17 @@ Per step, ``NativeTiming`` adds (all on the training thread):
   ``_output_tensors`` does) and puts a C++ pre-hook on the autograd node of each output tensor
   (gradients pass unchanged); Python reads no tensor attribute and makes no node object. The hook
   fires first in backward and queues an autograd final callback, which runs once the graph is
-  done and stamps *backward compute end* in C++;
-- that callback queues a second one from inside itself: it runs after DDP's own
-  ``finalize_backward`` (queued later), i.e. once every bucket's all-reduce completed on this
-  rank, and calls one Python method, ``NativeTiming.drain`` (found through a weak reference, no
-  Python frame in between), to drain the ring into the step (``StepRecorder.add_bucket_columns``).
-  While a step's stamps are still in the ring, the hang watchdog reads them (``in_flight``,
-  ``backward_ended``) when it reports a stall, to name the phase and the pending bucket.
+  done and stamps *backward compute end* in C++. The backward takes no GIL and runs no Python;
+- ``drain``, called by the monitor at its next hook of the step, which runs anyway (the optimizer
+  step's pre- and post-hooks, the next forward's pre-hook, close): the ring's stamps go into the
+  step (``StepRecorder.add_bucket_columns``). Until then the hang watchdog reads them
+  (``in_flight``, ``backward_ended``) when it reports a stall, to name the phase and the pending
+  bucket.
 
 An output made only of leaves (a parameter returned as it is: no autograd node), or a backward
-that compiled autograd may trace (it knows Python hooks, not ours), gets the same two callbacks
-from Python instead: a node pre-hook (a tensor hook on a leaf, removed at the next forward), then
-``on_output_grad`` and ``on_backward_end``. So does an output holding a Tensor subclass, or one
+that compiled autograd may trace (it knows Python hooks, not ours), gets the backward's start and
+end from Python instead: a node pre-hook (a tensor hook on a leaf, removed at the next forward),
+``on_output_grad``, then ``on_backward_end`` (a final callback). So does an output holding a Tensor subclass, or one
 made under a torch function mode, where Python code may answer ``requires_grad``/``grad_fn``:
 Python walks it and arms the C++ hooks itself (``_arm_from_python``), as before ``arm_output``.
 
@@ -75,8 +74,6 @@ OUTPUT_LIMIT = 8
 #: cost. Whether compiled autograd is on is read at every forward.
 CONFIG_EVERY = 16
 _OK_MARK = "ddpdoctor-built"
-#: The drain's default argument: the step whose backward the C++ hooks armed.
-_ARMED: Any = object()
 _perf_ns = time.perf_counter_ns  # one lookup less per call on the hot path
 
 
@@ -304,10 +301,9 @@ class NativeTiming:
         self._names = {p._cdata: (n, str(p.dtype).removeprefix("torch.")) for n, p in ddp.module.named_parameters()}
         self._want_layout = False
         self._queued: Any = None  # the step whose backward callbacks are queued (leaf outputs)
-        self._armed: Any = None  # the step whose backward the C++ hooks time
         self._leaf_hooks: list[Any] = []  # hooks on leaf outputs, removed at the next forward
-        #: a backward was armed and its drain has not run yet (its output got no gradient, say):
-        #: the next forward drains the ring into the open step (``Attachment._native_forward_pre``)
+        #: a backward was armed and the ring not drained since: the monitor's next hook of the step
+        #: (optimizer, next forward, close) drains it into the open step (``Monitor._drain_native``)
         self.pending = False
         self.delegated = False
         self._asked = False  # torch._dynamo.config.compiled_autograd, as last read
@@ -330,11 +326,7 @@ class NativeTiming:
 
     def register(self, ddp: Any) -> None:
         """Put the hook on DDP's reducer (for good: a reducer takes one hook)."""
-        ring = self._module.register_timed_hook(ddp.reducer, ddp.process_group, RING_CAPACITY)
-        # ``self.drain()`` is called from C++ once a step, after DDP's finalize_backward; weak:
-        # the ring must not keep this object (and through the monitor, DDP) alive
-        ring.set_drain(weakref.ref(self), "drain")
-        self.ring = ring
+        self.ring = self._module.register_timed_hook(ddp.reducer, ddp.process_group, RING_CAPACITY)
         self.delegated = False
 
     def delegate(self, state: Any, hook: Any) -> None:
@@ -389,7 +381,6 @@ class NativeTiming:
                 possible = self._asked or _compiled_autograd_enabled()
                 hooked = -1 if possible else ring.arm_output(output, OUTPUT_LIMIT)
                 if hooked > 0:  # C++ pre-hooks on the outputs' autograd nodes (this graph's)
-                    self._armed = step
                     self.pending = True
                 elif hooked:
                     self._arm_from_python(step, output, possible)
@@ -405,7 +396,6 @@ class NativeTiming:
         tensors = _output_tensors(output)
         made = [tensor for tensor in tensors if tensor.grad_fn is not None]
         if made and not compiled:
-            self._armed = step
             self.pending = True
             self.ring.arm(made)  # C++ pre-hooks on the outputs' autograd nodes (this graph's)
         elif tensors:
@@ -429,7 +419,8 @@ class NativeTiming:
         torch_compat.queue_backward_callback(lambda: _call(this, "on_backward_end", step))
 
     def on_backward_end(self, step: Any) -> None:
-        """The graph is done (DDP's finalization not yet run): stamp it, queue the next callback."""
+        """The graph is done (DDP's finalization not yet run): stamp it (the ring is drained at
+        the monitor's next hook, as on the C++ path)."""
         monitor = self._monitor()
         if monitor is None or monitor.closed:
             return
@@ -437,13 +428,6 @@ class NativeTiming:
             monitor.recorder.backward_end(step)
         except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); never breaks training
             monitor.probes.failed("backward_end", exc)
-        this = weakref.ref(self)
-        try:
-            # queued from inside a final callback: it runs after DDP's finalize_backward, i.e.
-            # once every bucket's all-reduce completed on this rank
-            torch_compat.queue_backward_callback(lambda: _call(this, "drain", step))
-        except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); never breaks training
-            monitor.probes.failed("buckets", exc)
 
     def in_flight(self) -> list[tuple[int, int, int, int, int]]:
         """The stamps of the buckets not drained yet, left in the ring (any thread; read only).
@@ -462,10 +446,9 @@ class NativeTiming:
             return False
         return bool(self.ring.backward_end())
 
-    def drain(self, step: Any = _ARMED) -> None:
+    def drain(self, step: Any) -> None:
         """Move the ring's stamps, and the backward end stamped in C++, into ``step`` (the step
-        whose backward ran them; by default the one armed at its forward: the call from C++
-        after DDP's finalize_backward)."""
+        whose backward ran them: the open one, at the monitor's next hook after the backward)."""
         monitor = self._monitor()
         ring = self.ring
         if ring is None or monitor is None or monitor.closed:
@@ -474,8 +457,6 @@ class NativeTiming:
         try:
             indices, ready, launch, done, nbytes, in_order, backward_end = ring.drain_columns(clocks._OFFSET_NS)
             self.pending = False
-            if step is _ARMED:
-                step = self._armed
             # the parameter lists go with the marks, whether used or not: nothing accumulates
             layout = ring.take_layout() if self._want_layout else None
             if step is None or not step.synced_forward:

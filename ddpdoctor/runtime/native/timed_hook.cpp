@@ -12,10 +12,8 @@
 // synchronizing forward it walks the output (tensors, lists, tuples, dict values) and puts a
 // pre-hook on the autograd node of each output tensor, so Python neither walks the output nor
 // makes a Python object per node. The pre-hook fires first in backward and queues a final
-// callback, which stamps *backward compute end* and queues a second one; that runs after DDP's own
-// finalize_backward (every bucket's all-reduce completed on this rank) and calls one Python
-// method, the owner's ``drain()``, found through a weak reference (no Python frame in between), to
-// drain the ring into the step. One Python call per step instead of three.
+// callback, which stamps *backward compute end*. The backward takes no GIL: Python drains the
+// ring at its next hook of the step (the optimizer's, the next forward's, close), which runs anyway.
 //
 // Built by ddpdoctor/runtime/native_hook.py with torch.utils.cpp_extension; the pybind functions
 // at the bottom are its whole interface.
@@ -268,65 +266,26 @@ class Delegate {
   std::shared_ptr<c10d::PythonCommHook> hook_;
 };
 
-// What drains the ring into the step (set once by NativeTiming): a weak reference to its owner and
-// the name of the method to call on it with no arguments. Weak, because the owner holds the
-// Handle (a strong one would make a cycle the garbage collector cannot see through pybind's
-// Handle: the model would outlive its last reference). The method is looked up and called in one
-// C call (no bound method, no Python trampoline). Owned by the Handle alone, which Python owns:
-// it is created and released with the GIL held. The autograd hooks and callbacks hold it weakly,
-// and lock it only with the GIL taken.
-class DrainCall {
- public:
-  DrainCall(py::object owner, py::str method) : owner_(std::move(owner)), method_(std::move(method)) {}
-  void operator()() const {
-    py::object owner = owner_();  // the referent, or None once it is gone
-    if (owner.is_none()) {
-      return;
-    }
-    PyObject* result = PyObject_CallMethodNoArgs(owner.ptr(), method_.ptr());
-    if (result == nullptr) {
-      throw py::error_already_set();  // a Python exception leaves backward as it would from Python
-    }
-    Py_DECREF(result);
-  }
-
- private:
-  py::object owner_;
-  py::str method_;
-};
-
-void call_drain(const std::weak_ptr<DrainCall>& weak) {
-  py::gil_scoped_acquire gil;
-  if (auto call = weak.lock()) {  // released under the GIL, at the end of this scope
-    (*call)();
-  }
-}
-
-// What Python holds: the ring and the delegate slot the hook on the reducer shares, and the drain.
+// What Python holds: the ring and the delegate slot the hook on the reducer shares.
 struct Handle {
   std::shared_ptr<Ring> ring;
   std::shared_ptr<Delegate> delegate;
-  std::shared_ptr<DrainCall> drain_call;
 };
 
 // On the autograd node of a synchronizing forward's output: the first gradient to reach it queues
-// the two final callbacks (gradients pass unchanged). Queued now, at backward start, the first
-// runs before DDP's finalize_backward, which DDP queues at its first gradient ready: it stamps
-// backward compute end. Queued from inside it, the second runs after finalize_backward.
+// a final callback (gradients pass unchanged). Queued now, at backward start, it runs before
+// DDP's finalize_backward, which DDP queues at its first gradient ready: it stamps backward
+// compute end. Nothing here takes the GIL: Python drains the ring at its next hook (optimizer
+// step, next forward, close).
 class BackwardStart : public torch::autograd::FunctionPreHook {
  public:
-  BackwardStart(std::shared_ptr<Ring> ring, uint64_t gen, std::weak_ptr<DrainCall> drain)
-      : ring_(std::move(ring)), gen_(gen), drain_(std::move(drain)) {}
+  BackwardStart(std::shared_ptr<Ring> ring, uint64_t gen) : ring_(std::move(ring)), gen_(gen) {}
 
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
     if (ring_->start(gen_)) {
       std::shared_ptr<Ring> ring = ring_;
       const uint64_t gen = gen_;
-      std::weak_ptr<DrainCall> drain = drain_;
-      torch::autograd::Engine::get_default_engine().queue_callback([ring, gen, drain]() {
-        ring->end(gen, now_ns());
-        torch::autograd::Engine::get_default_engine().queue_callback([drain]() { call_drain(drain); });
-      });
+      torch::autograd::Engine::get_default_engine().queue_callback([ring, gen]() { ring->end(gen, now_ns()); });
     }
     return grads;
   }
@@ -334,7 +293,6 @@ class BackwardStart : public torch::autograd::FunctionPreHook {
  private:
   std::shared_ptr<Ring> ring_;
   uint64_t gen_;
-  std::weak_ptr<DrainCall> drain_;
 };
 
 // A new generation, with its pre-hook on each output's autograd node (every tensor given has one).
@@ -344,7 +302,7 @@ int64_t arm(Handle& h, const std::vector<at::Tensor>& outputs) {
   for (const auto& tensor : outputs) {
     auto node = tensor.grad_fn();
     if (node) {
-      node->add_pre_hook(std::make_unique<BackwardStart>(h.ring, gen, h.drain_call));
+      node->add_pre_hook(std::make_unique<BackwardStart>(h.ring, gen));
       ++hooked;
     }
   }
@@ -427,7 +385,7 @@ int64_t arm_output(Handle& h, py::handle output, int64_t limit) {
   }
   const uint64_t gen = h.ring->arm();
   for (auto& node : nodes) {
-    node->add_pre_hook(std::make_unique<BackwardStart>(h.ring, gen, h.drain_call));
+    node->add_pre_hook(std::make_unique<BackwardStart>(h.ring, gen));
   }
   return static_cast<int64_t>(nodes.size());
 }
@@ -528,7 +486,7 @@ Handle register_timed_hook(
     const c10::intrusive_ptr<c10d::ProcessGroup>& group,
     int64_t capacity) {
   TORCH_CHECK(capacity > 0, "ring capacity must be positive");
-  Handle handle{std::make_shared<Ring>(static_cast<size_t>(capacity)), std::make_shared<Delegate>(), nullptr};
+  Handle handle{std::make_shared<Ring>(static_cast<size_t>(capacity)), std::make_shared<Delegate>()};
   reducer->register_comm_hook(std::make_unique<TimedAllReduceHook>(group, handle.ring, handle.delegate));
   return handle;
 }
@@ -575,13 +533,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("take_layout", [](Handle& h) { return h.ring->take_layout(); })
       .def("set_enabled", [](Handle& h, bool on) { h.ring->set_enabled(on); })
       .def("dropped", [](Handle& h) { return h.ring->dropped(); })
-      .def(
-          "set_drain",
-          [](Handle& h, py::object owner, py::str method) {
-            h.drain_call = std::make_shared<DrainCall>(std::move(owner), std::move(method));
-          },
-          py::arg("owner"),
-          py::arg("method"))
       .def("arm", &arm, py::arg("outputs"))
       .def("arm_output", &arm_output, py::arg("output"), py::arg("limit"))
       .def("drain_columns", &drain_columns, py::arg("offset"))
