@@ -28,7 +28,8 @@ class Fingerprinter:
 
     def __init__(self, deliver: Callable[[Any, list[float], list[float]], None]) -> None:
         self._deliver = deliver
-        self._pending: list[tuple[torch.Tensor, Any, Any]] = []  # bounded by the checks in flight (a few)
+        #: fingerprints still being copied from the device (bounded by the checks in flight: a few)
+        self.pending: list[tuple[torch.Tensor, Any, Any]] = []
 
     def take(self, tensors: list[torch.Tensor], meta: Any) -> None:
         with torch.no_grad():
@@ -38,19 +39,19 @@ class Fingerprinter:
             host.copy_(values, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._pending.append((host, event, meta))
+            self.pending.append((host, event, meta))
         else:
             self._deliver(meta, values[:, 0].tolist(), values[:, 1].tolist())
 
     def poll(self) -> None:
         """Deliver every fingerprint whose copy has finished (never waits)."""
-        while self._pending and self._pending[0][1].query():
-            host, _, meta = self._pending.pop(0)
+        while self.pending and self.pending[0][1].query():
+            host, _, meta = self.pending.pop(0)
             self._deliver(meta, host[:, 0].tolist(), host[:, 1].tolist())
 
     def drain(self) -> None:
         """Deliver every pending fingerprint, waiting for the device (end of run only)."""
-        while self._pending:
-            host, event, meta = self._pending.pop(0)
+        while self.pending:
+            host, event, meta = self.pending.pop(0)
             event.synchronize()
             self._deliver(meta, host[:, 0].tolist(), host[:, 1].tolist())

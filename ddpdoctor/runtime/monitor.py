@@ -394,7 +394,7 @@ class Monitor:
             self.own_ns += _perf_ns() - t
         native = self._native_timing
         if native is not None and output is not None:
-            native.on_forward_post(module, output)
+            native.on_forward_post(module, output, self)
 
     def on_sync_buffers(self, original: Any) -> Any:
         """DDP's buffer broadcast, timed apart from the forward around it."""

@@ -349,11 +349,11 @@ class NativeTiming:
 
     # -- per step (training thread) ------------------------------------------------------
 
-    def on_forward_post(self, ddp: Any, output: Any) -> None:
-        """After a synchronizing training forward: hook its output, ask for the layout if wanted."""
-        monitor = self._monitor()
+    def on_forward_post(self, ddp: Any, output: Any, monitor: Any) -> None:
+        """After a synchronizing training forward (``monitor``'s): hook its output, ask for the
+        layout if wanted."""
         ring = self.ring
-        if ring is None or self.delegated or monitor is None or monitor.closed:
+        if ring is None or self.delegated or monitor.closed:
             return
         on = monitor.probes.on
         if not on["buckets"]:
@@ -455,13 +455,27 @@ class NativeTiming:
             return
         t = _perf_ns()
         try:
-            indices, ready, launch, done, nbytes, in_order, backward_end = ring.drain_columns(clocks._OFFSET_NS)
-            self.pending = False
+            on = monitor.probes.on
+            if (
+                not self._want_layout
+                and step is not None
+                and step.synced_forward
+                and on["buckets"]
+                and on["backward_end"]
+            ):
+                # the common case in one call: C++ sets the step's lists and backward end
+                columns = ring.drain_into(step, clocks._OFFSET_NS)
+                self.pending = False
+                if columns is None:
+                    return
+            else:
+                columns = ring.drain_columns(clocks._OFFSET_NS)
+                self.pending = False
+            indices, ready, launch, done, nbytes, in_order, backward_end = columns
             # the parameter lists go with the marks, whether used or not: nothing accumulates
             layout = ring.take_layout() if self._want_layout else None
             if step is None or not step.synced_forward:
                 return
-            on = monitor.probes.on
             if backward_end is not None and on["backward_end"]:
                 monitor.recorder.backward_end(step, backward_end)
             if not indices or not on["buckets"]:

@@ -110,17 +110,17 @@ class SampledChecks:
         if new_step:
             if self.sample is not None:
                 self.end_sample()
-            self.fingerprinter.poll()
-        self.check_grad_flags(step)
+            if self.fingerprinter.pending:
+                self.fingerprinter.poll()
+        same = self._same_flags
+        if same is None or not same(self.params, self._flag_bytes):  # (one native call: unchanged)
+            self.check_grad_flags(step)
         if sync and self.sample is None and is_sampled(step, self.check_every):
             self.begin_sample(step, t0_mono_ns)
 
     def check_grad_flags(self, step: int) -> None:
         """Compare requires_grad with what DDP was built with: every forward, one C-level pass
-        (one call into the native extension when it is loaded)."""
-        same = self._same_flags
-        if same is not None and same(self.params, self._flag_bytes):
-            return
+        (``on_step_start`` asks the native extension first when it is loaded)."""
         flags = list(map(_requires_grad, self.params))
         if flags == self.flags:
             return

@@ -416,6 +416,29 @@ py::tuple drain_columns(Handle& h, int64_t offset) {
   return py::make_tuple(indices, ready, launch, done, nbytes, in_order, end);
 }
 
+// ``drain_columns`` handed straight to ``step`` (an OpenStep) in the common case: every bucket
+// once, in index order, at least as many as the step holds already. Its ready, launch, done and
+// nbytes lists are then set whole (left as they are when the ring held no bucket), its bwd_end,
+// when None, to the backward end, and None is returned. Otherwise nothing is set and the columns
+// are returned, for Python (StepRecorder.add_bucket_columns). One call a step, no tuple unpacked.
+py::object drain_into(Handle& h, py::handle step, int64_t offset) {
+  py::tuple columns = drain_columns(h, offset);
+  const size_t n = py::len(columns[0]);
+  if (!columns[5].cast<bool>() || n < py::len(step.attr("ready"))) {
+    return std::move(columns);
+  }
+  if (n > 0) {
+    step.attr("ready") = columns[1];
+    step.attr("launch") = columns[2];
+    step.attr("done") = columns[3];
+    step.attr("nbytes") = columns[4];
+  }
+  if (!columns[6].is_none() && step.attr("bwd_end").is_none()) {
+    step.attr("bwd_end") = columns[6];
+  }
+  return py::none();
+}
+
 class TimedAllReduceHook
     : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
  public:
@@ -536,6 +559,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("arm", &arm, py::arg("outputs"))
       .def("arm_output", &arm_output, py::arg("output"), py::arg("limit"))
       .def("drain_columns", &drain_columns, py::arg("offset"))
+      .def("drain_into", &drain_into, py::arg("step"), py::arg("offset"))
       .def("backward_end", [](Handle& h) { return h.ring->backward_end(false); })
       .def("capacity", [](Handle& h) { return h.ring->capacity(); })
       .def(
