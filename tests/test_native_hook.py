@@ -284,9 +284,9 @@ def native(native_built: Path) -> list[dict[str, Any]]:
     return run_ranks(native_checks, 2, timeout=240)
 
 
-def _check_marks(summary: dict[str, Any], buckets: int) -> None:
+def _check_marks(summary: dict[str, Any], buckets: int, steps: int = 6) -> None:
     """Every step has every bucket's marks (``buckets`` once DDP rebuilt them)."""
-    assert len(summary["steps"]) == 6, "a step is missing"
+    assert len(summary["steps"]) == steps, "a step is missing"
     assert len(summary["steps"][-1][0]) == buckets
     for i, (ready, launch, done, nbytes, bwd_end, sync_end) in enumerate(summary["steps"]):
         assert len(ready) == len(launch) == len(done) == len(nbytes) >= 1
@@ -469,3 +469,36 @@ def test_same_requires_grad_reads_every_flag(native_built: Path) -> None:
     assert not same(params, bytes([1, 0])) and not same(params[:2], bytes([1, 0, 0]))
     assert not same([*params[:2], "w"], bytes([1, 0, 0]))
     assert same([], b"")
+
+
+def _last_backward_checks(rank: int, world_size: int) -> dict[str, Any]:
+    """A step whose backward is the last thing before ``close``, and one before a user hook is
+    registered: no optimizer step drains the ring after them."""
+    out: dict[str, Any] = {}
+    x, y = torch.randn(8, 32), torch.randn(8, 4)
+    for case in ("close", "user_hook"):
+        sink = MemorySink()
+        ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+        monitor = ddpdoctor.instrument(ddp, sink=sink)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        for _ in range(2):
+            ((ddp(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        ((ddp(x) - y) ** 2).mean().backward()  # no optimizer step after this backward
+        if case == "user_hook":
+            ddp.register_comm_hook([], sum_hook)
+            ((ddp(x) - y) ** 2).mean().backward()
+        monitor.close()
+        out[case] = _summary(sink)
+    return out
+
+
+def test_a_backward_without_an_optimizer_step_keeps_its_marks(native_built: Path) -> None:
+    for r in run_ranks(_last_backward_checks, 2, timeout=240):
+        for case in ("close", "user_hook"):
+            summary = r[case]
+            assert summary["timing"] == ["native"], case
+            steps = summary["steps"]
+            _check_marks(summary, len(steps[-1][0]), steps=3 if case == "close" else 4)  # the last ones too
+            assert len(steps[-1][0]) >= 3, case

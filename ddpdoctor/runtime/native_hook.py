@@ -13,8 +13,9 @@ Per step, ``NativeTiming`` adds (all on the training thread):
   fires first in backward and queues an autograd final callback, which runs once the graph is
   done and stamps *backward compute end* in C++. The backward takes no GIL and runs no Python;
 - ``drain``, called by the monitor at its next hook of the step, which runs anyway (the optimizer
-  step's pre- and post-hooks, the next forward's pre-hook, close): the ring's stamps go into the
-  step (``StepRecorder.add_bucket_columns``). Until then the hang watchdog reads them
+  step's pre- and post-hooks, the next forward's pre-hook, close, rewrap, a user hook's
+  delegation): the ring's stamps go into the step (``drain_into``; out of order,
+  ``StepRecorder.add_bucket_columns``). Until then the hang watchdog reads them
   (``in_flight``, ``backward_ended``) when it reports a stall, to name the phase and the pending
   bucket.
 
@@ -332,7 +333,11 @@ class NativeTiming:
     def delegate(self, state: Any, hook: Any) -> None:
         """A user hook registered after this one: hand it every bucket, through ``hook(state,
         bucket)`` (ddpdoctor's Python comm hook, which times it). From then on the Python route
-        times the buckets and this side does nothing per step."""
+        times the buckets and this side does nothing per step (the stamps of a backward not
+        drained yet go into the open step first)."""
+        monitor = self._monitor()
+        if self.pending and monitor is not None:
+            self.drain(monitor.recorder.current)
         self.ring.delegate(state, hook)
         self.delegated = True
 
@@ -451,7 +456,7 @@ class NativeTiming:
         whose backward ran them: the open one, at the monitor's next hook after the backward)."""
         monitor = self._monitor()
         ring = self.ring
-        if ring is None or monitor is None or monitor.closed:
+        if ring is None or monitor is None:  # (closing: the monitor drains before its last step)
             return
         t = _perf_ns()
         try:
