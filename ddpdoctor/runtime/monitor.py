@@ -165,7 +165,8 @@ class Monitor:
         assert attachment.header is not None
         self.ddp = ddp
         self.attachment = attachment
-        #: the native hook's per-step side, run from this monitor's hooks (None: Python route)
+        #: the native hook's per-step side, run from this monitor's hooks (None: Python route);
+        #: registered once the attach succeeded (a reducer that refused it leaves None here)
         self._native_timing = attachment.native
         self._close_when_released(ddp)
         self._param_names = {id(p): n for n, p in ddp.module.named_parameters()}
@@ -215,7 +216,7 @@ class Monitor:
     def _drain_native(self) -> None:
         """Native route: the stamps of a backward not drained yet go into the open step."""
         native = getattr(self, "_native_timing", None)
-        if native is not None and native.pending and not native.delegated:
+        if native is not None and native.pending:  # (never while delegated: delegate drains)
             native.drain(self.recorder.current)
 
     def _detach(self) -> None:
@@ -360,7 +361,7 @@ class Monitor:
         it does, and this runs at every forward (``bench/hot_path.py``).
         """
         native = self._native_timing
-        if native is not None and native.pending and not native.delegated:
+        if native is not None and native.pending:
             # the last backward's stamps (native route) belong to the step this forward closes
             native.drain(self.recorder.current)
         t = _perf_ns()
@@ -465,29 +466,23 @@ class Monitor:
         except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); it must never break training
             self.probes.failed("backward_end", exc)
 
-    def _native(self) -> Any:
-        """The registered native hook's Python side, or None (Python route, or not attached yet)."""
-        attachment = getattr(self, "attachment", None)
-        native = getattr(attachment, "native", None) if attachment is not None else None
-        return native if native is not None and native.registered else None
-
     def buckets_in_flight(self) -> list[tuple[int, int, int, int, int]]:
         """Native route: the current backward's bucket stamps not yet drained into the step
         (bucket index, ready, launch, done, bytes; done 0 when not seen); empty otherwise."""
-        native = self._native()
+        native = self._native_timing  # (read once: another thread may detach meanwhile)
         return native.in_flight() if native is not None else []
 
     def backward_ended_in_flight(self) -> bool:
         """Native route: the current backward's compute end is stamped (in C++) but not yet
         drained into the step: the rank waits for its all-reduces."""
-        native = self._native()
+        native = self._native_timing
         return native.backward_ended() if native is not None else False
 
     def on_optimizer(self, start: bool) -> None:
         if self.closed or not self.probes.on["optimizer"]:
             return
         native = self._native_timing
-        if native is not None and native.pending and not native.delegated:
+        if native is not None and native.pending:
             native.drain(self.recorder.current)  # the step's buckets, before its optimizer marks
         try:
             if start:

@@ -468,14 +468,14 @@ class NativeTiming:
                 and on["buckets"]
                 and on["backward_end"]
             ):
-                # the common case in one call: C++ sets the step's lists and backward end
+                # the common case in one call: C++ sets the step's lists and backward end (None
+                # back), or hands the columns over (out of order)
                 columns = ring.drain_into(step, clocks._OFFSET_NS)
-                self.pending = False
-                if columns is None:
-                    return
             else:
                 columns = ring.drain_columns(clocks._OFFSET_NS)
-                self.pending = False
+            self.pending = False
+            if columns is None:
+                return
             indices, ready, launch, done, nbytes, in_order, backward_end = columns
             # the parameter lists go with the marks, whether used or not: nothing accumulates
             layout = ring.take_layout() if self._want_layout else None
