@@ -173,6 +173,9 @@ class Monitor:
         self._buffer_bytes = 0
         self._buffer_bytes_age = _BUFFER_BYTES_EVERY
         native = attachment.native
+        # host marks: the step records are built in C++ (a rewrap to the Python route keeps it)
+        if native is not None and self.recorder.clock.always_ready:
+            self.recorder.build_step = native.build_step
         self.checks = SampledChecks(
             ddp,
             attachment.header,

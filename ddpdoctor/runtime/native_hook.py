@@ -320,6 +320,12 @@ class NativeTiming:
         the per-forward requires_grad check in one call."""
         return getattr(self._module, "same_requires_grad", None)
 
+    @property
+    def build_step(self) -> Any:
+        """The extension's ``build_step(step, cls, rank, ddp, clock)`` (None in an older build): a
+        closed step's record built in C++ (``StepRecorder.build_step``)."""
+        return getattr(self._module, "build_step", None)
+
     def check(self, ddp: Any) -> None:
         """Raise unless the extension takes this DDP's reducer and process group (changes nothing)."""
         if not self._module.accepts(ddp.reducer, ddp.process_group):

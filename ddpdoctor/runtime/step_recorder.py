@@ -125,6 +125,9 @@ class StepRecorder:
         self.comm_hook: str | None = None  # the user's comm hook in effect (None: DDP's default)
         self._hook_asked: str | None = None  # the comm hook of the last step that captured a layout
         self._last_hook: str | None = None  # the one the last Layout record named
+        #: the native extension's ``build_step`` (None: Python builds the records): a host-clock
+        #: step's record built in C++, equal to the one ``_emit_step`` builds
+        self.build_step: Callable[..., Step] | None = None
 
     @property
     def next_index(self) -> int:
@@ -350,7 +353,10 @@ class StepRecorder:
     def _emit_step(self, step: OpenStep) -> None:
         clock = self.clock
         resolved = clock.always_ready or clock.ready(step.marks())
-        if not resolved:  # the GPU never passed these events in time: keep what the host knows
+        build = self.build_step
+        if build is not None and clock.always_ready:
+            record = build(step, Step, self.rank, self.ddp_index, clock.name)
+        elif not resolved:  # the GPU never passed these events in time: keep what the host knows
             record = Step(
                 rank=self.rank,
                 ddp=self.ddp_index,

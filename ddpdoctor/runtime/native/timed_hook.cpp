@@ -545,6 +545,221 @@ bool same_requires_grad(const py::list& tensors, const py::bytes& expected) {
   return true;
 }
 
+
+// -- the step record, built in C++ --------------------------------------------------------------
+//
+// StepRecorder._emit_step's host-clock branch, for the steps emitted together on short steps: the
+// same arithmetic on the same doubles (offsets from t0 as (mark - t0) / 1000.0, sums in order), so
+// the record is equal field for field to the one Python builds (tests/test_native_hook.py compares
+// them). In Python this was most of the step record's cost: a list comprehension per bucket column
+// and a dozen attribute reads, on every step.
+
+struct StepNames {
+  PyObject* index;
+  PyObject* t0;
+  PyObject* t0_mono_ns;
+  PyObject* t0_wall_ns;
+  PyObject* micro;
+  PyObject* fwd_start;
+  PyObject* fwd_end;
+  PyObject* bcast;
+  PyObject* bcast_bytes;
+  PyObject* bwd_end;
+  PyObject* ready;
+  PyObject* launch;
+  PyObject* done;
+  PyObject* nbytes;
+  PyObject* opt_start;
+  PyObject* opt_end;
+  PyObject* end;
+  PyObject* kwnames;  // the Step fields passed, in the order of the arguments below
+};
+
+constexpr Py_ssize_t kStepFields = 22;
+
+const StepNames& step_names() {
+  static const StepNames names = [] {
+    auto intern = [](const char* s) { return PyUnicode_InternFromString(s); };
+    StepNames n{};
+    n.index = intern("index");
+    n.t0 = intern("t0");
+    n.t0_mono_ns = intern("t0_mono_ns");
+    n.t0_wall_ns = intern("t0_wall_ns");
+    n.micro = intern("micro");
+    n.fwd_start = intern("fwd_start");
+    n.fwd_end = intern("fwd_end");
+    n.bcast = intern("bcast");
+    n.bcast_bytes = intern("bcast_bytes");
+    n.bwd_end = intern("bwd_end");
+    n.ready = intern("ready");
+    n.launch = intern("launch");
+    n.done = intern("done");
+    n.nbytes = intern("nbytes");
+    n.opt_start = intern("opt_start");
+    n.opt_end = intern("opt_end");
+    n.end = intern("end");
+    const char* fields[kStepFields] = {
+        "rank",       "ddp",        "step",       "t0_mono_ns", "t0_wall_ns",  "micro",
+        "fwd_start_us", "fwd_us",   "bcast_start_us", "bcast_us", "bcast_bytes", "fwd_end_us",
+        "bwd_end_us", "b_ready_us", "b_launch_us", "b_done_us", "b_bytes",     "sync_end_us",
+        "opt_start_us", "opt_end_us", "end_us",   "clock"};
+    n.kwnames = PyTuple_New(kStepFields);
+    for (Py_ssize_t i = 0; i < kStepFields; ++i) {
+      PyTuple_SET_ITEM(n.kwnames, i, intern(fields[i]));
+    }
+    return n;
+  }();
+  return names;
+}
+
+// A host mark (a Python int of ns, or None) as µs from t0: a new reference (None for None).
+py::object rel_us(int64_t t0, PyObject* mark) {
+  if (mark == Py_None) {
+    return py::none();
+  }
+  const int64_t ns = PyLong_AsLongLong(mark);
+  if (ns == -1 && PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+  return py::float_(static_cast<double>(ns - t0) / 1000.0);
+}
+
+int64_t as_ns(PyObject* mark) {
+  const int64_t ns = PyLong_AsLongLong(mark);
+  if (ns == -1 && PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+  return ns;
+}
+
+// ``rel_us`` of each mark of a list (the bucket columns), as a new list; ``latest`` gets the
+// largest offset when no mark is None (sync_end: the last all-reduce done).
+py::list rel_column(int64_t t0, PyObject* marks, py::object* latest) {
+  if (!PyList_Check(marks)) {
+    throw py::type_error("a step's bucket marks must be a list");
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(marks);
+  py::list out(n);
+  bool complete = n > 0;
+  double top = 0.0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* mark = PyList_GET_ITEM(marks, i);
+    if (mark == Py_None) {
+      complete = false;
+      PyList_SET_ITEM(out.ptr(), i, py::none().release().ptr());
+      continue;
+    }
+    const double us = static_cast<double>(as_ns(mark) - t0) / 1000.0;
+    top = (i == 0 || us > top) ? us : top;
+    PyList_SET_ITEM(out.ptr(), i, PyFloat_FromDouble(us));
+  }
+  if (latest != nullptr) {
+    *latest = complete ? py::object(py::float_(top)) : py::object(py::none());
+  }
+  return out;
+}
+
+// The Step record of a closed OpenStep whose marks are host-clock ns: ``cls(...)`` with the
+// fields StepRecorder._emit_step gives it (its per-bucket lists: bytes handed over, not copied).
+py::object build_step(py::handle step, py::handle cls, py::handle rank, py::handle ddp, py::handle clock) {
+  const StepNames& n = step_names();
+  PyObject* s = step.ptr();
+  auto get = [s](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_GetAttr(s, name)); };
+  auto must = [](const py::object& o) {
+    if (!o) {
+      throw py::error_already_set();
+    }
+    return o.ptr();
+  };
+  py::object t0_obj = get(n.t0), fwd_start = get(n.fwd_start), fwd_end = get(n.fwd_end);
+  py::object bwd_end = get(n.bwd_end), opt_start = get(n.opt_start), opt_end = get(n.opt_end), end = get(n.end);
+  py::object bcast = get(n.bcast), ready = get(n.ready), launch = get(n.launch), done = get(n.done);
+  py::object nbytes = get(n.nbytes), index = get(n.index), t0_mono = get(n.t0_mono_ns), t0_wall = get(n.t0_wall_ns);
+  py::object micro = get(n.micro), bcast_bytes = get(n.bcast_bytes);
+  if (PyErr_Occurred()) {
+    throw py::error_already_set();  // not an OpenStep
+  }
+  const int64_t t0 = as_ns(must(t0_obj));
+  PyObject* bcast_list = must(bcast);
+  if (!PyList_Check(bcast_list)) {
+    throw py::type_error("a step's broadcasts must be a list");
+  }
+  py::object fwd_start_us = rel_us(t0, must(fwd_start));
+  if (fwd_start_us.is_none() || PyFloat_AS_DOUBLE(fwd_start_us.ptr()) == 0.0) {
+    fwd_start_us = py::float_(0.0);  // Python's ``fwd_start_us or 0.0``
+  }
+  py::object bcast_us = py::none(), bcast_start = py::none(), fwd_us = py::none();
+  const Py_ssize_t nb = PyList_GET_SIZE(bcast_list);
+  double in_sync = 0.0;  // the broadcasts inside the synchronizing forward, summed in order
+  if (nb > 0) {
+    double total = 0.0;
+    for (Py_ssize_t i = 0; i < nb; ++i) {
+      PyObject* item = PyList_GET_ITEM(bcast_list, i);
+      if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+        throw py::type_error("a step's broadcast must be a (start, end, sync) tuple");
+      }
+      const double us =
+          static_cast<double>(as_ns(PyTuple_GET_ITEM(item, 1)) - as_ns(PyTuple_GET_ITEM(item, 0))) / 1000.0;
+      total += us;
+      const int sync = PyObject_IsTrue(PyTuple_GET_ITEM(item, 2));
+      if (sync < 0) {
+        throw py::error_already_set();
+      }
+      if (sync) {
+        in_sync += us;
+      }
+    }
+    bcast_us = py::float_(total);
+    bcast_start = rel_us(t0, PyTuple_GET_ITEM(PyList_GET_ITEM(bcast_list, 0), 0));
+  }
+  if (fwd_start.ptr() != Py_None && fwd_end.ptr() != Py_None) {
+    double us = static_cast<double>(as_ns(fwd_end.ptr()) - as_ns(fwd_start.ptr())) / 1000.0;
+    if (nb > 0) {
+      us -= in_sync;
+    }
+    fwd_us = py::float_(us);
+  }
+  py::object sync_end;
+  py::list done_us = rel_column(t0, must(done), &sync_end);
+  py::list ready_us = rel_column(t0, must(ready), nullptr);
+  py::list launch_us = rel_column(t0, must(launch), nullptr);
+  py::object args[kStepFields] = {
+      py::reinterpret_borrow<py::object>(rank),
+      py::reinterpret_borrow<py::object>(ddp),
+      index,
+      t0_mono,
+      t0_wall,
+      micro,
+      fwd_start_us,
+      fwd_us,
+      bcast_start,
+      bcast_us,
+      bcast_bytes,
+      rel_us(t0, must(fwd_end)),
+      rel_us(t0, must(bwd_end)),
+      ready_us,
+      launch_us,
+      done_us,
+      nbytes,
+      sync_end,
+      rel_us(t0, must(opt_start)),
+      rel_us(t0, must(opt_end)),
+      rel_us(t0, must(end)),
+      py::reinterpret_borrow<py::object>(clock)};
+  PyObject* raw[kStepFields];
+  for (Py_ssize_t i = 0; i < kStepFields; ++i) {
+    if (!args[i]) {
+      throw py::error_already_set();
+    }
+    raw[i] = args[i].ptr();
+  }
+  PyObject* record = PyObject_Vectorcall(cls.ptr(), raw, 0, n.kwnames);
+  if (record == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(record);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -572,5 +787,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_timed_hook", &register_timed_hook, py::arg("reducer"), py::arg("group"), py::arg("capacity"));
   m.def("accepts", &accepts, py::arg("reducer"), py::arg("group"));
   m.def("same_requires_grad", &same_requires_grad, py::arg("tensors"), py::arg("expected"));
+  m.def(
+      "build_step",
+      &build_step,
+      py::arg("step"),
+      py::arg("cls"),
+      py::arg("rank"),
+      py::arg("ddp"),
+      py::arg("clock"),
+      "the Step record of a closed OpenStep with host-clock marks (StepRecorder's, built in C++)");
   m.def("clock_ns", &clock_ns, "now on the hook's clock (ns); compared with time.perf_counter_ns()");
 }

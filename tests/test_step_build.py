@@ -1,0 +1,151 @@
+"""The step record built in C++ (the native extension's ``build_step``) equals the one Python builds.
+
+On the native route a host-clock step's record is built in C++ (``StepRecorder.build_step``); the
+Python code is kept for CUDA marks and the Python route. Both must give the same record, field for
+field, float for float, on every shape a step takes: missing marks, buckets not seen (None),
+all-reduces not seen complete, broadcasts inside and outside the synchronizing forward, no
+buckets at all.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgspec
+import pytest
+
+from ddpdoctor.events import Step
+from ddpdoctor.runtime import native_hook
+from ddpdoctor.runtime.clocks import HostClock
+from ddpdoctor.runtime.step_recorder import OpenStep, StepRecorder
+
+
+@pytest.fixture(scope="module")
+def build_step() -> Any:
+    try:
+        so = native_hook.build()
+    except native_hook.NativeUnavailable as exc:
+        pytest.skip(f"the native extension cannot be built here: {exc}")
+    return native_hook._import(so.stem, so).build_step
+
+
+def _steps(seed: int) -> list[OpenStep]:
+    """Closed steps of every shape, with marks a few ms apart (t0 near a real perf_counter_ns)."""
+    rnd = random.Random(seed)
+    out = []
+    base = 7_345_123_456_789
+    for index in range(400):
+        t0 = base + index * 3_000_001
+        step = OpenStep(index, t0)
+        step.t0_mono_ns, step.t0_wall_ns = t0, 1_700_000_000_000_000_000 + index
+        step.micro = rnd.choice((0, 0, 0, 1, 3))
+
+        def mark(lo: int, hi: int, t0: int = t0) -> int:
+            return t0 + rnd.randint(lo, hi)
+
+        def maybe(m: int) -> int | None:
+            return None if rnd.random() < 0.15 else m
+
+        step.fwd_start = rnd.choice((t0, t0, None, mark(1, 999)))
+        step.fwd_end = maybe(mark(100_000, 400_000))
+        step.bwd_end = maybe(mark(900_000, 1_500_000))
+        step.opt_start = maybe(mark(1_600_000, 1_700_000))
+        step.opt_end = maybe(mark(1_700_001, 2_000_000)) if step.opt_start is not None else None
+        step.end = maybe(mark(2_000_001, 2_999_999))
+        buckets = rnd.choice((0, 1, 4, 13))
+        step.ready = [maybe(mark(400_000, 900_000)) for _ in range(buckets)]
+        step.launch = [None if r is None else r + rnd.randint(0, 5_000) for r in step.ready]
+        step.done = [None if r is None or rnd.random() < 0.1 else r + rnd.randint(1, 90_000) for r in step.ready]
+        step.nbytes = [rnd.choice((4096, 262_144, None)) for _ in step.ready]
+        for _ in range(rnd.choice((0, 0, 1, 2, 3))):
+            a = mark(1_000, 90_000)
+            step.bcast.append((a, a + rnd.randint(0, 7_777), rnd.random() < 0.6))
+        step.bcast_bytes = 512 * len(step.bcast)
+        step.synced_forward = True
+        out.append(step)
+    return out
+
+
+def _built(recorder: StepRecorder, steps: list[OpenStep]) -> list[Step]:
+    records: list[Any] = []
+    recorder.emit = records.append
+    for step in steps:
+        recorder._emit_step(step)
+    return [r for r in records if isinstance(r, Step)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_build_step_equals_the_python_record(build_step: Any, seed: int) -> None:
+    python = StepRecorder(3, 1, lambda r: None, HostClock())
+    native = StepRecorder(3, 1, lambda r: None, HostClock())
+    native.build_step = build_step
+    expected = _built(python, _steps(seed))
+    got = _built(native, _steps(seed))
+    assert len(got) == len(expected) == 400
+    for a, b in zip(got, expected, strict=True):
+        # the encoded lines too: a float that differs in its last bit, or an int passed as a
+        # float, shows there
+        assert msgspec.json.encode(a) == msgspec.json.encode(b), (a, b)
+        assert a == b
+    # the shapes the steps took (so the comparison covered them)
+    assert any(s.bcast_us is not None for s in got) and any(s.sync_end_us is None and s.b_done_us for s in got)
+    assert any(not s.b_ready_us for s in got) and any(None in s.b_ready_us for s in got)
+
+
+def test_build_step_hands_the_bytes_over_and_rejects_what_is_not_a_step(build_step: Any) -> None:
+    step = _steps(5)[1]
+    record = build_step(step, Step, 0, 0, "host")
+    assert record.b_bytes is step.nbytes  # handed over, as Python does: the step is closed
+    with pytest.raises(AttributeError):
+        build_step(object(), Step, 0, 0, "host")
+    step.ready = (1, 2)  # type: ignore[assignment]
+    with pytest.raises(TypeError):
+        build_step(step, Step, 0, 0, "host")
+
+
+def _route_checks(rank: int, world_size: int) -> dict[str, Any]:
+    """A real native-route run (no_sync micro-steps, BatchNorm broadcasts, Adam) whose records are
+    also built in Python from the same closed steps, then a Python-route model."""
+    import os
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpdoctor
+    from ddpdoctor.sinks.memory import MemorySink
+    from tests.models import make_model
+    from tests.runtime_workers import BUCKET_CAP_MB, train
+
+    torch.manual_seed(0)
+    sink = MemorySink()
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    monitor = ddpdoctor.instrument(ddp, sink=sink)
+    native = monitor.recorder.build_step
+    shadow: list[Any] = []
+    python = StepRecorder(rank, 0, shadow.append, HostClock())
+
+    def both(step: OpenStep, *args: Any) -> Step:
+        python._emit_step(step)  # the same closed step, built by Python
+        return native(step, *args)  # type: ignore[misc]
+
+    if native is not None:
+        monitor.recorder.build_step = both
+    train(ddp, rank, steps=7)
+    monitor.close()
+    got = [msgspec.json.encode(r) for r in sink.records if isinstance(r, Step)]
+    expected = [msgspec.json.encode(r) for r in shadow if isinstance(r, Step)]
+    os.environ["DDPDOCTOR_NATIVE"] = "0"
+    other = ddpdoctor.instrument(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB), sink=MemorySink())
+    python_route = other.recorder.build_step is None
+    other.close()
+    return {"native": native is not None, "got": got, "expected": expected, "python_route": python_route}
+
+
+def test_a_real_run_builds_its_records_in_cpp_and_they_equal_pythons(build_step: Any) -> None:
+    from tests.ddp_harness import run_ranks
+
+    for r in run_ranks(_route_checks, 2, timeout=240):
+        assert r["native"], "the native route did not hand build_step to the recorder"
+        assert len(r["got"]) == 7 and r["got"] == r["expected"]
+        assert r["python_route"], "the Python route must build its records in Python"
