@@ -74,7 +74,9 @@ _Key = tuple[int, int, int, str, int]
 
 def _key(s: Step) -> _Key:
     """What every row of a window shares."""
-    return (len(s.b_ready_us), sum(b or 0 for b in s.b_bytes), s.bcast_bytes, s.clock, s.ddp)
+    # filter(None, ...) drops None (a bucket not seen) and 0, which adds nothing: the same sum,
+    # without a Python-level generator per step (the writer runs this at every step)
+    return (len(s.b_ready_us), sum(filter(None, s.b_bytes)), s.bcast_bytes, s.clock, s.ddp)
 
 
 def _diff(a: float | None, b: float | None) -> float | None:
@@ -103,9 +105,12 @@ class _Medians:
 
     def judge(self, phases: tuple[float | None, ...]) -> bool:
         """True when a phase is far above its median; then adds the phases to the medians."""
-        slow = any(v is not None and lim is not None and v > lim for v, lim in zip(phases, self.limits, strict=True))
-        for v, values in zip(phases, self.values, strict=True):
+        # one loop, no generator: this runs at every step on the writer thread, holding the GIL
+        slow = False
+        for v, lim, values in zip(phases, self.limits, self.values, strict=True):
             if v is not None:
+                if lim is not None and v > lim:
+                    slow = True
                 values.append(v)
         self.seen += 1
         if self.seen % MEDIAN_EVERY == 0 and self.seen >= WARMUP:
@@ -116,12 +121,15 @@ class _Medians:
         return slow
 
 
-def _us(v: float | None) -> int | None:
-    return None if v is None else round(v)
-
-
 def _column(values: list[int | None]) -> list[int | None]:
     return values if any(v is not None for v in values) else []
+
+
+def _rounded(values: list[float | None]) -> list[int | None]:
+    """A phase column in whole µs (``_us`` of each value); empty when every value is None."""
+    if None not in values:
+        return [round(v) for v in values]  # type: ignore[arg-type] - None ruled out just above
+    return _column([None if v is None else round(v) for v in values])
 
 
 def window_of(rows: list[Step]) -> Window:
@@ -137,7 +145,13 @@ def window_of(rows: list[Step]) -> Window:
         previous = at
     wall = [(r.t0_wall_ns - r.t0_mono_ns - skew + 500) // 1000 for r in rows]
     micro = [r.micro for r in rows]
-    ready = [[t for t in r.b_ready_us if t is not None] for r in rows]
+    # earliest and latest bucket ready per row (None values skipped; a row without any: None)
+    ready_first: list[int | None] = []
+    ready_last: list[int | None] = []
+    for r in rows:
+        ready = [t for t in r.b_ready_us if t is not None] if None in r.b_ready_us else r.b_ready_us
+        ready_first.append(round(min(ready)) if ready else None)
+        ready_last.append(round(max(ready)) if ready else None)
     buckets, nbytes, bcast_bytes, clock, ddp = _key(first)
     return Window(
         rank=first.rank,
@@ -153,18 +167,18 @@ def window_of(rows: list[Step]) -> Window:
         t0=t0,
         wall=wall if any(wall) else [],
         micro=micro if any(micro) else [],
-        fwd_start=_column([_us(r.fwd_start_us) for r in rows]),
-        fwd=_column([_us(r.fwd_us) for r in rows]),
-        bcast_start=_column([_us(r.bcast_start_us) for r in rows]),
-        bcast=_column([_us(r.bcast_us) for r in rows]),
-        fwd_end=_column([_us(r.fwd_end_us) for r in rows]),
-        bwd_end=_column([_us(r.bwd_end_us) for r in rows]),
-        ready_first=_column([round(min(t)) if t else None for t in ready]),
-        ready_last=_column([round(max(t)) if t else None for t in ready]),
-        sync_end=_column([_us(r.sync_end_us) for r in rows]),
-        opt_start=_column([_us(r.opt_start_us) for r in rows]),
-        opt_end=_column([_us(r.opt_end_us) for r in rows]),
-        end=_column([_us(r.end_us) for r in rows]),
+        fwd_start=_rounded([r.fwd_start_us for r in rows]),
+        fwd=_rounded([r.fwd_us for r in rows]),
+        bcast_start=_rounded([r.bcast_start_us for r in rows]),
+        bcast=_rounded([r.bcast_us for r in rows]),
+        fwd_end=_rounded([r.fwd_end_us for r in rows]),
+        bwd_end=_rounded([r.bwd_end_us for r in rows]),
+        ready_first=_column(ready_first),
+        ready_last=_column(ready_last),
+        sync_end=_rounded([r.sync_end_us for r in rows]),
+        opt_start=_rounded([r.opt_start_us for r in rows]),
+        opt_end=_rounded([r.opt_end_us for r in rows]),
+        end=_rounded([r.end_us for r in rows]),
     )
 
 
