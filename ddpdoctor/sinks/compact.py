@@ -128,7 +128,7 @@ def _column(values: list[int | None]) -> list[int | None]:
 def _rounded(values: list[float | None]) -> list[int | None]:
     """A phase column in whole µs (``_us`` of each value); empty when every value is None."""
     if None not in values:
-        return [round(v) for v in values]  # type: ignore[arg-type] - None ruled out just above
+        return [round(v) for v in values]  # type: ignore[arg-type]  # None was ruled out just above
     return _column([None if v is None else round(v) for v in values])
 
 
