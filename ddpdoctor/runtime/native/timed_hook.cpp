@@ -159,6 +159,20 @@ class Ring {
     return out;
   }
 
+  // ``drain(false)`` and ``backward_end(true)`` under one lock, into ``out`` (no allocation for
+  // up to its inline size): the drain of every step (``drain_into``).
+  template <typename Out>
+  int64_t take(Out& out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (uint64_t seq = tail_ + 1; seq <= head_; ++seq) {
+      out.push_back(slots_[seq % slots_.size()]);
+    }
+    tail_ = head_;
+    const int64_t t = backward_end_;
+    backward_end_ = 0;
+    return t;
+  }
+
   // The parameters (TensorImpl addresses, Python's Tensor._cdata) of each bucket seen while
   // layout capture was on; captured only at the steps Python asks for (the first ones).
   void want_layout(bool on) {
@@ -390,30 +404,63 @@ int64_t arm_output(Handle& h, py::handle output, int64_t limit) {
   return static_cast<int64_t>(nodes.size());
 }
 
+// The ring's entries as the columns ``drain_columns`` returns (the out-of-order case of
+// ``drain_into``, which took them already).
+template <typename Entries>
+py::tuple columns_of(const Entries& entries, int64_t backward_end, int64_t offset) {
+  py::list indices, ready, launch, done, nbytes;
+  bool in_order = true;
+  int64_t position = 0;
+  for (const Entry& e : entries) {
+    in_order = in_order && e.index == position++;
+    indices.append(e.index);
+    ready.append(e.ready + offset);
+    launch.append(e.launch + offset);
+    if (e.done != 0) {
+      done.append(e.done + offset);
+    } else {
+      done.append(py::none());
+    }
+    nbytes.append(e.bytes);
+  }
+  py::object end = backward_end != 0 ? py::object(py::int_(backward_end + offset)) : py::object(py::none());
+  return py::make_tuple(indices, ready, launch, done, nbytes, in_order, end);
+}
+
 // The ring's entries as columns, on the host clock shifted by ``offset`` (the tests' clock
 // offset): (indices, ready, launch, done, bytes, in index order, backward end), done None for an
 // all-reduce not seen complete, backward end None when not stamped. Python lists built here: one
 // call, no tuple per bucket.
 py::tuple drain_columns(Handle& h, int64_t offset) {
-  auto entries = h.ring->drain(false);
-  const int64_t backward_end = h.ring->backward_end(true);
-  py::list indices, ready, launch, done, nbytes;
-  bool in_order = true;
-  int64_t position = 0;
-  for (const auto& [index, r, l, d, b] : entries) {
-    in_order = in_order && index == position++;
-    indices.append(index);
-    ready.append(r + offset);
-    launch.append(l + offset);
-    if (d != 0) {
-      done.append(d + offset);
-    } else {
-      done.append(py::none());
-    }
-    nbytes.append(b);
+  c10::SmallVector<Entry, 32> entries;
+  const int64_t backward_end = h.ring->take(entries);
+  return columns_of(entries, backward_end, offset);
+}
+
+// A new list of Python ints, one per entry (``field`` of it, plus ``offset``; 0 gives None where
+// ``zero_is_none``).
+template <typename Entries>
+py::object int_column(const Entries& entries, int64_t Entry::*field, int64_t offset, bool zero_is_none) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(entries.size()));
+  if (list == nullptr) {
+    throw py::error_already_set();
   }
-  py::object end = backward_end != 0 ? py::object(py::int_(backward_end + offset)) : py::object(py::none());
-  return py::make_tuple(indices, ready, launch, done, nbytes, in_order, end);
+  py::object owned = py::reinterpret_steal<py::object>(list);
+  Py_ssize_t i = 0;
+  for (const Entry& e : entries) {
+    const int64_t v = e.*field;
+    PyObject* item = nullptr;
+    if (zero_is_none && v == 0) {
+      item = Py_NewRef(Py_None);
+    } else {
+      item = PyLong_FromLongLong(v + offset);
+      if (item == nullptr) {
+        throw py::error_already_set();
+      }
+    }
+    PyList_SET_ITEM(list, i++, item);
+  }
+  return owned;
 }
 
 // ``drain_columns`` handed straight to ``step`` (an OpenStep) in the common case: every bucket
@@ -421,20 +468,51 @@ py::tuple drain_columns(Handle& h, int64_t offset) {
 // nbytes lists are then set whole (left as they are when the ring held no bucket), its bwd_end,
 // when None, to the backward end, and None is returned. Otherwise nothing is set and the columns
 // are returned, for Python (StepRecorder.add_bucket_columns). One call a step, no tuple unpacked.
+// It runs first thing after a backward, when caches are cold: one lock, no vector of tuples, no
+// columns tuple in the common case, attributes set through interned names.
 py::object drain_into(Handle& h, py::handle step, int64_t offset) {
-  py::tuple columns = drain_columns(h, offset);
-  const size_t n = py::len(columns[0]);
-  if (!columns[5].cast<bool>() || n < py::len(step.attr("ready"))) {
-    return std::move(columns);
+  static PyObject* const ready_name = PyUnicode_InternFromString("ready");
+  static PyObject* const launch_name = PyUnicode_InternFromString("launch");
+  static PyObject* const done_name = PyUnicode_InternFromString("done");
+  static PyObject* const nbytes_name = PyUnicode_InternFromString("nbytes");
+  static PyObject* const bwd_end_name = PyUnicode_InternFromString("bwd_end");
+  c10::SmallVector<Entry, 32> entries;
+  const int64_t backward_end = h.ring->take(entries);
+  bool in_order = true;
+  int64_t position = 0;
+  for (const Entry& e : entries) {
+    in_order = in_order && e.index == position++;
   }
-  if (n > 0) {
-    step.attr("ready") = columns[1];
-    step.attr("launch") = columns[2];
-    step.attr("done") = columns[3];
-    step.attr("nbytes") = columns[4];
+  py::object held = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), ready_name));
+  if (!held) {
+    throw py::error_already_set();
   }
-  if (!columns[6].is_none() && step.attr("bwd_end").is_none()) {
-    step.attr("bwd_end") = columns[6];
+  const Py_ssize_t n_held = PyObject_Length(held.ptr());
+  if (n_held < 0) {
+    throw py::error_already_set();
+  }
+  if (!in_order || static_cast<Py_ssize_t>(entries.size()) < n_held) {
+    return columns_of(entries, backward_end, offset);
+  }
+  auto set = [&step](PyObject* name, const py::object& value) {
+    if (PyObject_SetAttr(step.ptr(), name, value.ptr()) != 0) {
+      throw py::error_already_set();
+    }
+  };
+  if (!entries.empty()) {
+    set(ready_name, int_column(entries, &Entry::ready, offset, false));
+    set(launch_name, int_column(entries, &Entry::launch, offset, false));
+    set(done_name, int_column(entries, &Entry::done, offset, true));
+    set(nbytes_name, int_column(entries, &Entry::bytes, 0, false));
+  }
+  if (backward_end != 0) {
+    py::object current = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), bwd_end_name));
+    if (!current) {
+      throw py::error_already_set();
+    }
+    if (current.is_none()) {
+      set(bwd_end_name, py::int_(backward_end + offset));
+    }
   }
   return py::none();
 }
