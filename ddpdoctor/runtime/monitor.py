@@ -184,6 +184,7 @@ class Monitor:
             self.rank,
             self.ddp_index,
             same_flags=native.same_requires_grad if native is not None else None,
+            param_sample=native.param_sample if native is not None else None,
         )
         self.emit(attachment.header)
         if not self.header_written:

@@ -321,6 +321,12 @@ class NativeTiming:
         return getattr(self._module, "same_requires_grad", None)
 
     @property
+    def param_sample(self) -> Any:
+        """The extension's ``ParamSample(params)`` (None in an older build): a sampled step's
+        per-parameter gradient arrivals, stamped by C++ hooks taken off at its ``end``."""
+        return getattr(self._module, "ParamSample", None)
+
+    @property
     def build_step(self) -> Any:
         """The extension's ``build_step(step, cls, rank, ddp, clock)`` (None in an older build): a
         closed step's record built in C++ (``StepRecorder.build_step``)."""
@@ -551,21 +557,8 @@ def _call(ref: weakref.ref[NativeTiming], method: str, step: Any) -> None:
         getattr(timing, method)(step)
 
 
-def _compiled_autograd_enabled() -> bool:
-    """Whether compiled autograd is on now (``compiled_autograd.enable``, or a compiled function
-    asked for it running): it compiles the hooks of the graph it traces and knows Python hooks,
-    not a C++ one of ours. Read from ``sys.modules``: a process that never loaded dynamo cannot
-    have it on."""
-    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
-    return compiled is not None and bool(getattr(compiled, "compiled_autograd_enabled", False))
-
-
-def _compiled_autograd_asked() -> bool:
-    """Whether ``torch._dynamo.config.compiled_autograd`` asks for compiled autograd: a function
-    compiled then may run this backward under it. Costs a walk through torch's config module
-    (microseconds): ``NativeTiming`` reads it every ``CONFIG_EVERY`` forwards."""
-    config = sys.modules.get("torch._dynamo.config")
-    return config is not None and bool(getattr(config, "compiled_autograd", False))
+_compiled_autograd_enabled = torch_compat.compiled_autograd_enabled
+_compiled_autograd_asked = torch_compat.compiled_autograd_asked
 
 
 def main(argv: list[str] | None = None) -> int:

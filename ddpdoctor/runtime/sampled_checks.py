@@ -33,7 +33,7 @@ from typing import Any
 from ddpdoctor.categories import CommHookWarning
 from ddpdoctor.events import Fingerprint, GradFlags, Header, Unused
 from ddpdoctor.events.schedule import is_sampled  # shared with the file writer (sinks.compact)
-from ddpdoctor.runtime import torch_compat
+from ddpdoctor.runtime import clocks, torch_compat
 from ddpdoctor.runtime.clocks import HostClock
 from ddpdoctor.runtime.fingerprints import Fingerprinter
 
@@ -43,7 +43,7 @@ _requires_grad = operator.attrgetter("requires_grad")
 class _Sample:
     """A sampled step in progress: which reduced parameters received a gradient, and when."""
 
-    __slots__ = ("step", "seen", "t0_mono_ns", "hooked", "handles", "post_forward_us", "pre_versions")
+    __slots__ = ("step", "seen", "t0_mono_ns", "hooked", "handles", "post_forward_us", "pre_versions", "native")
 
     def __init__(self, step: int, t0_mono_ns: int) -> None:
         self.step = step
@@ -54,6 +54,8 @@ class _Sample:
         self.post_forward_us: float | None = None
         #: buffer versions before DDP's forward (only until the broadcast's own bumps are known)
         self.pre_versions: list[int] | None = None
+        #: the extension's ParamSample when it stamps the arrivals (None: Python hooks do)
+        self.native: Any = None
 
 
 class SampledChecks:
@@ -68,6 +70,7 @@ class SampledChecks:
         rank: int,
         ddp_index: int,
         same_flags: Callable[[list[Any], bytes], bool] | None = None,
+        param_sample: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         self._ddp: Any = weakref.ref(ddp)
         self.check_every = max(1, int(check_every))
@@ -84,6 +87,10 @@ class SampledChecks:
         # byte per parameter; None: the flags are read from Python
         self._same_flags = same_flags
         self._flag_bytes = bytes(self.flags)
+        # the native extension's ParamSample, when it is loaded: a sample's per-parameter arrivals
+        # stamped by C++ hooks it takes off again (Python's post-accumulate-grad hooks leave a C++
+        # caller on every parameter for good, which takes the GIL at every later backward)
+        self._param_sample = param_sample
         self.sample: _Sample | None = None
         self.bcast_in_forward = False  # set by the monitor when DDP broadcast buffers in this forward
         self.broadcasts = 0  # DDP's buffer broadcasts since attach (counted by the monitor)
@@ -145,11 +152,19 @@ class SampledChecks:
         seen = sample.seen
         now = time.monotonic_ns
         if self._grad_ready:
+            hooked = sample.hooked
             for i, (p, reduced) in enumerate(zip(self.params, self.reduced, strict=False)):
                 if reduced and p.requires_grad:
-                    sample.hooked.append((i, self.names[i]))
+                    hooked.append((i, self.names[i]))
+            native = self._param_sample
+            # compiled autograd compiles the hooks of the graph it traces and knows Python hooks,
+            # not a C++ one: where it may run, Python hooks stamp the arrivals
+            if native is not None and not torch_compat.compiled_autograd_possible():
+                sample.native = native([self.params[i] for i, _ in hooked])
+            else:
+                for i, _ in hooked:
                     sample.handles.append(
-                        p.register_post_accumulate_grad_hook(lambda _p, i=i: seen.__setitem__(i, now()))
+                        self.params[i].register_post_accumulate_grad_hook(lambda _p, i=i: seen.__setitem__(i, now()))
                     )
         # after DDP's own pre-forward (buffer broadcast), right before the wrapped module runs
         sample.handles.append(self.ddp.module.register_forward_pre_hook(self._on_module_pre))
@@ -251,6 +266,9 @@ class SampledChecks:
             return
         for handle in sample.handles:
             handle.remove()
+        if sample.native is not None:  # its hooks come off; the arrivals it stamped, per parameter hooked
+            arrivals = sample.native.end(clocks._OFFSET_NS)
+            sample.seen.update((i, t) for (i, _), t in zip(sample.hooked, arrivals, strict=True) if t is not None)
         ddp = self.ddp
         if ddp is not None:
             ddp.__dict__.pop("_post_forward", None)

@@ -23,6 +23,7 @@ Features and what they need:
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -267,3 +268,29 @@ def reducer_parameter_count(ddp: Any) -> tuple[int | None, int]:
     old = logging_data(ddp).get("num_parameter_tensors")
     parameters, _ = ddp._build_params_for_reducer()
     return (int(old) if old is not None else None), len(parameters)
+
+
+# -- compiled autograd: it traces the hooks of a graph and knows Python hooks, not C++ ones ------
+
+
+def compiled_autograd_enabled() -> bool:
+    """Whether compiled autograd is on now (``compiled_autograd.enable``, or a compiled function
+    asked for it running): it compiles the hooks of the graph it traces and knows Python hooks,
+    not a C++ one of ours. Read from ``sys.modules``: a process that never loaded dynamo cannot
+    have it on."""
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+    return compiled is not None and bool(getattr(compiled, "compiled_autograd_enabled", False))
+
+
+def compiled_autograd_asked() -> bool:
+    """Whether ``torch._dynamo.config.compiled_autograd`` asks for compiled autograd: a function
+    compiled then may run this backward under it. Costs a walk through torch's config module
+    (microseconds): the native timing reads it every few forwards, a sample once."""
+    config = sys.modules.get("torch._dynamo.config")
+    return config is not None and bool(getattr(config, "compiled_autograd", False))
+
+
+def compiled_autograd_possible() -> bool:
+    """Whether a backward run now may be traced by compiled autograd (C++ hooks must then stay
+    off the graph: Python hooks are used instead)."""
+    return compiled_autograd_asked() or compiled_autograd_enabled()
