@@ -3,7 +3,8 @@
 On sampled steps the checks stamp when each reduced parameter's gradient arrives (unused
 parameters, the bucket what-if's ready times). Python's ``register_post_accumulate_grad_hook``
 leaves a C++ caller of the tensor's (then empty) Python hooks on every parameter for good, which
-takes the GIL at every later backward. On the native route the extension's ``ParamSample`` puts
+takes the GIL at every later backward. Wherever the extension loads (the native route, and the
+Python route a user's comm hook registered before ``instrument`` takes), its ``ParamSample`` puts
 C++ hooks on the gradient accumulators and takes them off when the sample ends. Real 2-rank gloo
 runs: the same unused parameters and per-parameter arrivals as the Python hooks give, and no
 parameter keeps a Python hook.
@@ -44,7 +45,7 @@ class _Branchy(nn.Module):
         return self.head(h) if use_head else self.other(h)
 
 
-def _run(rank: int, native: bool) -> dict[str, Any]:
+def _run(rank: int, native: bool, user_hook: bool = False) -> dict[str, Any]:
     import os
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -56,6 +57,10 @@ def _run(rank: int, native: bool) -> dict[str, Any]:
     os.environ["DDPDOCTOR_NATIVE"] = "1" if native else "0"
     torch.manual_seed(0)
     ddp = DDP(_Branchy(), find_unused_parameters=True)
+    if user_hook:  # registered before instrument: the Python comm hook times it
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp.register_comm_hook(None, allreduce_hook)
     sink = MemorySink()
     monitor = ddpdoctor.instrument(ddp, sink=sink, check_every=2)
     timing = monitor.attachment.header.timing
@@ -73,6 +78,7 @@ def _run(rank: int, native: bool) -> dict[str, Any]:
     unused = [r for r in sink.records if isinstance(r, Unused)]
     return {
         "timing": timing,
+        "built_in_cpp": monitor.recorder.build_step is not None,
         "unused": {r.step: sorted(r.names) for r in unused},
         "arrived": {r.step: [t is not None for t in r.param_ready_us] for r in unused},
         "left": left,
@@ -80,7 +86,7 @@ def _run(rank: int, native: bool) -> dict[str, Any]:
 
 
 def _both_routes(rank: int, world_size: int) -> dict[str, Any]:
-    return {"native": _run(rank, True), "python": _run(rank, False)}
+    return {"native": _run(rank, True), "python": _run(rank, False), "user_hook": _run(rank, True, user_hook=True)}
 
 
 def test_a_sample_leaves_no_hook_and_sees_what_python_hooks_see(built: None) -> None:
@@ -99,3 +105,10 @@ def test_a_sample_leaves_no_hook_and_sees_what_python_hooks_see(built: None) -> 
         # the native sample takes its hooks off (the Python route's hooks leave a C++ caller of
         # an empty dict on each parameter they were put on: torch keeps it)
         assert native["left"] and all(names == [] for names in native["left"])
+        # a user's hook registered before instrument: the Python route times the buckets, the
+        # extension still serves the samples and the step records
+        with_hook = r["user_hook"]
+        assert with_hook["timing"] == "python" and with_hook["built_in_cpp"] and native["built_in_cpp"]
+        assert with_hook["unused"] == native["unused"] and with_hook["arrived"] == native["arrived"]
+        assert with_hook["left"] and all(names == [] for names in with_hook["left"])
+        assert not python["built_in_cpp"]  # DDPDOCTOR_NATIVE=0: no extension at all

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning
 from ddpdoctor.events import End, Header, ProbeOff, ProcSample, Record, Step
-from ddpdoctor.runtime import run_dir, torch_compat, watchdog
+from ddpdoctor.runtime import native_hook, run_dir, torch_compat, watchdog
 from ddpdoctor.runtime.attach import AttachError, Attachment, monitor_of
 from ddpdoctor.runtime.clocks import CudaClock, HostClock, mono_ns, wall_ns
 from ddpdoctor.runtime.config import CHECK_EVERY, Options
@@ -172,10 +172,13 @@ class Monitor:
         self._param_names = {id(p): n for n, p in ddp.module.named_parameters()}
         self._buffer_bytes = 0
         self._buffer_bytes_age = _BUFFER_BYTES_EVERY
+        # The extension serves the checks and the step records on either route wherever it loads
+        # (CPU models, unless DDPDOCTOR_NATIVE=0): a user's comm hook registered before
+        # instrument makes the Python route time the buckets, and nothing else changes.
         native = attachment.native
-        # host marks: the step records are built in C++ (a rewrap to the Python route keeps it)
-        if native is not None and self.recorder.clock.always_ready:
-            self.recorder.build_step = native.build_step
+        extension = native.module if native is not None else native_hook.choose(cuda=self._cuda)
+        if extension is not None and self.recorder.clock.always_ready:
+            self.recorder.build_step = getattr(extension, "build_step", None)  # host marks
         self.checks = SampledChecks(
             ddp,
             attachment.header,
@@ -183,8 +186,8 @@ class Monitor:
             self.emit,
             self.rank,
             self.ddp_index,
-            same_flags=native.same_requires_grad if native is not None else None,
-            param_sample=native.param_sample if native is not None else None,
+            same_flags=getattr(extension, "same_requires_grad", None),
+            param_sample=getattr(extension, "ParamSample", None),
         )
         self.emit(attachment.header)
         if not self.header_written:

@@ -315,22 +315,9 @@ class NativeTiming:
         return self.ring is not None
 
     @property
-    def same_requires_grad(self) -> Any:
-        """The extension's ``same_requires_grad(tensors, expected_bytes)`` (None in an older build):
-        the per-forward requires_grad check in one call."""
-        return getattr(self._module, "same_requires_grad", None)
-
-    @property
-    def param_sample(self) -> Any:
-        """The extension's ``ParamSample(params)`` (None in an older build): a sampled step's
-        per-parameter gradient arrivals, stamped by C++ hooks taken off at its ``end``."""
-        return getattr(self._module, "ParamSample", None)
-
-    @property
-    def build_step(self) -> Any:
-        """The extension's ``build_step(step, cls, rank, ddp, clock)`` (None in an older build): a
-        closed step's record built in C++ (``StepRecorder.build_step``)."""
-        return getattr(self._module, "build_step", None)
+    def module(self) -> ModuleType:
+        """The extension this hook came from (its other functions serve the monitor too)."""
+        return self._module
 
     def check(self, ddp: Any) -> None:
         """Raise unless the extension takes this DDP's reducer and process group (changes nothing)."""
