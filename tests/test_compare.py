@@ -15,6 +15,7 @@ import pytest
 from ddpdoctor.analysis.compare import MIN_CHANGE_MS, Comparison, FindingChange, compare_phase, mann_whitney_p
 from ddpdoctor.cli.compare_cmd import gate
 from ddpdoctor.cli.main import main
+from tests.zoo_runs import ZooRuns
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "zoo" / "constant_buffers.py"
@@ -64,25 +65,24 @@ def _run(run_dir: Path, *args: str) -> Path:
     return run_dir
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("compare")
-    out = {
-        "base": _run(tmp / "base"),
-        "same": _run(tmp / "same"),
-        "fixed": _run(tmp / "fixed", "--fixed"),
-    }
-    # the planted slowdown: 30 ms more in every forward
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp / "slow"), "--forward-sleep-ms", "50"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-    )
+def _shared_run(zoo_runs: ZooRuns, *args: str) -> Path:
+    """The session's one run of the script with these arguments (test_html_report.py reads the
+    base and fixed runs too)."""
+    proc, run_dir = zoo_runs.run(SCRIPT, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out["slow"] = tmp / "slow"
-    return out
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, zoo_runs: ZooRuns) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("compare")
+    return {
+        "base": _shared_run(zoo_runs, "--forward-sleep-ms", BASE_SLEEP_MS),
+        "same": _run(tmp / "same"),  # the same script again: a second run of its own
+        "fixed": _shared_run(zoo_runs, "--forward-sleep-ms", BASE_SLEEP_MS, "--fixed"),
+        # the planted slowdown: 30 ms more in every forward
+        "slow": _shared_run(zoo_runs, "--forward-sleep-ms", "50"),
+    }
 
 
 def _compare(base: Path, new: Path, tmp: Path, *args: str) -> tuple[int, dict[str, Any]]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,15 +11,10 @@ import pytest
 import ddpdoctor
 from ddpdoctor.analysis import at_least
 from ddpdoctor.cli.main import main
+from tests.zoo_runs import ZooRuns
 
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "examples" / "zoo"
-
-
-def run_script(script: Path, run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(script), str(run_dir), *args], capture_output=True, text=True, timeout=240, cwd=ROOT
-    )
 
 
 def findings(run_dir: Path) -> dict[str, dict[str, Any]]:
@@ -47,7 +40,7 @@ CASES = [
     "script, args, code, severity, names, succeeds", CASES, ids=[f"{c[0]}{''.join(c[1])}" for c in CASES]
 )
 def test_zoo_script_raises_its_finding(
-    tmp_path: Path,
+    zoo_runs: ZooRuns,
     script: str,
     args: tuple[str, ...],
     code: str,
@@ -55,9 +48,9 @@ def test_zoo_script_raises_its_finding(
     names: list[str] | None,
     succeeds: bool,
 ) -> None:
-    proc = run_script(ZOO / f"{script}.py", tmp_path / "run", *args)
+    proc, run_dir = zoo_runs.run(ZOO / f"{script}.py", *args)
     assert (proc.returncode == 0) is succeeds, proc.stderr[-3000:]
-    found = findings(tmp_path / "run")
+    found = findings(run_dir)
     assert code in found, f"{code} not in {sorted(found)}"
     f = found[code]
     assert f["severity"] == severity
@@ -70,19 +63,20 @@ def test_zoo_script_raises_its_finding(
         f"Warning: ddpdoctor [rank 0] {code}:" in proc.stderr or f"Warning: ddpdoctor [rank 1] {code}:" in proc.stderr
     )
     # ... and written to the log as a finding record by the rank
-    run = ddpdoctor.load_run(tmp_path / "run")
+    run = ddpdoctor.load_run(run_dir)
     assert any(r.code == code for log in run.ranks.values() for r in log.findings)
 
 
-def test_frozen_after_wrap_is_on_stderr_and_disk_before_ddp_fails(tmp_path: Path) -> None:
-    proc = run_script(ZOO / "frozen_after_wrap.py", tmp_path / "run")
+def test_frozen_after_wrap_is_on_stderr_and_disk_before_ddp_fails(zoo_runs: ZooRuns, tmp_path: Path) -> None:
+    # the same run as test_zoo_script_raises_its_finding[frozen_after_wrap]
+    proc, run_dir = zoo_runs.run(ZOO / "frozen_after_wrap.py")
     assert proc.returncode != 0
     error_at = proc.stderr.find("Expected to have finished reduction in the prior iteration")
     warned_at = proc.stderr.find("frozen-after-wrap")
     assert 0 <= warned_at < error_at
     assert "StaleRequiresGradWarning" in proc.stderr
     out = tmp_path / "report.json"
-    assert main(["report", str(tmp_path / "run"), "--format", "json", "-o", str(out), "--fail-on", "error"]) == 1
+    assert main(["report", str(run_dir), "--format", "json", "-o", str(out), "--fail-on", "error"]) == 1
     report = json.loads(out.read_text())
     frozen = next(f for f in report["findings"] if f["code"] == "frozen-after-wrap")
     assert "real cause" in frozen["detail"] and "ddpdoctor.rewrap(model)" in frozen["fix"]
@@ -90,26 +84,27 @@ def test_frozen_after_wrap_is_on_stderr_and_disk_before_ddp_fails(tmp_path: Path
     assert all(r["end_reason"] == "error: RuntimeError" for r in report["ranks"])
 
 
-def test_unfreeze_after_wrap_is_confirmed_by_the_divergence_check(tmp_path: Path) -> None:
-    run_script(ZOO / "unfrozen_after_wrap.py", tmp_path / "run")
-    found = findings(tmp_path / "run")
+def test_unfreeze_after_wrap_is_confirmed_by_the_divergence_check(zoo_runs: ZooRuns) -> None:
+    # the same run as test_zoo_script_raises_its_finding[unfrozen_after_wrap]
+    _, run_dir = zoo_runs.run(ZOO / "unfrozen_after_wrap.py")
+    found = findings(run_dir)
     assert "body.0.weight" in found["replica-divergence"]["evidence"]["names"]
 
 
-def test_healthy_script_yields_no_warning_or_error(tmp_path: Path) -> None:
-    proc = run_script(ZOO / "healthy.py", tmp_path / "run")
+def test_healthy_script_yields_no_warning_or_error(zoo_runs: ZooRuns) -> None:
+    proc, run_dir = zoo_runs.run(ZOO / "healthy.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = ddpdoctor.analyze(ddpdoctor.load_run(tmp_path / "run"))
+    report = ddpdoctor.analyze(ddpdoctor.load_run(run_dir))
     assert at_least(report.findings, "warning") == []
     assert "Warning: ddpdoctor" not in proc.stderr
 
 
-def test_gradual_unfreeze_with_rewrap_keeps_replicas_identical(tmp_path: Path) -> None:
-    proc = run_script(ROOT / "examples" / "gradual_unfreeze.py", tmp_path / "right")
+def test_gradual_unfreeze_with_rewrap_keeps_replicas_identical(zoo_runs: ZooRuns) -> None:
+    proc, run_dir = zoo_runs.run(ROOT / "examples" / "gradual_unfreeze.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: 8/8 parameter tensors trained, replicas identical: True" in proc.stdout
-    run = ddpdoctor.load_run(tmp_path / "right")
+    run = ddpdoctor.load_run(run_dir)
     log = run.ranks[0]
     assert [h.reason for h in log.headers] == ["attach", "rewrap", "rewrap", "rewrap"]
     assert [h.first_step for h in log.headers] == [0, 4, 8, 12]
@@ -118,10 +113,10 @@ def test_gradual_unfreeze_with_rewrap_keeps_replicas_identical(tmp_path: Path) -
     assert at_least(ddpdoctor.analyze(run).findings, "warning") == []
 
 
-def test_gradual_unfreeze_without_rewrap_is_caught(tmp_path: Path) -> None:
-    proc = run_script(ROOT / "examples" / "gradual_unfreeze.py", tmp_path / "wrong", "--wrong")
+def test_gradual_unfreeze_without_rewrap_is_caught(zoo_runs: ZooRuns) -> None:
+    proc, run_dir = zoo_runs.run(ROOT / "examples" / "gradual_unfreeze.py", "--wrong")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "replicas identical: False" in proc.stdout
-    found = findings(tmp_path / "wrong")
+    found = findings(run_dir)
     assert {"unfrozen-after-wrap", "replica-divergence"} <= set(found)
     assert "ReplicaDivergenceWarning" in proc.stderr  # check_replicas warned

@@ -11,17 +11,28 @@ from pathlib import Path
 from typing import Any
 
 from ddpdoctor.cli.main import main
+from tests.zoo_runs import ZooRuns
 
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "examples" / "zoo"
 
 
-def report(script: str, tmp_path: Path) -> dict[str, Any]:
-    """Run examples/zoo/<script>.py on 2 gloo ranks, then ``ddpdoctor report --format json``."""
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, str(ZOO / f"{script}.py"), str(run_dir)], capture_output=True, text=True, timeout=240, cwd=ROOT
-    )
+def report(script: str, tmp_path: Path, zoo_runs: ZooRuns | None) -> dict[str, Any]:
+    """Run examples/zoo/<script>.py on 2 gloo ranks, then ``ddpdoctor report --format json``.
+
+    With ``zoo_runs``, the session's one run of that script (test_zoo.py reads the same ones);
+    without, a run of its own (a scenario that changes the machine around the script)."""
+    if zoo_runs is not None:
+        proc, run_dir = zoo_runs.run(ZOO / f"{script}.py")
+    else:
+        run_dir = tmp_path / "run"
+        proc = subprocess.run(
+            [sys.executable, str(ZOO / f"{script}.py"), str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=ROOT,
+        )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "report.json"
     assert main(["report", str(run_dir), "--format", "json", "-o", str(out)]) == 0
@@ -32,8 +43,8 @@ def by_code(rep: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {f["code"]: f for f in rep["findings"]}
 
 
-def test_rank_0_busy_between_steps_every_8th_step(tmp_path: Path) -> None:
-    f = by_code(report("straggler_between_steps", tmp_path))["straggler"]
+def test_rank_0_busy_between_steps_every_8th_step(tmp_path: Path, zoo_runs: ZooRuns) -> None:
+    f = by_code(report("straggler_between_steps", tmp_path, zoo_runs))["straggler"]
     ev = f["evidence"]
     assert f["ranks"] == [0] and f["severity"] == "warning"
     assert ev["pattern"] == "periodic" and ev["every_n_steps"] == 8
@@ -44,8 +55,8 @@ def test_rank_0_busy_between_steps_every_8th_step(tmp_path: Path) -> None:
     assert "async_save" in f["fix"]
 
 
-def test_rank_1_slow_backward_on_every_third_step(tmp_path: Path) -> None:
-    f = by_code(report("straggler_intermittent", tmp_path))["straggler"]
+def test_rank_1_slow_backward_on_every_third_step(tmp_path: Path, zoo_runs: ZooRuns) -> None:
+    f = by_code(report("straggler_intermittent", tmp_path, zoo_runs))["straggler"]
     ev = f["evidence"]
     assert f["ranks"] == [1] and ev["phase"] == "backward"
     # latest in a third of the 29 steps after step 0 (start-up skew, left out) ...
@@ -54,8 +65,8 @@ def test_rank_1_slow_backward_on_every_third_step(tmp_path: Path) -> None:
     assert ev["pattern"] in ("periodic", "intermittent") and ev.get("every_n_steps") in (3, None)
 
 
-def test_communication_bound_predicted_savings(tmp_path: Path) -> None:
-    f = by_code(report("communication_bound", tmp_path))["exposed-communication"]
+def test_communication_bound_predicted_savings(tmp_path: Path, zoo_runs: ZooRuns) -> None:
+    f = by_code(report("communication_bound", tmp_path, zoo_runs))["exposed-communication"]
     assert f["severity"] == "warning"
     p = f["evidence"]["predicted"]
     assert p["compress_hook_step_ms"] < p["measured_step_ms"]  # half the bytes: a shorter step
@@ -70,7 +81,7 @@ def test_communication_bound_under_load_no_straggler(tmp_path: Path) -> None:
     # advice are the quiet test's to check
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        rep = report("communication_bound", tmp_path)
+        rep = report("communication_bound", tmp_path, None)  # its own run: under load
     finally:
         for p in load:
             p.kill()
@@ -80,27 +91,27 @@ def test_communication_bound_under_load_no_straggler(tmp_path: Path) -> None:
     assert "exposed-communication" in found, sorted(found)
 
 
-def test_find_unused_with_a_static_unused_set_suggests_static_graph(tmp_path: Path) -> None:
-    f = by_code(report("unused_parameters", tmp_path))["find-unused-unneeded"]
+def test_find_unused_with_a_static_unused_set_suggests_static_graph(tmp_path: Path, zoo_runs: ZooRuns) -> None:
+    f = by_code(report("unused_parameters", tmp_path, zoo_runs))["find-unused-unneeded"]
     assert f["evidence"]["static_set"] is True and f["evidence"]["names"] == ["aux_head.weight", "aux_head.bias"]
     assert f["evidence"]["post_forward_ms"] > 0 and "static_graph=True" in f["fix"]
 
 
-def test_replicas_drifting_after_step_5_of_30_are_named_with_the_first_step(tmp_path: Path) -> None:
-    f = by_code(report("replica_divergence_short_run", tmp_path))["replica-divergence"]
+def test_replicas_drifting_after_step_5_of_30_are_named_with_the_first_step(tmp_path: Path, zoo_runs: ZooRuns) -> None:
+    f = by_code(report("replica_divergence_short_run", tmp_path, zoo_runs))["replica-divergence"]
     ev = f["evidence"]
     assert "body.3.weight" in ev["names"] and 5 < ev["first_step"] <= 30
     assert ev["last_equal_step"] is not None and ev["last_equal_step"] <= 5
     assert f"from step {ev['first_step']}" in f["title"]
 
 
-def test_redundant_buffer_broadcast_is_said_with_its_cost(tmp_path: Path) -> None:
-    f = by_code(report("redundant_buffer_broadcast", tmp_path))["buffer-broadcast-cost"]
+def test_redundant_buffer_broadcast_is_said_with_its_cost(tmp_path: Path, zoo_runs: ZooRuns) -> None:
+    f = by_code(report("redundant_buffer_broadcast", tmp_path, zoo_runs))["buffer-broadcast-cost"]
     assert f["evidence"]["broadcast_redundant"] is True and f["evidence"]["changing_buffers"] == ["mask"]
     assert f["evidence"]["predicted_saving_ms"] > 0 and "broadcast_buffers=False" in f["fix"]
 
 
-def test_buffers_that_would_drift_make_turning_the_broadcast_off_unsafe(tmp_path: Path) -> None:
-    f = by_code(report("buffer_broadcast_cost", tmp_path))["buffer-broadcast-cost"]
+def test_buffers_that_would_drift_make_turning_the_broadcast_off_unsafe(tmp_path: Path, zoo_runs: ZooRuns) -> None:
+    f = by_code(report("buffer_broadcast_cost", tmp_path, zoo_runs))["buffer-broadcast-cost"]
     assert f["evidence"]["broadcast_redundant"] is False and f["evidence"]["would_drift"] == ["feature_ema"]
     assert "unsafe" in f["detail"]
