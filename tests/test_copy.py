@@ -1,7 +1,8 @@
 """``copy.deepcopy`` and ``torch.save``/``torch.load`` of an instrumented DDP work as on plain DDP.
 
 The copy is a plain, uninstrumented DDP that trains (its gradients averaged across the real gloo
-ranks); the original keeps its monitor, whose log keeps getting steps.
+ranks); the original keeps its monitor, whose log keeps getting steps. The four cases run one
+after another on one pair of gloo ranks (one process group), each with its own DDP and run dir.
 """
 
 from __future__ import annotations
@@ -89,21 +90,39 @@ def copy_worker(rank: int, world_size: int, run_dir: str, how: str, check_every:
     }
 
 
+CASES = [(how, check_every) for check_every in (1, 1000) for how in ("deepcopy", "save_load")]
+
+
+def copy_cases(rank: int, world_size: int, root: str) -> dict[tuple[str, int], dict[str, Any]]:
+    """Every case in turn, in one process group: each with a fresh DDP and monitor, its own run dir."""
+    return {
+        (how, check_every): copy_worker(rank, world_size, str(Path(root) / f"{how}-{check_every}"), how, check_every)
+        for how, check_every in CASES
+    }
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[tuple[str, int], dict[str, Any]]]]:
+    root = tmp_path_factory.mktemp("copy")
+    return root, run_ranks(copy_cases, 2, args=(str(root),), timeout=180)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "save_load"])
 @pytest.mark.parametrize("check_every", [1, 1000])  # 1: a sample is in progress at copy time
 def test_copy_of_an_instrumented_ddp_is_a_plain_ddp_and_the_original_stays_instrumented(
-    tmp_path: Path, how: str, check_every: int
+    copies: tuple[Path, list[dict[tuple[str, int], dict[str, Any]]]], how: str, check_every: int
 ) -> None:
     from ddpdoctor.runlog import load_run
 
-    results = run_ranks(copy_worker, 2, args=(str(tmp_path), how, check_every), timeout=120)
+    root, by_rank = copies
+    results = [cases[(how, check_every)] for cases in by_rank]
     for r in results:
         assert r["leftovers"] == []
         assert r["hooks"] == r["plain_hooks"]  # none of ddpdoctor's forward hooks
         assert r["comm_hooks"] == 0  # the copy's fresh reducer has DDP's own all-reduce
         assert r["twin_moved"] and r["twin_same_on_all_ranks"]  # it trains, gradients averaged
         assert r["steps_later"] >= r["steps_at_copy"] + STEPS_AFTER - 1  # the last step closes at close()
-    run = load_run(tmp_path)
+    run = load_run(root / f"{how}-{check_every}")
     for log in run.ranks.values():
         # the original's log: every step of its own, none of the copy's, and a clean end
         assert [s.step for s in log.steps] == list(range(STEPS_BEFORE + STEPS_AFTER))
