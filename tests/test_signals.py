@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -46,13 +48,17 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen[str], timeout: float) ->
         time.sleep(0.05)  # polling files written by the workers, with a deadline
 
 
-@pytest.mark.parametrize(("when", "signame"), [("after", "TERM"), ("before", "TERM"), ("after", "INT")])
-def test_preemption_handler_runs_as_without_ddpdoctor(tmp_path: Path, when: str, signame: str) -> None:
-    cmd = torchrun_cmd(str(SCRIPT), str(tmp_path), when, signame)
-    argv = [sys.executable, "-m", "ddpdoctor", "run", "--run-dir", str(tmp_path / "run"), "--", *cmd]
+CASES = [("after", "TERM"), ("before", "TERM"), ("after", "INT")]
+
+
+def _preempt(out_dir: Path, when: str, signame: str) -> tuple[int | None, str, str]:
+    """One preemption under ``ddpdoctor run``: start, signal each worker once it trained 3 steps,
+    wait for the end; the whole tree is killed on the way out if it is still running."""
+    cmd = torchrun_cmd(str(SCRIPT), str(out_dir), when, signame)
+    argv = [sys.executable, "-m", "ddpdoctor", "run", "--run-dir", str(out_dir / "run"), "--", *cmd]
     proc = subprocess.Popen(
         argv,
-        cwd=tmp_path,
+        cwd=out_dir,
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -60,7 +66,7 @@ def test_preemption_handler_runs_as_without_ddpdoctor(tmp_path: Path, when: str,
         start_new_session=True,
     )
     try:
-        pids = [tmp_path / f"pid-{r}" for r in (0, 1)]
+        pids = [out_dir / f"pid-{r}" for r in (0, 1)]
         _wait_for(pids, proc, timeout=120)
         for p in pids:  # as Slurm, Kubernetes and elastic scale-down do: each worker is signalled
             os.kill(int(p.read_text()), getattr(signal, f"SIG{signame}"))
@@ -68,7 +74,31 @@ def test_preemption_handler_runs_as_without_ddpdoctor(tmp_path: Path, when: str,
     finally:
         if proc.poll() is None:
             _kill_tree(proc)
-    assert proc.returncode == 0, err[-3000:]
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tuple[Path, Future[Any]]]:
+    """The three cases, each a real ``ddpdoctor run -- torchrun`` job of its own, run side by
+    side (they share nothing but the machine; what they check does not depend on timing)."""
+    root = tmp_path_factory.mktemp("preempt")
+    with ThreadPoolExecutor(len(CASES)) as pool:
+        jobs = {}
+        for when, signame in CASES:
+            out_dir = root / f"{when}-{signame}"
+            out_dir.mkdir()
+            jobs[(when, signame)] = (out_dir, pool.submit(_preempt, out_dir, when, signame))
+        wait([job for _, job in jobs.values()])
+    return jobs
+
+
+@pytest.mark.parametrize(("when", "signame"), CASES)
+def test_preemption_handler_runs_as_without_ddpdoctor(
+    preempted: dict[tuple[str, str], tuple[Path, Future[Any]]], when: str, signame: str
+) -> None:
+    tmp_path, job = preempted[(when, signame)]
+    returncode, out, err = job.result()
+    assert returncode == 0, err[-3000:]
     assert (tmp_path / "checkpoint.pt").stat().st_size > 0
     trained = {int(r): int(n) for r, n in re.findall(r"rank (\d) steps (\d+)", out)}
     assert sorted(trained) == [0, 1] and trained[0] == trained[1] >= 3
