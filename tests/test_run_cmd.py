@@ -3,13 +3,17 @@ Lightning), exit codes, signals, elastic attempts, and what the hook must not do
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -69,64 +73,7 @@ def _headers(path: Path) -> list[Header]:
     return tail.log.headers
 
 
-def test_torchrun_script_without_ddpdoctor_is_instrumented(tmp_path: Path) -> None:
-    proc = ddpdoctor_run(tmp_path, torchrun_cmd(str(EXAMPLES / "torchrun_train.py"), "--steps", "5"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run_dir = _printed_run_dir(proc)
-    assert run_dir.is_absolute() and run_dir.parent == tmp_path / "ddpdoctor-runs"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["rank-00000.jsonl", "rank-00001.jsonl"]
-    run = ddpdoctor.load_run(run_dir)
-    assert [run.ranks[r].header.local_rank for r in (0, 1)] == [0, 1]
-    assert all(len(log.steps) == 5 and log.end is not None for log in run.ranks.values())
-    assert all(log.steps[-1].b_ready_us for log in run.ranks.values())  # per-bucket timing is on
-    assert "final loss" in proc.stdout
-
-
-def test_mp_spawn_children_are_instrumented(tmp_path: Path) -> None:
-    proc = ddpdoctor_run(
-        tmp_path, [sys.executable, str(EXAMPLES / "spawn_train.py"), "--steps", "4"], "--run-dir", "spawned"
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _printed_run_dir(proc) == tmp_path / "spawned"
-    run = ddpdoctor.load_run(tmp_path / "spawned")
-    assert sorted(run.ranks) == [0, 1]
-    assert all(len(log.steps) == 4 for log in run.ranks.values())
-
-
-def test_a_script_with_its_own_comm_hook_keeps_it_and_is_timed(tmp_path: Path) -> None:
-    proc = ddpdoctor_run(
-        tmp_path, torchrun_cmd(str(EXAMPLES / "comm_hook_train.py"), "--steps", "6"), "--run-dir", "hooked"
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    # the user's hook reduced every bucket of every step (one bucket here) ...
-    assert "rank 0 hook calls 6" in proc.stdout and "rank 1 hook calls 6" in proc.stdout
-    # ... and ddpdoctor timed it
-    run = ddpdoctor.load_run(tmp_path / "hooked")
-    for log in run.ranks.values():
-        assert len(log.steps) == 6
-        assert all(s.b_done_us and s.b_done_us[0] >= s.b_ready_us[0] for s in log.steps)
-
-
-def test_lightning_ddp_strategy_is_instrumented(tmp_path: Path) -> None:
-    pytest.importorskip("lightning", reason="PyTorch Lightning is not installed")
-    proc = ddpdoctor_run(
-        tmp_path,
-        [sys.executable, str(EXAMPLES / "lightning_train.py"), "--steps", "5"],
-        "--run-dir",
-        "lightning",
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = ddpdoctor.load_run(tmp_path / "lightning")
-    assert sorted(run.ranks) == [0, 1]
-    assert all(len(log.steps) == 5 for log in run.ranks.values())
-
-
-def test_never_instrumented_twice(tmp_path: Path) -> None:
-    """A script that calls ddpdoctor.instrument itself, and one using the drop-in class."""
-    script = tmp_path / "both.py"
-    script.write_text(
-        textwrap.dedent("""
+BOTH_SCRIPT = """
         import torch, torch.distributed as dist
         from torch import nn
         import ddpdoctor
@@ -142,9 +89,138 @@ def test_never_instrumented_twice(tmp_path: Path) -> None:
                 b.ddpdoctor.close()
         train()
         dist.destroy_process_group()
-    """)
-    )
-    proc = ddpdoctor_run(tmp_path, torchrun_cmd(str(script)), "--run-dir", "run")
+    """
+
+BROKEN_SCRIPT = """
+        import sys, torch, torch.distributed as dist
+        from torch import nn
+        sys.modules["ddpdoctor.runtime.monitor"] = None   # ddpdoctor's runtime cannot be imported here
+        dist.init_process_group("gloo")
+        def train():
+            for _ in range(2):   # two models: still one warning
+                model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+                model(torch.randn(2, 4)).sum().backward()
+        train()
+        print("trained", flush=True)
+        dist.destroy_process_group()
+    """
+
+ORDER_SCRIPT = """
+        import weakref, torch, torch.distributed as dist
+        from torch import nn
+        dist.init_process_group("gloo")
+        def train():
+            model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+            weakref.finalize(model, print, "model freed", flush=True)
+            for _ in range(3):
+                model(torch.randn(2, 4)).sum().backward()
+        train()
+        dist.destroy_process_group()
+        print("group destroyed", flush=True)
+    """
+
+
+def _scripted(name: str, text: str, nproc: int) -> Callable[[Path], list[str]]:
+    def cmd(tmp_path: Path) -> list[str]:
+        script = tmp_path / name
+        script.write_text(textwrap.dedent(text))
+        return torchrun_cmd(str(script), nproc=nproc)
+
+    return cmd
+
+
+#: The module's real training jobs whose checks do not depend on timing: ``ddpdoctor run OPTIONS
+#: -- CMD``, each in a folder of its own (its cwd). They run side by side, a few at a time, from
+#: the first test that needs one; each test reads its own job's result.
+JOBS: dict[str, tuple[Callable[[Path], list[str]], tuple[str, ...], float]] = {
+    "torchrun": (lambda _: torchrun_cmd(str(EXAMPLES / "torchrun_train.py"), "--steps", "5"), (), 180),
+    "spawn": (
+        lambda _: [sys.executable, str(EXAMPLES / "spawn_train.py"), "--steps", "4"],
+        ("--run-dir", "spawned"),
+        180,
+    ),
+    "comm_hook": (
+        lambda _: torchrun_cmd(str(EXAMPLES / "comm_hook_train.py"), "--steps", "6"),
+        ("--run-dir", "hooked"),
+        180,
+    ),
+    "lightning": (
+        lambda _: [sys.executable, str(EXAMPLES / "lightning_train.py"), "--steps", "5"],
+        ("--run-dir", "lightning"),
+        240,
+    ),
+    "both": (_scripted("both.py", BOTH_SCRIPT, 2), ("--run-dir", "run"), 180),
+    "broken": (_scripted("broken.py", BROKEN_SCRIPT, 1), ("--run-dir", "run"), 180),
+    "order": (_scripted("order.py", ORDER_SCRIPT, 1), ("--run-dir", "run"), 180),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Future[Any]]]:
+    root = tmp_path_factory.mktemp("run-cmd")
+    with ThreadPoolExecutor(3) as pool:
+        started: dict[str, tuple[Path, Future[Any]]] = {}
+        for name, (cmd, options, timeout) in JOBS.items():
+            if name == "lightning" and importlib.util.find_spec("lightning") is None:
+                continue  # its test skips
+            folder = root / name
+            folder.mkdir()
+            started[name] = (folder, pool.submit(ddpdoctor_run, folder, cmd(folder), *options, timeout=timeout))
+        wait([job for _, job in started.values()])  # the module's other tests run on a quiet machine
+    return started
+
+
+def _job(jobs: dict[str, tuple[Path, Future[Any]]], name: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    folder, job = jobs[name]
+    return folder, job.result()
+
+
+def test_torchrun_script_without_ddpdoctor_is_instrumented(jobs: dict[str, tuple[Path, Future[Any]]]) -> None:
+    tmp_path, proc = _job(jobs, "torchrun")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = _printed_run_dir(proc)
+    assert run_dir.is_absolute() and run_dir.parent == tmp_path / "ddpdoctor-runs"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["rank-00000.jsonl", "rank-00001.jsonl"]
+    run = ddpdoctor.load_run(run_dir)
+    assert [run.ranks[r].header.local_rank for r in (0, 1)] == [0, 1]
+    assert all(len(log.steps) == 5 and log.end is not None for log in run.ranks.values())
+    assert all(log.steps[-1].b_ready_us for log in run.ranks.values())  # per-bucket timing is on
+    assert "final loss" in proc.stdout
+
+
+def test_mp_spawn_children_are_instrumented(jobs: dict[str, tuple[Path, Future[Any]]]) -> None:
+    tmp_path, proc = _job(jobs, "spawn")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _printed_run_dir(proc) == tmp_path / "spawned"
+    run = ddpdoctor.load_run(tmp_path / "spawned")
+    assert sorted(run.ranks) == [0, 1]
+    assert all(len(log.steps) == 4 for log in run.ranks.values())
+
+
+def test_a_script_with_its_own_comm_hook_keeps_it_and_is_timed(jobs: dict[str, tuple[Path, Future[Any]]]) -> None:
+    tmp_path, proc = _job(jobs, "comm_hook")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the user's hook reduced every bucket of every step (one bucket here) ...
+    assert "rank 0 hook calls 6" in proc.stdout and "rank 1 hook calls 6" in proc.stdout
+    # ... and ddpdoctor timed it
+    run = ddpdoctor.load_run(tmp_path / "hooked")
+    for log in run.ranks.values():
+        assert len(log.steps) == 6
+        assert all(s.b_done_us and s.b_done_us[0] >= s.b_ready_us[0] for s in log.steps)
+
+
+def test_lightning_ddp_strategy_is_instrumented(jobs: dict[str, tuple[Path, Future[Any]]]) -> None:
+    pytest.importorskip("lightning", reason="PyTorch Lightning is not installed")
+    tmp_path, proc = _job(jobs, "lightning")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = ddpdoctor.load_run(tmp_path / "lightning")
+    assert sorted(run.ranks) == [0, 1]
+    assert all(len(log.steps) == 5 for log in run.ranks.values())
+
+
+def test_never_instrumented_twice(jobs: dict[str, tuple[Path, Future[Any]]]) -> None:
+    """A script that calls ddpdoctor.instrument itself, and one using the drop-in class."""
+    tmp_path, proc = _job(jobs, "both")
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
     # one file per model per rank (a second attach would have opened rank-NNNNN.ddp2.jsonl)
@@ -262,49 +338,19 @@ def test_an_elastic_restart_gets_its_own_attempt(tmp_path: Path) -> None:
     )
 
 
-def test_a_failing_hook_warns_once_and_training_goes_on(tmp_path: Path) -> None:
-    script = tmp_path / "broken.py"
-    script.write_text(
-        textwrap.dedent("""
-        import sys, torch, torch.distributed as dist
-        from torch import nn
-        sys.modules["ddpdoctor.runtime.monitor"] = None   # ddpdoctor's runtime cannot be imported here
-        dist.init_process_group("gloo")
-        def train():
-            for _ in range(2):   # two models: still one warning
-                model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
-                model(torch.randn(2, 4)).sum().backward()
-        train()
-        print("trained", flush=True)
-        dist.destroy_process_group()
-    """)
-    )
-    proc = ddpdoctor_run(tmp_path, torchrun_cmd(str(script), nproc=1), "--run-dir", "run")
+def test_a_failing_hook_warns_once_and_training_goes_on(jobs: dict[str, tuple[Path, Future[Any]]]) -> None:
+    tmp_path, proc = _job(jobs, "broken")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trained" in proc.stdout
     assert proc.stderr.count("could not instrument a DistributedDataParallel model") == 1
     assert not (tmp_path / "run").exists()
 
 
-def test_the_hooks_monitor_lets_the_model_go_before_the_process_group(tmp_path: Path) -> None:
+def test_the_hooks_monitor_lets_the_model_go_before_the_process_group(
+    jobs: dict[str, tuple[Path, Future[Any]]],
+) -> None:
     """A script that drops its model and destroys the group gets that order back under `run`."""
-    script = tmp_path / "order.py"
-    script.write_text(
-        textwrap.dedent("""
-        import weakref, torch, torch.distributed as dist
-        from torch import nn
-        dist.init_process_group("gloo")
-        def train():
-            model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
-            weakref.finalize(model, print, "model freed", flush=True)
-            for _ in range(3):
-                model(torch.randn(2, 4)).sum().backward()
-        train()
-        dist.destroy_process_group()
-        print("group destroyed", flush=True)
-    """)
-    )
-    proc = ddpdoctor_run(tmp_path, torchrun_cmd(str(script), nproc=1), "--run-dir", "run")
+    tmp_path, proc = _job(jobs, "order")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.index("model freed") < proc.stdout.index("group destroyed")
     log = ddpdoctor.load_run(tmp_path / "run").ranks[0]
