@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,11 @@ def test_example_under_torchrun_writes_one_file_per_rank(tmp_path: Path) -> None
 
 
 def test_exit_right_after_backward_never_aborts(tmp_path: Path) -> None:
-    # exit codes are the training's: three runs, each rank exits 0, none aborts at teardown
+    # exit codes are the training's: three runs (side by side), each rank exits 0, none aborts at teardown
     env = {k: v for k, v in os.environ.items() if k != "DDPDOCTOR_RUN_DIR"}
-    for attempt in range(3):
-        run_dir = tmp_path / f"run-{attempt}"
-        proc = subprocess.run(
+
+    def attempt(run_dir: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             torchrun_cmd(str(ROOT / "tests" / "scripts" / "exit_after_backward.py"), str(run_dir)),
             cwd=tmp_path,
             env=env,
@@ -46,6 +47,11 @@ def test_exit_right_after_backward_never_aborts(tmp_path: Path) -> None:
             text=True,
             timeout=240,
         )
+
+    run_dirs = [tmp_path / f"run-{i}" for i in range(3)]
+    with ThreadPoolExecutor(len(run_dirs)) as pool:
+        procs = list(pool.map(attempt, run_dirs))
+    for run_dir, proc in zip(run_dirs, procs, strict=True):
         assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
         assert proc.returncode == 0, proc.stderr[-3000:]
         run = ddpdoctor.load_run(run_dir)
