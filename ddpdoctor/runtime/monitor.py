@@ -175,8 +175,7 @@ class Monitor:
         # The extension serves the checks and the step records on either route wherever it loads
         # (CPU models, unless DDPDOCTOR_NATIVE=0): a user's comm hook registered before
         # instrument makes the Python route time the buckets, and nothing else changes.
-        native = attachment.native
-        extension = native.module if native is not None else native_hook.choose(cuda=self._cuda)
+        extension = native_hook.choose(cuda=self._cuda)  # (loaded once per process)
         if extension is not None and self.recorder.clock.always_ready:
             self.recorder.build_step = getattr(extension, "build_step", None)  # host marks
         self.checks = SampledChecks(

@@ -314,11 +314,6 @@ class NativeTiming:
     def registered(self) -> bool:
         return self.ring is not None
 
-    @property
-    def module(self) -> ModuleType:
-        """The extension this hook came from (its other functions serve the monitor too)."""
-        return self._module
-
     def check(self, ddp: Any) -> None:
         """Raise unless the extension takes this DDP's reducer and process group (changes nothing)."""
         if not self._module.accepts(ddp.reducer, ddp.process_group):

@@ -143,31 +143,21 @@ class Ring {
     }
   }
 
-  // Every entry written since the last drain, in order: (index, ready, launch, done, bytes); done
-  // is 0 for an all-reduce still in flight. The ring is empty afterwards.
-  // With ``keep``, the entries stay (a look at the buckets of a backward still in progress).
-  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> drain(bool keep) {
-    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> out;
+  // Every entry written since the last drain, in order, into ``out`` (no allocation for up to its
+  // inline size); done is 0 for an all-reduce still in flight. The entries stay: a look at the
+  // buckets of a backward still in progress (the hang watchdog's).
+  template <typename Out>
+  void peek(Out& out) {
     std::lock_guard<std::mutex> lock(mu_);
-    out.reserve(head_ - tail_);
-    for (uint64_t seq = tail_ + 1; seq <= head_; ++seq) {
-      const Entry& e = slots_[seq % slots_.size()];
-      out.emplace_back(e.index, e.ready, e.launch, e.done, e.bytes);
-    }
-    if (!keep) {
-      tail_ = head_;
-    }
-    return out;
+    copy(out);
   }
 
-  // ``drain(false)`` and ``backward_end(true)`` under one lock, into ``out`` (no allocation for
-  // up to its inline size): the drain of every step (``drain_into``).
+  // ``peek`` and the backward end, under one lock, both taken: the ring is empty afterwards and
+  // the backward end 0 (returned; 0: not stamped). The drain of every step (``drain_into``).
   template <typename Out>
   int64_t take(Out& out) {
     std::lock_guard<std::mutex> lock(mu_);
-    for (uint64_t seq = tail_ + 1; seq <= head_; ++seq) {
-      out.push_back(slots_[seq % slots_.size()]);
-    }
+    copy(out);
     tail_ = head_;
     const int64_t t = backward_end_;
     backward_end_ = 0;
@@ -233,13 +223,10 @@ class Ring {
     }
   }
 
-  int64_t backward_end(bool take) {
+  // The backward end stamped and not drained yet (0: none); read only.
+  int64_t backward_end() {
     std::lock_guard<std::mutex> lock(mu_);
-    const int64_t t = backward_end_;
-    if (take) {
-      backward_end_ = 0;
-    }
-    return t;
+    return backward_end_;
   }
 
   size_t capacity() const {
@@ -247,6 +234,13 @@ class Ring {
   }
 
  private:
+  template <typename Out>
+  void copy(Out& out) {  // (mu_ held)
+    for (uint64_t seq = tail_ + 1; seq <= head_; ++seq) {
+      out.push_back(slots_[seq % slots_.size()]);
+    }
+  }
+
   std::mutex mu_;
   std::vector<Entry> slots_;
   uint64_t head_ = 0;  // last sequence number written
@@ -405,15 +399,25 @@ int64_t arm_output(Handle& h, py::handle output, int64_t limit) {
   return static_cast<int64_t>(nodes.size());
 }
 
+// Whether the entries are buckets 0, 1, 2... each once: the common case, which ``drain_into``
+// hands to the step whole (StepRecorder.add_bucket_columns has the same rule for the columns).
+template <typename Entries>
+bool in_index_order(const Entries& entries) {
+  int64_t position = 0;
+  for (const Entry& e : entries) {
+    if (e.index != position++) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // The ring's entries as the columns ``drain_columns`` returns (the out-of-order case of
 // ``drain_into``, which took them already).
 template <typename Entries>
-py::tuple columns_of(const Entries& entries, int64_t backward_end, int64_t offset) {
+py::tuple columns_of(const Entries& entries, bool in_order, int64_t backward_end, int64_t offset) {
   py::list indices, ready, launch, done, nbytes;
-  bool in_order = true;
-  int64_t position = 0;
   for (const Entry& e : entries) {
-    in_order = in_order && e.index == position++;
     indices.append(e.index);
     ready.append(e.ready + offset);
     launch.append(e.launch + offset);
@@ -435,7 +439,7 @@ py::tuple columns_of(const Entries& entries, int64_t backward_end, int64_t offse
 py::tuple drain_columns(Handle& h, int64_t offset) {
   c10::SmallVector<Entry, 32> entries;
   const int64_t backward_end = h.ring->take(entries);
-  return columns_of(entries, backward_end, offset);
+  return columns_of(entries, in_index_order(entries), backward_end, offset);
 }
 
 // A new list of Python ints, one per entry (``field`` of it, plus ``offset``; 0 gives None where
@@ -479,11 +483,7 @@ py::object drain_into(Handle& h, py::handle step, int64_t offset) {
   static PyObject* const bwd_end_name = PyUnicode_InternFromString("bwd_end");
   c10::SmallVector<Entry, 32> entries;
   const int64_t backward_end = h.ring->take(entries);
-  bool in_order = true;
-  int64_t position = 0;
-  for (const Entry& e : entries) {
-    in_order = in_order && e.index == position++;
-  }
+  const bool in_order = in_index_order(entries);
   py::object held = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), ready_name));
   if (!held) {
     throw py::error_already_set();
@@ -493,7 +493,7 @@ py::object drain_into(Handle& h, py::handle step, int64_t offset) {
     throw py::error_already_set();
   }
   if (!in_order || static_cast<Py_ssize_t>(entries.size()) < n_held) {
-    return columns_of(entries, backward_end, offset);
+    return columns_of(entries, in_order, backward_end, offset);
   }
   auto set = [&step](PyObject* name, const py::object& value) {
     if (PyObject_SetAttr(step.ptr(), name, value.ptr()) != 0) {
@@ -594,10 +594,6 @@ class ParamSample {
       out[i] = at[i] != 0 ? py::object(py::int_(at[i] + offset)) : py::object(py::none());
     }
     return out;
-  }
-
-  size_t hooked() const {
-    return hooked_.size();
   }
 
  private:
@@ -725,12 +721,11 @@ bool same_requires_grad(const py::list& tensors, const py::bytes& expected) {
   return true;
 }
 
-
 // -- the step record, built in C++ --------------------------------------------------------------
 //
 // StepRecorder._emit_step's host-clock branch, for the steps emitted together on short steps: the
 // same arithmetic on the same doubles (offsets from t0 as (mark - t0) / 1000.0, sums in order), so
-// the record is equal field for field to the one Python builds (tests/test_native_hook.py compares
+// the record is equal field for field to the one Python builds (tests/test_step_build.py compares
 // them). In Python this was most of the step record's cost: a list comprehension per bucket column
 // and a dozen attribute reads, on every step.
 
@@ -792,24 +787,21 @@ const StepNames& step_names() {
   return names;
 }
 
-// A host mark (a Python int of ns, or None) as µs from t0: a new reference (None for None).
-py::object rel_us(int64_t t0, PyObject* mark) {
-  if (mark == Py_None) {
-    return py::none();
-  }
-  const int64_t ns = PyLong_AsLongLong(mark);
-  if (ns == -1 && PyErr_Occurred()) {
-    throw py::error_already_set();
-  }
-  return py::float_(static_cast<double>(ns - t0) / 1000.0);
-}
-
+// A host mark (a Python int of ns) as an integer.
 int64_t as_ns(PyObject* mark) {
   const int64_t ns = PyLong_AsLongLong(mark);
   if (ns == -1 && PyErr_Occurred()) {
     throw py::error_already_set();
   }
   return ns;
+}
+
+// A host mark (a Python int of ns, or None) as µs from t0: a new reference (None for None).
+py::object rel_us(int64_t t0, PyObject* mark) {
+  if (mark == Py_None) {
+    return py::none();
+  }
+  return py::float_(static_cast<double>(as_ns(mark) - t0) / 1000.0);
 }
 
 // ``rel_us`` of each mark of a list (the bucket columns), as a new list; ``latest`` gets the
@@ -945,8 +937,18 @@ py::object build_step(py::handle step, py::handle cls, py::handle rank, py::hand
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ddpdoctor's per-bucket timing comm hook (ring of ready/launch/done stamps)";
   py::class_<Handle>(m, "Timing")
-      .def("drain", [](Handle& h) { return h.ring->drain(false); })
-      .def("peek", [](Handle& h) { return h.ring->drain(true); })
+      .def(
+          "peek",
+          [](Handle& h) {
+            c10::SmallVector<Entry, 32> entries;
+            h.ring->peek(entries);
+            std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> out;
+            out.reserve(entries.size());
+            for (const Entry& e : entries) {
+              out.emplace_back(e.index, e.ready, e.launch, e.done, e.bytes);
+            }
+            return out;
+          })
       .def("want_layout", [](Handle& h, bool on) { h.ring->want_layout(on); })
       .def("take_layout", [](Handle& h) { return h.ring->take_layout(); })
       .def("set_enabled", [](Handle& h, bool on) { h.ring->set_enabled(on); })
@@ -955,7 +957,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("arm_output", &arm_output, py::arg("output"), py::arg("limit"))
       .def("drain_columns", &drain_columns, py::arg("offset"))
       .def("drain_into", &drain_into, py::arg("step"), py::arg("offset"))
-      .def("backward_end", [](Handle& h) { return h.ring->backward_end(false); })
+      .def("backward_end", [](Handle& h) { return h.ring->backward_end(); })
       .def("capacity", [](Handle& h) { return h.ring->capacity(); })
       .def(
           "delegate",
@@ -966,8 +968,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("hook"));
   py::class_<ParamSample>(m, "ParamSample")
       .def(py::init<const std::vector<at::Tensor>&>(), py::arg("params"))
-      .def("end", &ParamSample::end, py::arg("offset"))
-      .def_property_readonly("hooked", &ParamSample::hooked);
+      .def("end", &ParamSample::end, py::arg("offset"));
   m.def("register_timed_hook", &register_timed_hook, py::arg("reducer"), py::arg("group"), py::arg("capacity"));
   m.def("accepts", &accepts, py::arg("reducer"), py::arg("group"));
   m.def("same_requires_grad", &same_requires_grad, py::arg("tensors"), py::arg("expected"));
