@@ -56,6 +56,7 @@ import torch
 
 from ddpdoctor.categories import CommHookWarning
 from ddpdoctor.runtime import clocks, torch_compat
+from ddpdoctor.runtime.torch_compat import compiled_autograd_asked, compiled_autograd_enabled
 
 #: ``0`` (or ``off``/``false``/``no``) forces the Python comm hook.
 ENV = "DDPDOCTOR_NATIVE"
@@ -376,8 +377,8 @@ class NativeTiming:
                 # compiled autograd first: the C++ must not hook a graph it may trace
                 self._asked_in -= 1
                 if self._asked_in <= 0:
-                    self._asked, self._asked_in = _compiled_autograd_asked(), CONFIG_EVERY
-                possible = self._asked or _compiled_autograd_enabled()
+                    self._asked, self._asked_in = compiled_autograd_asked(), CONFIG_EVERY
+                possible = self._asked or compiled_autograd_enabled()
                 hooked = -1 if possible else ring.arm_output(output, OUTPUT_LIMIT)
                 if hooked > 0:  # C++ pre-hooks on the outputs' autograd nodes (this graph's)
                     self.pending = True
@@ -537,10 +538,6 @@ def _call(ref: weakref.ref[NativeTiming], method: str, step: Any) -> None:
     timing = ref()
     if timing is not None:
         getattr(timing, method)(step)
-
-
-_compiled_autograd_enabled = torch_compat.compiled_autograd_enabled
-_compiled_autograd_asked = torch_compat.compiled_autograd_asked
 
 
 def main(argv: list[str] | None = None) -> int:
