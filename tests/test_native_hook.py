@@ -8,7 +8,6 @@ applied and timed. The extension is built once per session (cached in torch's ex
 
 from __future__ import annotations
 
-import collections
 import os
 import time
 import warnings
@@ -163,7 +162,14 @@ def native_checks(rank: int, world_size: int) -> dict[str, Any]:
         hooks_left = len(ddp.module.scale._backward_hooks or {})
         monitor.close()
         out[f"leaf_output_{'only' if only else 'mixed'}"] = (plain, instrumented, _summary(sink), hooks_left)
-    out["arm_output"] = _arm_output_cases()
+    # a reentrant checkpoint around the last layer: its bucket is ready in the inner backward
+    plain = _train_plain(DDP(_CheckpointedHead(), bucket_cap_mb=BUCKET_CAP_MB), rank)
+    sink = MemorySink()
+    ddp = DDP(_CheckpointedHead(), bucket_cap_mb=BUCKET_CAP_MB)
+    monitor = ddpdoctor.instrument(ddp, sink=sink)
+    losses = _train_plain(ddp, rank)
+    monitor.close()
+    out["reentrant"] = (plain, losses, _summary(sink))
     # the hook's clock is the one of time.perf_counter_ns
     module = native_hook.load()
     before = time.perf_counter_ns()
@@ -173,70 +179,33 @@ def native_checks(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-class _Sub(torch.Tensor):
-    """A Tensor subclass: its attributes may be Python's, so Python walks such an output."""
+class _CheckpointedHead(torch.nn.Module):
+    """Its last layer in a reentrant checkpoint: that layer's gradients (the first bucket) come
+    from a backward run inside the backward, which ends before the outer one does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+        self.head = torch.nn.Linear(256, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.head, torch.relu(self.body(x)), use_reentrant=True)
 
 
-class _PassThrough(torch.overrides.TorchFunctionMode):
-    """A torch function mode that changes nothing."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
-_Pair = collections.namedtuple("_Pair", "first second")
-
-
-class _Record(collections.OrderedDict):  # type: ignore[type-arg]
-    """A dict subclass, as model-output records are."""
-
-
-def _arm_output_cases() -> dict[str, tuple[int, int]]:
-    """``Timing.arm_output`` on outputs of every shape: (its answer, what Python's walk implies).
-
-    Python's: the number of tensors with an autograd node among the first ``OUTPUT_LIMIT``
-    requiring grad (``_output_tensors``), else -1 when some are leaves, else 0. Leaves before and
-    after computed tensors beyond the limit tell the order of the walk."""
-    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
-    monitor = ddpdoctor.instrument(ddp, sink=MemorySink())
-    native = monitor.attachment.native
-    assert native is not None and native.ring is not None
-    leaf = torch.nn.Parameter(torch.ones(3))
-
-    def made() -> torch.Tensor:
-        return leaf * 2
-
-    plain = torch.ones(3)
-    outputs: dict[str, Any] = {
-        "tensor": made(),
-        "leaf": leaf,
-        "no_grad": plain,
-        "none": None,
-        "tuple": (made(), leaf, plain),
-        "nested": [plain, [made(), (made(), "text")]],
-        "dict": {"a": made(), "b": {"c": leaf, "d": made()}},
-        "leaves_first": [leaf] * 4 + [made() for _ in range(6)],
-        "leaves_last": [made() for _ in range(6)] + [leaf] * 4,
-        "leaves_nested": {"x": [leaf, leaf, (leaf, made())], "y": [made() for _ in range(9)]},
-        "namedtuple": _Pair(made(), [leaf, made()]),
-        "dict_subclass": _Record(a=made(), b=leaf, c=[made()]),
-        "only_leaves": (leaf, [leaf]),
-        "subclass_beyond_limit": [made() for _ in range(8)] + [made().as_subclass(_Sub)],
-        "empty": [],
-    }
-    out: dict[str, tuple[int, int]] = {}
-    for name, output in outputs.items():
-        tensors = native_hook._output_tensors(output)
-        made_here = [t for t in tensors if t.grad_fn is not None]
-        python = len(made_here) if made_here else (-1 if tensors else 0)
-        out[name] = (native.ring.arm_output(output, native_hook.OUTPUT_LIMIT), python)
-    # a Tensor subclass within the limit, or a torch function mode: Python walks the output
-    out["subclass"] = (native.ring.arm_output((made(), made().as_subclass(_Sub)), native_hook.OUTPUT_LIMIT), -1)
-    output = made()
-    with _PassThrough():
-        out["function_mode"] = (native.ring.arm_output(output, native_hook.OUTPUT_LIMIT), -1)
-    monitor.close()
-    return out
+def _train_plain(ddp: DDP, rank: int, steps: int = 6) -> list[float]:
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps):
+        loss = ddp(torch.randn(8, 16, generator=gen)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
 
 
 class _Leafy(torch.nn.Module):
@@ -326,23 +295,27 @@ def test_native_layout_names_every_parameter(native: list[dict[str, Any]]) -> No
 
 
 def test_a_parameter_returned_as_an_output_is_timed_and_leaves_no_hook_behind(native: list[dict[str, Any]]) -> None:
-    # a leaf output gets a hook from Python (no autograd node to hook in C++), removed at the next
-    # forward: kept, they piled up on the parameter and the old ones drained later steps' buckets
+    # nothing is hooked on the output (the first bucket queues the backward's end): a parameter
+    # returned as it is is timed like any output, and keeps no hook
     for r in native:
         for case in ("leaf_output_mixed", "leaf_output_only"):
             plain, instrumented, summary, hooks_left = r[case]
             assert instrumented == plain, case
             assert summary["timing"] == ["native"], case
             _check_marks(summary, buckets=len(summary["steps"][-1][0]))
-            assert hooks_left <= 1, case
+            assert hooks_left == 0, case
 
 
-def test_arm_output_hooks_what_the_python_walk_finds(native: list[dict[str, Any]]) -> None:
-    # the same tensors, in the same order, as _output_tensors; -1 (nothing armed) where Python
-    # hooks the output itself: only leaves, a Tensor subclass, a torch function mode
+def test_a_reentrant_backward_inside_the_backward_does_not_end_it(native: list[dict[str, Any]]) -> None:
+    # the first bucket is ready inside a reentrant checkpoint's own backward, which ends first:
+    # the backward's end is the outer one's, after every bucket is ready (_check_marks)
     for r in native:
-        for name, (native_answer, python_answer) in r["arm_output"].items():
-            assert native_answer == python_answer, name
+        plain, losses, summary = r["reentrant"]
+        assert losses == plain
+        assert summary["timing"] == ["native"]
+        buckets = len(summary["steps"][-1][0])
+        assert buckets >= 2
+        _check_marks(summary, buckets)
 
 
 def test_with_compiled_autograd_asked_for_the_backward_is_timed_from_python(native: list[dict[str, Any]]) -> None:

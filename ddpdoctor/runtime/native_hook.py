@@ -5,26 +5,22 @@ The hook (``native/timed_hook.cpp``) does what DDP does without a hook (scale ea
 (the clock of ``time.perf_counter_ns``) into a fixed-size ring. No Python runs per bucket and no
 GIL is taken on the comm thread; Python drains the ring once per step.
 
+The backward's compute end is stamped in C++ as well: the first bucket of each backward (each
+autograd graph task) queues an autograd final callback, which runs once the graph is done and
+before DDP's own finalization. Nothing is hooked on the forward's output. Where compiled autograd
+may trace the backward (it knows Python hooks and callbacks, not ours), Python stamps it instead:
+hooks on the output (``_arm_from_python``), then ``on_output_grad`` and ``on_backward_end``.
+
 Per step, ``NativeTiming`` adds (all on the training thread):
 
-- ``Timing.arm_output`` after the synchronizing forward: C++ walks the DDP output (as
-  ``_output_tensors`` does) and puts a C++ pre-hook on the autograd node of each output tensor
-  (gradients pass unchanged); Python reads no tensor attribute and makes no node object. The hook
-  fires first in backward and queues an autograd final callback, which runs once the graph is
-  done and stamps *backward compute end* in C++. The backward takes no GIL and runs no Python;
+- ``on_forward_post`` after the synchronizing forward: marks the step's stamps as pending (and
+  asks for the layout at the steps that capture it);
 - ``drain``, called by the monitor at its next hook of the step, which runs anyway (the optimizer
   step's pre- and post-hooks, the next forward's pre-hook, close, rewrap, a user hook's
   delegation): the ring's stamps go into the step (``drain_into``; out of order,
   ``StepRecorder.add_bucket_columns``). Until then the hang watchdog reads them
   (``in_flight``, ``backward_ended``) when it reports a stall, to name the phase and the pending
   bucket.
-
-An output made only of leaves (a parameter returned as it is: no autograd node), or a backward
-that compiled autograd may trace (it knows Python hooks, not ours), gets the backward's start and
-end from Python instead: a node pre-hook (a tensor hook on a leaf, removed at the next forward),
-``on_output_grad``, then ``on_backward_end`` (a final callback). So does an output holding a Tensor subclass, or one
-made under a torch function mode, where Python code may answer ``requires_grad``/``grad_fn``:
-Python walks it and arms the C++ hooks itself (``_arm_from_python``), as before ``arm_output``.
 
 The build: ``torch.utils.cpp_extension`` in a child process (so its compiler, environment and a
 stale lock never touch the training process), under torch's own build lock, cached in torch's
@@ -68,7 +64,8 @@ SOURCE = Path(__file__).parent / "native" / "timed_hook.cpp"
 RING_CAPACITY = 4096
 #: Give up on a build (compiler stuck, a stale build lock) after this long.
 BUILD_TIMEOUT_S = 600.0
-#: Output tensors hooked at most per forward (the first ones found, depth first).
+#: Output tensors hooked at most per forward under compiled autograd (the first ones found,
+#: depth first).
 OUTPUT_LIMIT = 8
 #: ``torch._dynamo.config.compiled_autograd`` is read every this many synchronizing forwards (and
 #: at the first). Torch itself reads it only when a function is compiled, programs set it at their
@@ -310,6 +307,7 @@ class NativeTiming:
         self.delegated = False
         self._asked = False  # torch._dynamo.config.compiled_autograd, as last read
         self._asked_in = 0  # forwards until it is read again
+        self._python_end = False  # the backward's end stamped from Python (compiled autograd)
 
     @property
     def registered(self) -> bool:
@@ -374,41 +372,38 @@ class NativeTiming:
             if on["backward_end"]:
                 if self._leaf_hooks:
                     self._drop_leaf_hooks()
-                # compiled autograd first: the C++ must not hook a graph it may trace
+                # compiled autograd may trace the graph: the backward's end is then stamped from
+                # Python (it takes Python hooks and callbacks), not by the hook's C++ callback
                 self._asked_in -= 1
                 if self._asked_in <= 0:
                     self._asked, self._asked_in = compiled_autograd_asked(), CONFIG_EVERY
-                possible = self._asked or compiled_autograd_enabled()
-                hooked = -1 if possible else ring.arm_output(output, OUTPUT_LIMIT)
-                if hooked > 0:  # C++ pre-hooks on the outputs' autograd nodes (this graph's)
-                    self.pending = True
-                elif hooked:
-                    self._arm_from_python(step, output, possible)
+                python_end = self._asked or compiled_autograd_enabled()
+                if python_end != self._python_end:
+                    ring.stamp_ends(not python_end)
+                    self._python_end = python_end
+                if python_end:
+                    self._arm_from_python(step, output)
+            # the backward's stamps go into this step at the monitor's next hook of the step
+            self.pending = True
         except Exception as exc:  # noqa: BLE001 - runs in DDP's forward: a failing probe is switched off, never breaks training
             monitor.probes.failed("buckets", exc)
         finally:
             monitor.own_ns += _perf_ns() - t
 
-    def _arm_from_python(self, step: Any, output: Any, compiled: bool) -> None:
-        """The output's hooks from Python, where ``arm_output`` armed nothing: outputs that are only
-        leaves, compiled autograd (``compiled``: it may run), a Tensor subclass or a torch
-        function mode."""
+    def _arm_from_python(self, step: Any, output: Any) -> None:
+        """Where compiled autograd may trace the backward: its start and end from Python hooks
+        on the output (a node pre-hook, or a tensor hook on a leaf: a parameter returned as it
+        is), then a final callback (``on_output_grad``, ``on_backward_end``). A hook on a leaf
+        outlives the graph: it is removed at the next forward (kept, hooks would pile up and
+        fire for old steps)."""
         tensors = _output_tensors(output)
-        made = [tensor for tensor in tensors if tensor.grad_fn is not None]
-        if made and not compiled:
-            self.pending = True
-            self.ring.arm(made)  # C++ pre-hooks on the outputs' autograd nodes (this graph's)
-        elif tensors:
-            self.pending = True
-            # the same callbacks from Python: for outputs that are only leaves (a parameter
-            # returned as it is: no node to hook in C++), and where compiled autograd may
-            # trace the graph (it takes Python hooks, not a C++ one of ours). A hook on a
-            # leaf outlives the graph: it is removed at the next forward (kept, hooks
-            # would pile up and fire for old steps).
-            hook = _OutputGradHook(weakref.ref(self), step)
-            for tensor in made:
+        if not tensors:
+            return
+        hook = _OutputGradHook(weakref.ref(self), step)
+        for tensor in tensors:
+            if tensor.grad_fn is not None:
                 tensor.grad_fn.register_prehook(hook)
-            self._leaf_hooks = [tensor.register_hook(hook) for tensor in tensors if tensor.grad_fn is None]
+        self._leaf_hooks = [tensor.register_hook(hook) for tensor in tensors if tensor.grad_fn is None]
 
     def on_output_grad(self, step: Any) -> None:
         """First thing in backward: queue the backward-end callback (once per step)."""

@@ -8,12 +8,11 @@
 // comm thread (GIL hand-offs); on short steps that is ~15% of the step. Nothing here takes the
 // GIL on the comm thread, and nothing allocates per bucket once the ring exists.
 //
-// The backward's own two instants are taken here too (``Timing.arm_output``): after the
-// synchronizing forward it walks the output (tensors, lists, tuples, dict values) and puts a
-// pre-hook on the autograd node of each output tensor, so Python neither walks the output nor
-// makes a Python object per node. The pre-hook fires first in backward and queues a final
-// callback, which stamps *backward compute end*. The backward takes no GIL: Python drains the
-// ring at its next hook of the step (the optimizer's, the next forward's, close), which runs anyway.
+// The backward's compute end is stamped here too: the first bucket of a backward queues an
+// autograd final callback, which runs once the graph is done, before DDP's own finalization
+// (which waits for the all-reduces). Nothing is hooked on the forward's output, and the backward
+// takes no GIL: Python drains the ring at its next hook of the step (the optimizer's, the next
+// forward's, close), which runs anyway.
 //
 // Built by ddpdoctor/runtime/native_hook.py with torch.utils.cpp_extension; the pybind functions
 // at the bottom are its whole interface.
@@ -26,9 +25,9 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
-#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <c10/util/SmallVector.h>
 
@@ -198,29 +197,28 @@ class Ring {
     return dropped_;
   }
 
-  // The backward of a synchronizing forward: ``arm`` at its forward (a new generation; an older
-  // graph's hooks then do nothing), ``start`` true once, for the first gradient to reach the
-  // output, ``end`` stamps backward compute end (0: not yet), taken by the drain.
-  uint64_t arm() {
+  // Backward compute end, stamped by an autograd final callback that the first bucket of each
+  // graph task (each backward, and each reentrant one inside it) queues: ``queue_end`` says
+  // whether ``task`` has its callback queued already, ``end`` stamps (the last callback wins: an
+  // outer backward ends after the reentrant ones inside it). Off (``stamp_ends``) where Python
+  // stamps the backward end itself (compiled autograd may trace the graph).
+  bool queue_end(int64_t task) {
     std::lock_guard<std::mutex> lock(mu_);
-    started_ = 0;
-    return ++armed_;
-  }
-
-  bool start(uint64_t gen) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (gen != armed_ || started_ == gen) {
+    if (!stamp_ends_ || task == queued_task_) {
       return false;
     }
-    started_ = gen;
+    queued_task_ = task;
     return true;
   }
 
-  void end(uint64_t gen, int64_t t) {
+  void end(int64_t t) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (gen == armed_ && backward_end_ == 0) {
-      backward_end_ = t;
-    }
+    backward_end_ = t;
+  }
+
+  void stamp_ends(bool on) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stamp_ends_ = on;
   }
 
   // The backward end stamped and not drained yet (0: none); read only.
@@ -248,8 +246,8 @@ class Ring {
   uint64_t dropped_ = 0;
   bool enabled_ = true;
   bool want_layout_ = false;
-  uint64_t armed_ = 0;  // generation of the last armed backward
-  uint64_t started_ = 0;  // generation whose backward started (its callbacks are queued)
+  bool stamp_ends_ = true;
+  int64_t queued_task_ = -1;  // the graph task whose backward-end callback was queued last
   int64_t backward_end_ = 0;
   std::vector<std::tuple<int64_t, std::vector<int64_t>>> layout_;
 };
@@ -280,124 +278,6 @@ struct Handle {
   std::shared_ptr<Ring> ring;
   std::shared_ptr<Delegate> delegate;
 };
-
-// On the autograd node of a synchronizing forward's output: the first gradient to reach it queues
-// a final callback (gradients pass unchanged). Queued now, at backward start, it runs before
-// DDP's finalize_backward, which DDP queues at its first gradient ready: it stamps backward
-// compute end. Nothing here takes the GIL: Python drains the ring at its next hook (optimizer
-// step, next forward, close).
-class BackwardStart : public torch::autograd::FunctionPreHook {
- public:
-  BackwardStart(std::shared_ptr<Ring> ring, uint64_t gen) : ring_(std::move(ring)), gen_(gen) {}
-
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    if (ring_->start(gen_)) {
-      std::shared_ptr<Ring> ring = ring_;
-      const uint64_t gen = gen_;
-      torch::autograd::Engine::get_default_engine().queue_callback([ring, gen]() { ring->end(gen, now_ns()); });
-    }
-    return grads;
-  }
-
- private:
-  std::shared_ptr<Ring> ring_;
-  uint64_t gen_;
-};
-
-// A new generation, with its pre-hook on each output's autograd node (every tensor given has one).
-int64_t arm(Handle& h, const std::vector<at::Tensor>& outputs) {
-  const uint64_t gen = h.ring->arm();
-  int64_t hooked = 0;
-  for (const auto& tensor : outputs) {
-    auto node = tensor.grad_fn();
-    if (node) {
-      node->add_pre_hook(std::make_unique<BackwardStart>(h.ring, gen));
-      ++hooked;
-    }
-  }
-  return hooked;
-}
-
-// ``arm`` for a forward's output as Python has it: the first ``limit`` tensors requiring grad
-// found depth first in tensors, lists, tuples and dict values (the order and the limit of
-// native_hook._output_tensors), a new generation and a pre-hook on the autograd node of each that
-// has one. Returns how many nodes were hooked; 0: no tensor requires grad (nothing armed); -1:
-// nothing armed, Python hooks the output itself. That is so when the tensors requiring grad are
-// all leaves (no node to hook in C++: a tensor hook from Python), and wherever Python code could
-// answer ``requires_grad`` or ``grad_fn`` differently from C++ (a Tensor subclass, an active
-// torch function mode). With tensors made by the forward beside leaves, only the former are
-// hooked, as ``arm`` with Python's list did. Nothing is armed before the walk is complete, so an
-// exception (from a subclass's ``values()``, say) leaves the previous generation in place.
-int64_t arm_output(Handle& h, py::handle output, int64_t limit) {
-  if (at::impl::torch_function_mode_enabled()) {
-    return -1;
-  }
-  // std::shared_ptr<Node> before torch 2.13, an intrusive_ptr since: whatever grad_fn() returns
-  using NodePtr = std::decay_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
-  c10::SmallVector<NodePtr, 8> nodes;
-  c10::SmallVector<py::object, 16> stack;
-  stack.push_back(py::reinterpret_borrow<py::object>(output));
-  int64_t found = 0;
-  bool leaf = false;
-  auto push_reversed = [&stack](PyObject* seq) {  // a list or tuple: its first item is popped first
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject** items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = n - 1; i >= 0; --i) {
-      stack.push_back(py::reinterpret_borrow<py::object>(items[i]));
-    }
-  };
-  while (!stack.empty() && found < limit) {
-    py::object item = std::move(stack.back());
-    stack.pop_back();
-    PyObject* obj = item.ptr();
-    if (THPVariable_Check(obj)) {
-      if (!THPVariable_CheckExact(obj)) {
-        return -1;  // a Tensor subclass: its attributes may be Python's
-      }
-      const at::Tensor& tensor = THPVariable_Unpack(obj);
-      if (tensor.requires_grad()) {
-        ++found;
-        if (auto node = tensor.grad_fn()) {
-          nodes.push_back(std::move(node));
-        } else {
-          leaf = true;
-        }
-      }
-    } else if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
-      push_reversed(obj);
-    } else if (PyList_Check(obj) || PyTuple_Check(obj)) {
-      // a subclass (a namedtuple, say): through Python's reversed(), as _output_tensors does
-      PyObject* reversed = PyObject_CallOneArg(reinterpret_cast<PyObject*>(&PyReversed_Type), obj);
-      if (reversed == nullptr) {
-        throw py::error_already_set();
-      }
-      for (auto each : py::reinterpret_steal<py::iterator>(reversed)) {
-        stack.push_back(py::reinterpret_borrow<py::object>(each));
-      }
-    } else if (PyDict_Check(obj)) {
-      // an exact dict's values directly; a subclass's (a ModelOutput, say) from its values()
-      py::list values;
-      if (PyDict_CheckExact(obj)) {
-        PyObject* list = PyDict_Values(obj);
-        if (list == nullptr) {
-          throw py::error_already_set();
-        }
-        values = py::reinterpret_steal<py::list>(list);
-      } else {
-        values = py::list(item.attr("values")());
-      }
-      push_reversed(values.ptr());
-    }
-  }
-  if (nodes.empty()) {
-    return leaf ? -1 : 0;
-  }
-  const uint64_t gen = h.ring->arm();
-  for (auto& node : nodes) {
-    node->add_pre_hook(std::make_unique<BackwardStart>(h.ring, gen));
-  }
-  return static_cast<int64_t>(nodes.size());
-}
 
 // Whether the entries are buckets 0, 1, 2... each once: the common case, which ``drain_into``
 // hands to the step whole (StepRecorder.add_bucket_columns has the same rule for the columns).
@@ -653,6 +533,14 @@ class TimedAllReduceHook
     }
     ring_->launched(seq, now_ns());
     std::shared_ptr<Ring> ring = ring_;
+    // The first bucket of a backward queues the callback that stamps its compute end. Queued
+    // now, it runs before DDP's finalize_backward, which DDP queues once its last bucket is
+    // launched (after this). Outside a backward (a joined rank's shadow all-reduce under Join)
+    // there is no graph task and nothing is queued.
+    const int64_t task = torch::autograd::get_current_graph_task_id();
+    if (task >= 0 && ring->queue_end(task)) {
+      torch::autograd::Engine::get_default_engine().queue_callback([ring]() { ring->end(now_ns()); });
+    }
     // Runs on the comm library's thread when the all-reduce completes; DDP waits on the returned
     // future, so every done stamp is written before DDP's finalize_backward returns.
     return fut->then(
@@ -953,8 +841,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("take_layout", [](Handle& h) { return h.ring->take_layout(); })
       .def("set_enabled", [](Handle& h, bool on) { h.ring->set_enabled(on); })
       .def("dropped", [](Handle& h) { return h.ring->dropped(); })
-      .def("arm", &arm, py::arg("outputs"))
-      .def("arm_output", &arm_output, py::arg("output"), py::arg("limit"))
+      .def("stamp_ends", [](Handle& h, bool on) { h.ring->stamp_ends(on); })
       .def("drain_columns", &drain_columns, py::arg("offset"))
       .def("drain_into", &drain_into, py::arg("step"), py::arg("offset"))
       .def("backward_end", [](Handle& h) { return h.ring->backward_end(); })
