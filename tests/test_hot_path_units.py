@@ -4,6 +4,7 @@ checks that skip a window with nothing to find, optimizer hooks over a tuple of 
 from __future__ import annotations
 
 import gc
+import time
 import warnings
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 
 from ddpdoctor.categories import AccumulationWarning
 from ddpdoctor.events import Header, ParamInfo, Record, Step
-from ddpdoctor.runtime import live_findings
+from ddpdoctor.runtime import live_findings, native_hook
 from ddpdoctor.runtime.clocks import HostClock, mono_ns
 from ddpdoctor.runtime.live_findings import LiveFindings
 from ddpdoctor.runtime.optimizer_hooks import OptimizerHooks
@@ -157,6 +158,20 @@ class Observer:
     def on_optimizer(self, start: bool) -> None:
         self.calls.append(start)
 
+    def optimizer_stamps(self) -> Any:
+        return None  # the Python hooks
+
+
+class StampedObserver(Observer):
+    """An observer with the extension's C++ stamps: its optimizer steps run no Python."""
+
+    def __init__(self, stamps: Any) -> None:
+        super().__init__()
+        self.stamps = stamps
+
+    def optimizer_stamps(self) -> Any:
+        return self.stamps
+
 
 def test_optimizer_hooks_call_live_observers_and_skip_freed_ones() -> None:
     hooks = OptimizerHooks()
@@ -174,6 +189,41 @@ def test_optimizer_hooks_call_live_observers_and_skip_freed_ones() -> None:
         assert kept.calls == [True, False] and not hooks._handles
     finally:
         hooks.shutdown()
+
+
+def test_optimizer_hooks_in_cpp_stamp_without_python_and_go_when_unwatched() -> None:
+    try:
+        extension = native_hook.load()
+    except native_hook.NativeUnavailable as exc:
+        pytest.skip(f"the native extension cannot be built here: {exc}")
+    hooks = OptimizerHooks()
+    stamped, python = StampedObserver(extension.OptimizerStamps()), Observer()
+    try:
+        hooks.watch(stamped)
+        hooks.watch(python)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        assert stamped.stamps.take(0) is None  # nothing yet
+        before = time.perf_counter_ns()
+        opt.step()
+        after = time.perf_counter_ns()
+        assert stamped.calls == [] and python.calls == [True, False]  # C++ only for the first
+        events = stamped.stamps.take(0)
+        assert [start for start, _ in events] == [True, False]
+        assert before <= events[0][1] <= events[1][1] <= after  # the clock of perf_counter_ns
+        assert stamped.stamps.take(5) is None and not stamped.stamps.running()  # taken once
+        for _ in range(40):  # the log keeps the first 16 events until taken
+            opt.step()
+        assert len(stamped.stamps.take(0)) == 16
+        hooks.unwatch(stamped)
+        opt.step()
+        assert stamped.stamps.take(0) is None  # its hooks went with it; the Python ones stay
+        assert python.calls[-2:] == [True, False]
+    finally:
+        hooks.shutdown()
+    opt.step()
+    assert stamped.stamps.take(0) is None and len(python.calls) == 2 + 40 * 2 + 2
+    stamped.stamps.pre(opt, (), {})  # a step that started and has not ended: the watchdog's phase
+    assert stamped.stamps.running()
 
 
 def test_native_marks_in_order_or_not_give_the_same_step() -> None:

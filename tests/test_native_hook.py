@@ -170,6 +170,7 @@ def native_checks(rank: int, world_size: int) -> dict[str, Any]:
     losses = _train_plain(ddp, rank)
     monitor.close()
     out["reentrant"] = (plain, losses, _summary(sink))
+    out["phases"] = _phases_around_the_optimizer(rank)
     # the hook's clock is the one of time.perf_counter_ns
     module = native_hook.load()
     before = time.perf_counter_ns()
@@ -177,6 +178,37 @@ def native_checks(rank: int, world_size: int) -> dict[str, Any]:
     after = time.perf_counter_ns()
     out["clock"] = (before, native, after)
     return out
+
+
+def _phases_around_the_optimizer(rank: int) -> list[str]:
+    """Where the hang watchdog would place a stall after the backward, inside the optimizer step
+    (stamped in C++, not yet taken into the step) and after it, for two steps."""
+    from ddpdoctor.runtime.watchdog import locate
+    from tests.models import batches
+
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    monitor = ddpdoctor.instrument(ddp, sink=MemorySink())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    phases: list[str] = []
+
+    def where(*_: Any) -> None:
+        found = locate(
+            monitor.recorder,
+            monitor.buckets_in_flight(),
+            monitor.backward_ended_in_flight(),
+            monitor.optimizer_running(),
+        )
+        phases.append(found["phase"])
+
+    opt.register_step_pre_hook(where)  # runs after torch's global pre-hooks: inside the step
+    for x, y in batches(rank, 2):
+        ((ddp(x) - y) ** 2).mean().backward()
+        where()
+        opt.step()
+        where()
+        opt.zero_grad()
+    monitor.close()
+    return phases
 
 
 class _CheckpointedHead(torch.nn.Module):
@@ -359,6 +391,13 @@ def test_user_hook_after_instrument_is_applied_and_timed(native: list[dict[str, 
             assert summary["timing"] == ["native"]
             assert summary["layouts"][-1][2] == "sum_hook"  # the layout names the user's hook
             _check_marks(summary, len(summary["steps"][-1][0]))
+
+
+def test_a_stall_inside_the_optimizer_step_is_placed_there(native: list[dict[str, Any]]) -> None:
+    # the optimizer's stamps are taken into the step at the next forward: until then the
+    # watchdog reads whether a step started and has not ended from the C++ hooks
+    for r in native:
+        assert r["phases"] == ["between steps", "optimizer", "between steps"] * 2
 
 
 def test_native_clock_is_perf_counter(native: list[dict[str, Any]]) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning
 from ddpdoctor.events import End, Header, ProbeOff, ProcSample, Record, Step
-from ddpdoctor.runtime import native_hook, run_dir, torch_compat, watchdog
+from ddpdoctor.runtime import clocks, native_hook, run_dir, torch_compat, watchdog
 from ddpdoctor.runtime.attach import AttachError, Attachment, monitor_of
 from ddpdoctor.runtime.clocks import CudaClock, HostClock, mono_ns, wall_ns
 from ddpdoctor.runtime.config import CHECK_EVERY, Options
@@ -112,6 +112,7 @@ class Monitor:
             self.live = LiveFindings(self.rank, self.ddp_index, self.emit, self._flush_now)
             self._bwd_queued: OpenStep | None = None
             self._native_timing: Any = None
+            self._opt_stamps: Any = None  # the C++ optimizer hooks' (``optimizer_stamps``)
             self._backward_end_ok = torch_compat.available("backward_end")
             svc = services()
             self._services = svc
@@ -220,10 +221,48 @@ class Monitor:
         return attachment.hook_state if attachment is not None else None
 
     def _drain_native(self) -> None:
-        """Native route: the stamps of a backward not drained yet go into the open step."""
+        """The stamps taken in C++ and not drained yet (a backward's, an optimizer step's) go
+        into the open step."""
         native = getattr(self, "_native_timing", None)
         if native is not None and native.pending:  # (never while delegated: delegate drains)
             native.drain(self.recorder.current)
+        if getattr(self, "_opt_stamps", None) is not None:
+            self.take_optimizer()
+
+    def optimizer_stamps(self) -> Any:
+        """The C++ optimizer hooks' stamps for this monitor (``OptimizerHooks`` registers their
+        ``pre`` and ``post``), or None: the Python hooks call ``on_optimizer``. C++ wherever the
+        extension loads and the marks are host ones (a CUDA model's are CUDA events)."""
+        if self._opt_stamps is None and self.recorder.clock.always_ready:
+            extension = native_hook.choose(cuda=self._cuda)
+            if extension is not None and hasattr(extension, "OptimizerStamps"):
+                self._opt_stamps = extension.OptimizerStamps()
+        return self._opt_stamps
+
+    def take_optimizer(self) -> None:
+        """The optimizer steps stamped in C++ since the last take, in the step they belong to:
+        the rule of ``on_optimizer``, applied to their instants."""
+        stamps = self._opt_stamps
+        if stamps is None:
+            return
+        try:
+            events = stamps.take(clocks._OFFSET_NS)
+            if events is None or not self.probes.on["optimizer"]:
+                return
+            recorder = self.recorder
+            for start, at in events:
+                if start:
+                    recorder.optimizer_start(at)
+                else:
+                    recorder.optimizer_end(at)
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
+            self.probes.failed("optimizer", exc)
+
+    def optimizer_running(self) -> bool:
+        """Whether an optimizer step stamped in C++ started and has not ended (any thread; read
+        only): the hang watchdog's "optimizer" phase before the stamps are taken."""
+        stamps = self._opt_stamps
+        return stamps is not None and bool(stamps.running())
 
     def _detach(self) -> None:
         self._native_timing = None
@@ -370,6 +409,8 @@ class Monitor:
         if native is not None and native.pending:
             # the last backward's stamps (native route) belong to the step this forward closes
             native.drain(self.recorder.current)
+        if self._opt_stamps is not None:
+            self.take_optimizer()  # then its optimizer step's (after the buckets: the rule reads them)
         t = _perf_ns()
         on = self.probes.on
         if on["forward"] and torch.is_grad_enabled():

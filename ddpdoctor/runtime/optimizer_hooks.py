@@ -3,6 +3,11 @@
 The hooks are process-wide: with several optimizers in one process, a monitor's optimizer time
 is that of whichever optimizer steps after its backward. They are removed when the last monitor
 leaves, so a process that stops monitoring pays nothing for them.
+
+A monitor on host clocks with the native extension loaded gets C++ callables of its own
+(``OptimizerStamps.pre``/``post``) instead: they stamp the clock and run no Python, and the monitor
+takes the stamps at its next forward (``Monitor.take_optimizer``). The Python hooks serve the
+others (CUDA models, whose marks are CUDA events; the route without the extension).
 """
 
 from __future__ import annotations
@@ -25,19 +30,28 @@ class OptimizerHooks:
         self._refs: tuple[weakref.ref[OptimizerObserver], ...] = ()
         self._lock = threading.Lock()
         self._handles: list[Any] = []
+        self._stamped: dict[int, list[Any]] = {}  # id of an observer -> its C++ hooks' handles
 
     def watch(self, observer: OptimizerObserver) -> None:
         """Time every ``optimizer.step()`` in this process for ``observer``."""
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        stamps = observer.optimizer_stamps()
         with self._lock:
+            if stamps is not None:
+                if id(observer) not in self._stamped:
+                    self._stamped[id(observer)] = [
+                        register_optimizer_step_pre_hook(stamps.pre),
+                        register_optimizer_step_post_hook(stamps.post),
+                    ]
+                return
             self._observers.add(observer)
             self._snapshot()
             if self._handles:
                 return
-            from torch.optim.optimizer import (
-                register_optimizer_step_post_hook,
-                register_optimizer_step_pre_hook,
-            )
-
             self._handles.extend(
                 (register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post))
             )
@@ -45,6 +59,8 @@ class OptimizerHooks:
     def unwatch(self, observer: OptimizerObserver) -> None:
         """Stop timing for ``observer``; the hooks go when no observer is left."""
         with self._lock:
+            for handle in self._stamped.pop(id(observer), ()):
+                handle.remove()
             self._observers.discard(observer)
             self._snapshot()
             if not self._observers:
@@ -55,6 +71,10 @@ class OptimizerHooks:
             self._observers = weakref.WeakSet()
             self._refs = ()
             self._remove()
+            for handles in self._stamped.values():
+                for handle in handles:
+                    handle.remove()
+            self._stamped.clear()
 
     def _snapshot(self) -> None:
         self._refs = tuple(weakref.ref(o) for o in self._observers)

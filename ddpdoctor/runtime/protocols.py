@@ -27,9 +27,11 @@ class Closable(Protocol):
 
 
 class OptimizerObserver(Protocol):
-    """What the process-wide optimizer hooks call."""
+    """What the process-wide optimizer hooks call, or the C++ stamps they register instead."""
 
     def on_optimizer(self, start: bool) -> None: ...
+
+    def optimizer_stamps(self) -> Any: ...
 
 
 class Emitter(Protocol):
@@ -58,6 +60,8 @@ class Watched(Emitter, Protocol):
     def buckets_in_flight(self) -> list[tuple[int, int, int, int, int]]: ...
 
     def backward_ended_in_flight(self) -> bool: ...
+
+    def optimizer_running(self) -> bool: ...
 
 
 class BucketObserver(Protocol):

@@ -257,12 +257,14 @@ class StepRecorder:
 
     # -- optimizer -------------------------------------------------------------------------
 
-    def optimizer_start(self) -> None:
+    def optimizer_start(self, at: Mark = None) -> None:
+        """An optimizer step starts now, or ``at`` (a host mark taken in C++: the native route)."""
         step = self.current
         if step is not None and step.ready and step.opt_start is None:
-            step.opt_start = self.clock.now()
+            step.opt_start = self.clock.now() if at is None else at
 
-    def optimizer_end(self) -> None:
+    def optimizer_end(self, at: Mark = None) -> None:
+        """An optimizer step ends now, or ``at`` (as ``optimizer_start``)."""
         step = self.current
         if step is None or step.opt_end is not None:
             return
@@ -272,7 +274,7 @@ class StepRecorder:
             # backward and its all-reduces (host marks: the latest of them)
             step.opt_start = max((m for m in (step.bwd_end, *step.done) if m is not None), default=None)
         if step.opt_start is not None:
-            step.opt_end = self.clock.now()
+            step.opt_end = self.clock.now() if at is None else at
 
     # -- emission --------------------------------------------------------------------------
 

@@ -74,14 +74,18 @@ def signature(recorder: StepRecorder) -> tuple[Any, ...]:
 
 
 def locate(
-    recorder: StepRecorder, in_flight: Sequence[tuple[int, int, int, int, int]] = (), backward_ended: bool = False
+    recorder: StepRecorder,
+    in_flight: Sequence[tuple[int, int, int, int, int]] = (),
+    backward_ended: bool = False,
+    optimizer_running: bool = False,
 ) -> dict[str, Any]:
     """Where the rank is: phase, step, buckets ready/done and the first pending bucket.
 
     ``in_flight``: on the native route, the bucket stamps still in the ring (not yet drained
     into the step: the drain runs once the all-reduces completed), as (index, ready, launch,
     done, bytes) with done 0 when not seen. ``backward_ended``: on the native route, the
-    backward's compute end is stamped in the ring, not yet in the step.
+    backward's compute end is stamped in the ring, not yet in the step. ``optimizer_running``:
+    an optimizer step stamped in C++ started and has not ended (its stamps not yet in the step).
     """
     step = recorder.current
     if step is None:
@@ -106,7 +110,7 @@ def locate(
         phase = "backward"
     elif pending is not None:
         phase = "allreduce"
-    elif step.opt_start is not None and step.opt_end is None:
+    elif (step.opt_start is not None and step.opt_end is None) or optimizer_running:
         phase = "optimizer"
     else:
         phase = "between steps"
@@ -234,7 +238,12 @@ class Watchdog:
 
     def _emit(self, watch: _Watch, state: str, waited: float) -> None:
         monitor = watch.monitor
-        where = locate(monitor.recorder, monitor.buckets_in_flight(), monitor.backward_ended_in_flight())
+        where = locate(
+            monitor.recorder,
+            monitor.buckets_in_flight(),
+            monitor.backward_ended_in_flight(),
+            monitor.optimizer_running(),
+        )
         stack = thread_stack(watch.thread_id) if state == "stalled" else []
         record = Hang(
             rank=monitor.rank,

@@ -31,6 +31,8 @@
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <c10/util/SmallVector.h>
 
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <string>
 #include <type_traits>
@@ -397,6 +399,61 @@ py::object drain_into(Handle& h, py::handle step, int64_t offset) {
   }
   return py::none();
 }
+
+// -- the optimizer step's start and end -------------------------------------------------------
+//
+// torch's global optimizer step pre- and post-hooks, as C++ callables: each call stamps the
+// monotonic clock into a short log that Python takes at the monitor's next forward, where the
+// same rule as before decides which step the stamps belong to (StepRecorder.optimizer_start and
+// optimizer_end, given the instants). So the optimizer step costs no Python entry: two of the
+// four a step took on the training thread, each paying for caches the optimizer left cold.
+// The log keeps the first kOptEvents events since the last take (the rule uses the first start
+// and end after the backward); ``running`` (a start without its end: the hang watchdog's
+// "optimizer" phase) is read without taking.
+class OptimizerStamps {
+ public:
+  static constexpr size_t kOptEvents = 16;
+
+  void stamp(bool start) {
+    const int64_t t = now_ns();
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = start;
+    if (n_ < kOptEvents) {
+      events_[n_++] = {start, t};
+    }
+  }
+
+  // The events since the last take, oldest first, as (start, host ns + offset); None: none.
+  py::object take(int64_t offset) {
+    std::array<std::pair<bool, int64_t>, kOptEvents> events;
+    size_t n = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      n = n_;
+      std::copy(events_.begin(), events_.begin() + n, events.begin());
+      n_ = 0;
+    }
+    if (n == 0) {
+      return py::none();
+    }
+    py::list out(n);
+    for (size_t i = 0; i < n; ++i) {
+      out[i] = py::make_tuple(py::bool_(events[i].first), py::int_(events[i].second + offset));
+    }
+    return std::move(out);
+  }
+
+  bool running() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return running_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::array<std::pair<bool, int64_t>, kOptEvents> events_{};
+  size_t n_ = 0;
+  bool running_ = false;
+};
 
 // -- a sampled step's per-parameter gradient arrival ---------------------------------------------
 //
@@ -853,6 +910,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("state"),
           py::arg("hook"));
+  py::class_<OptimizerStamps>(m, "OptimizerStamps")
+      .def(py::init<>())
+      // torch calls them as hook(optimizer, args, kwargs); nothing is read from the arguments
+      .def("pre", [](OptimizerStamps& s, py::args) { s.stamp(true); })
+      .def("post", [](OptimizerStamps& s, py::args) { s.stamp(false); })
+      .def("take", &OptimizerStamps::take, py::arg("offset"))
+      .def("running", &OptimizerStamps::running);
   py::class_<ParamSample>(m, "ParamSample")
       .def(py::init<const std::vector<at::Tensor>&>(), py::arg("params"))
       .def("end", &ParamSample::end, py::arg("offset"));
