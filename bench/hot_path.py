@@ -15,13 +15,22 @@ a few hundred µs on one step in 50, shown amortized per step like everything el
 
 Figures are µs per step, totals over the pass divided by its steps.
 
-    python bench/hot_path.py [--steps 1000] [--bn] [--route native|python]
+On the native route the optimizer step's hooks are C++ callables (they stamp the clock and run no
+Python): no timer can wrap them, so their rows stay at 0. The step-time row counts them.
+
+Before the passes, with no timer anywhere: the same model plain and instrumented (two DDP
+instances in the one process group), timed in ``--pairs`` alternating blocks of ``--block``
+steps. The median of the pairs' differences is what instrumenting adds to a whole step, including
+what ddpdoctor's callbacks cost torch's own work after them (caches they evict).
+
+    python bench/hot_path.py [--steps 1000] [--bn] [--route native|python] [--pairs 10] [--block 200]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -93,6 +102,46 @@ def _wrap(owner: Any, name: str, label: str) -> Any:
     return original
 
 
+def _model(bn: bool) -> nn.Module:
+    torch.manual_seed(0)
+    norm: list[nn.Module] = [nn.BatchNorm1d(64)] if bn else []
+    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), *norm, nn.ReLU()) for _ in range(8)], nn.Linear(64, 4))
+
+
+def _side_by_side(args: argparse.Namespace) -> tuple[float, float]:
+    """What instrumenting adds to a whole step, cold caches and all, with no timer anywhere: the
+    same model plain and instrumented (two DDP instances, one process group), timed in
+    alternating blocks. Returns (plain µs/step, median over the pairs of instrumented - plain).
+
+    The instrumented monitor's optimizer hooks are process-wide, so the plain blocks pay for them
+    too (two C++ calls a step, well under a microsecond): the difference leaves them out."""
+    x, y = torch.randn(8, 64), torch.randn(8, 4)
+    plain = DDP(_model(args.bn), bucket_cap_mb=0.02)
+    watched = DDP(_model(args.bn), bucket_cap_mb=0.02)
+    monitor = ddpdoctor.instrument(watched, sink=NullSink(), proc_interval=1000)
+
+    def block(ddp: DDP, opt: torch.optim.Optimizer, steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = ((ddp(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return (time.perf_counter() - start) / steps * 1e6
+
+    opts = {id(d): torch.optim.SGD(d.parameters(), lr=0.01) for d in (plain, watched)}
+    for ddp in (plain, watched):
+        block(ddp, opts[id(ddp)], 100)
+    plains, diffs = [], []
+    for i in range(args.pairs):
+        order = (plain, watched) if i % 2 == 0 else (watched, plain)
+        times = {id(ddp): block(ddp, opts[id(ddp)], args.block) for ddp in order}
+        plains.append(times[id(plain)])
+        diffs.append(times[id(watched)] - times[id(plain)])
+    monitor.close()
+    return statistics.median(plains), statistics.median(diffs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=1000)
@@ -100,16 +149,18 @@ def main() -> None:
     parser.add_argument(
         "--route", choices=("native", "python"), default="native", help="how buckets are timed (default: native)"
     )
+    parser.add_argument(
+        "--pairs", type=int, default=10, help="pairs of plain and instrumented blocks timed side by side (0: none)"
+    )
+    parser.add_argument("--block", type=int, default=200, help="steps per block of the side-by-side timing")
     args = parser.parse_args()
     os.environ["DDPDOCTOR_NATIVE"] = "1" if args.route == "native" else "0"
     init_gloo(0, 1, free_port())
+    ab = _side_by_side(args) if args.pairs else None
     # the top-level entry points are wrapped before instrument: some are bound at registration
     for owner, name, label, _ in TOP:
         _wrap(owner, name, label)
-    torch.manual_seed(0)
-    norm: list[nn.Module] = [nn.BatchNorm1d(64)] if args.bn else []
-    net = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), *norm, nn.ReLU()) for _ in range(8)], nn.Linear(64, 4))
-    ddp = DDP(net, bucket_cap_mb=0.02)
+    ddp = DDP(_model(args.bn), bucket_cap_mb=0.02)
     monitor = ddpdoctor.instrument(ddp, sink=NullSink(), proc_interval=1000)
     header = monitor.attachment.header
     assert header is not None and header.timing == args.route, "the native hook did not load: see the warning"
@@ -161,6 +212,12 @@ def main() -> None:
     print(f"training thread, per bucket (ready, launched): {sums['bucket'] / buckets:.1f} µs")
     print(f"gloo's thread, per bucket (done): {gloo / buckets:.1f} µs")
     print(f"Monitor.own_us per step (its own accounting, pass 1): {own_us:.1f} µs")
+    if ab is not None:
+        plain_us, added_us = ab
+        print(
+            f"step time, plain vs instrumented side by side (no timers; {args.pairs} pairs of {args.block} steps): "
+            f"plain {plain_us:.0f} µs, instrumented +{added_us:.1f} µs/step (median of the pairs' differences)"
+        )
     dist.destroy_process_group()
 
 
