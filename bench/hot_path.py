@@ -83,8 +83,9 @@ NESTED = [
     (sampled_checks.SampledChecks, "check_grad_flags", "    requires_grad check", "forward pre-hook"),
     (sampled_checks.SampledChecks, "begin_sample", "    sample begins (sampled steps only)", "forward pre-hook"),
     (sampled_checks.SampledChecks, "end_sample", "    sample ends (the step after)", "forward pre-hook"),
-    (native_hook.NativeTiming, "on_forward_post", "  native: output armed", "forward post-hook"),
-    (native_hook.NativeTiming, "drain", "  native: ring drained", "optimizer pre-hook"),
+    (native_hook.NativeTiming, "drain", "  native: ring drained", "forward pre-hook"),
+    (monitor_module.Monitor, "take_optimizer", "  native: optimizer stamps taken", "forward pre-hook"),
+    (native_hook.NativeTiming, "on_sync_forward", "  native: stamps pending", "forward pre-hook"),
 ]
 
 
@@ -188,8 +189,7 @@ def main() -> None:
     for owner, name, label, _ in NESTED:
         _wrap(owner, name, label)
     nested, _, _ = timed_pass()
-    current = monitor.recorder.current
-    buckets = max(1, len(current.ready) if current is not None else 0)
+    buckets = max(1, len(monitor.recorder.layout_bytes()))
     monitor.close()
 
     def per_step(totals: dict[str, int], label: str) -> float:

@@ -409,9 +409,9 @@ class Monitor:
         if native is not None and native.pending:
             # the last backward's stamps (native route) belong to the step this forward closes
             native.drain(self.recorder.current)
+        t = _perf_ns()
         if self._opt_stamps is not None:
             self.take_optimizer()  # then its optimizer step's (after the buckets: the rule reads them)
-        t = _perf_ns()
         on = self.probes.on
         if on["forward"] and torch.is_grad_enabled():
             sync = bool(module.require_backward_grad_sync)
@@ -423,6 +423,8 @@ class Monitor:
             except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("forward", exc)
             else:
+                if sync and native is not None:
+                    native.on_sync_forward(step, self)  # (the native route's side of it)
                 if on["checks"]:
                     try:
                         self.checks.on_step_start(step.index, step.t0_mono_ns, sync, step is not previous)
@@ -431,18 +433,21 @@ class Monitor:
         self.own_ns += _perf_ns() - t
 
     def on_forward_post(self, module: Any, args: Any, output: Any) -> None:
-        """Every forward's end (also one that raised: ``output`` None); on the native route,
-        the synchronizing forward's output is armed here (``NativeTiming.on_forward_post``)."""
+        """Every forward's end (also one that raised: ``output`` None). On the native route the
+        output is hooked only where compiled autograd may trace the backward
+        (``NativeTiming.python_end``: the backward's end is stamped from Python then)."""
         if self.probes.on["forward"]:
             t = _perf_ns()
+            recorder = self.recorder
+            sync = recorder.in_sync_forward
             try:
-                self.recorder.forward_end()
+                recorder.forward_end()
             except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("forward", exc)
+            native = self._native_timing
+            if sync and native is not None and native.python_end and output is not None:
+                native.arm_python(recorder.current, output, self)
             self.own_ns += _perf_ns() - t
-        native = self._native_timing
-        if native is not None and output is not None:
-            native.on_forward_post(module, output, self)
 
     def on_sync_buffers(self, original: Any) -> Any:
         """DDP's buffer broadcast, timed apart from the forward around it."""

@@ -9,12 +9,12 @@ The backward's compute end is stamped in C++ as well: the first bucket of each b
 autograd graph task) queues an autograd final callback, which runs once the graph is done and
 before DDP's own finalization. Nothing is hooked on the forward's output. Where compiled autograd
 may trace the backward (it knows Python hooks and callbacks, not ours), Python stamps it instead:
-hooks on the output (``_arm_from_python``), then ``on_output_grad`` and ``on_backward_end``.
+hooks on the output (``arm_python``), then ``on_output_grad`` and ``on_backward_end``.
 
 Per step, ``NativeTiming`` adds (all on the training thread):
 
-- ``on_forward_post`` after the synchronizing forward: marks the step's stamps as pending (and
-  asks for the layout at the steps that capture it);
+- ``on_sync_forward`` as the synchronizing forward begins: marks the step's stamps as pending
+  (and asks for the layout at the steps that capture it);
 - ``drain``, called by the monitor at its next hook of the step, which runs anyway (the optimizer
   step's pre- and post-hooks, the next forward's pre-hook, close, rewrap, a user hook's
   delegation): the ring's stamps go into the step (``drain_into``; out of order,
@@ -307,7 +307,9 @@ class NativeTiming:
         self.delegated = False
         self._asked = False  # torch._dynamo.config.compiled_autograd, as last read
         self._asked_in = 0  # forwards until it is read again
-        self._python_end = False  # the backward's end stamped from Python (compiled autograd)
+        #: the backward's end stamped from Python (compiled autograd may trace it): the monitor's
+        #: forward post-hook hooks the output (``arm_python``)
+        self.python_end = False
 
     @property
     def registered(self) -> bool:
@@ -347,24 +349,16 @@ class NativeTiming:
 
     # -- per step (training thread) ------------------------------------------------------
 
-    def on_forward_post(self, ddp: Any, output: Any, monitor: Any) -> None:
-        """After a synchronizing training forward (``monitor``'s): hook its output, ask for the
-        layout if wanted."""
+    def on_sync_forward(self, step: Any, monitor: Any) -> None:
+        """A synchronizing training forward begins (``step``, open): its backward's stamps are
+        drained at the monitor's next forward; the layout asked for where the step wants it."""
         ring = self.ring
-        if ring is None or self.delegated or monitor.closed:
+        if ring is None or self.delegated:
             return
         on = monitor.probes.on
         if not on["buckets"]:
             return
-        # DDP all-reduces after any forward with grad enabled outside no_sync, in eval mode too
-        # (a model trained with model.eval() to freeze BatchNorm)
-        if not (ddp.require_backward_grad_sync and torch.is_grad_enabled()):
-            return
-        t = _perf_ns()
         try:
-            step = monitor.recorder.current
-            if step is None or not step.synced_forward:
-                return
             want = step.layout is not None and on["layout"]
             if want != self._want_layout:
                 ring.want_layout(want)
@@ -378,32 +372,34 @@ class NativeTiming:
                 if self._asked_in <= 0:
                     self._asked, self._asked_in = compiled_autograd_asked(), CONFIG_EVERY
                 python_end = self._asked or compiled_autograd_enabled()
-                if python_end != self._python_end:
+                if python_end != self.python_end:
                     ring.stamp_ends(not python_end)
-                    self._python_end = python_end
-                if python_end:
-                    self._arm_from_python(step, output)
-            # the backward's stamps go into this step at the monitor's next hook of the step
+                    self.python_end = python_end
+            # DDP all-reduces after any forward with grad enabled outside no_sync, in eval mode
+            # too (a model trained with model.eval() to freeze BatchNorm)
             self.pending = True
         except Exception as exc:  # noqa: BLE001 - runs in DDP's forward: a failing probe is switched off, never breaks training
             monitor.probes.failed("buckets", exc)
-        finally:
-            monitor.own_ns += _perf_ns() - t
 
-    def _arm_from_python(self, step: Any, output: Any) -> None:
-        """Where compiled autograd may trace the backward: its start and end from Python hooks
-        on the output (a node pre-hook, or a tensor hook on a leaf: a parameter returned as it
-        is), then a final callback (``on_output_grad``, ``on_backward_end``). A hook on a leaf
-        outlives the graph: it is removed at the next forward (kept, hooks would pile up and
-        fire for old steps)."""
-        tensors = _output_tensors(output)
-        if not tensors:
+    def arm_python(self, step: Any, output: Any, monitor: Any) -> None:
+        """After a synchronizing forward that compiled autograd may trace (``python_end``): the
+        backward's start and end from Python hooks on the output (a node pre-hook, or a tensor
+        hook on a leaf: a parameter returned as it is), then a final callback
+        (``on_output_grad``, ``on_backward_end``). A hook on a leaf outlives the graph: it is
+        removed at the next forward (kept, hooks would pile up and fire for old steps)."""
+        if step is None or self.ring is None or self.delegated or not monitor.probes.on["backward_end"]:
             return
-        hook = _OutputGradHook(weakref.ref(self), step)
-        for tensor in tensors:
-            if tensor.grad_fn is not None:
-                tensor.grad_fn.register_prehook(hook)
-        self._leaf_hooks = [tensor.register_hook(hook) for tensor in tensors if tensor.grad_fn is None]
+        try:
+            tensors = _output_tensors(output)
+            if not tensors:
+                return
+            hook = _OutputGradHook(weakref.ref(self), step)
+            for tensor in tensors:
+                if tensor.grad_fn is not None:
+                    tensor.grad_fn.register_prehook(hook)
+            self._leaf_hooks = [tensor.register_hook(hook) for tensor in tensors if tensor.grad_fn is None]
+        except Exception as exc:  # noqa: BLE001 - runs in DDP's forward: a failing probe is switched off, never breaks training
+            monitor.probes.failed("backward_end", exc)
 
     def on_output_grad(self, step: Any) -> None:
         """First thing in backward: queue the backward-end callback (once per step)."""
