@@ -15,9 +15,9 @@ Per step, ``NativeTiming`` adds (all on the training thread):
 
 - ``on_sync_forward`` as the synchronizing forward begins: marks the step's stamps as pending
   (and asks for the layout at the steps that capture it);
-- ``drain``, called by the monitor at its next hook of the step, which runs anyway (the optimizer
-  step's pre- and post-hooks, the next forward's pre-hook, close, rewrap, a user hook's
-  delegation): the ring's stamps go into the step (``drain_into``; out of order,
+- ``drain``, called by the monitor at its next hook of the step, which runs anyway (the next
+  forward's pre-hook, close, rewrap, a user hook's delegation; the optimizer step's hooks where
+  they are Python's): the ring's stamps go into the step (``drain_into``; out of order,
   ``StepRecorder.add_bucket_columns``). Until then the hang watchdog reads them
   (``in_flight``, ``backward_ended``) when it reports a stall, to name the phase and the pending
   bucket.
@@ -302,7 +302,7 @@ class NativeTiming:
         self._queued: Any = None  # the step whose backward callbacks are queued (leaf outputs)
         self._leaf_hooks: list[Any] = []  # hooks on leaf outputs, removed at the next forward
         #: a backward was armed and the ring not drained since: the monitor's next hook of the step
-        #: (optimizer, next forward, close) drains it into the open step (``Monitor._drain_native``)
+        #: (next forward, close) drains it into the open step (``Monitor._drain_native``)
         self.pending = False
         self.delegated = False
         self._asked = False  # torch._dynamo.config.compiled_autograd, as last read

@@ -11,8 +11,8 @@
 // The backward's compute end is stamped here too: the first bucket of a backward queues an
 // autograd final callback, which runs once the graph is done, before DDP's own finalization
 // (which waits for the all-reduces). Nothing is hooked on the forward's output, and the backward
-// takes no GIL: Python drains the ring at its next hook of the step (the optimizer's, the next
-// forward's, close), which runs anyway.
+// takes no GIL: Python drains the ring at its next hook of the step (the next forward's, close),
+// which runs anyway.
 //
 // Built by ddpdoctor/runtime/native_hook.py with torch.utils.cpp_extension; the pybind functions
 // at the bottom are its whole interface.
