@@ -90,7 +90,9 @@ NESTED = [
 
 
 def _wrap(owner: Any, name: str, label: str) -> Any:
-    original = getattr(owner, name)
+    original = getattr(owner, name, None)
+    if original is None:  # not in this tree (an older one, compared side by side): a row of 0
+        return None
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter_ns()
