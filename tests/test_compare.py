@@ -51,6 +51,12 @@ def test_noise_is_not_a_change_and_a_shift_is() -> None:
     # a tiny phase that doubles is below the floor: not called a change
     tiny = compare_phase("optimizer", [0.01] * 10, [0.02] * 10)
     assert tiny.verdict == "same"
+    # a phase that moves by less than 1% of the base step is not a change either (0.12 ms of a
+    # 27 ms step), however sure; a bigger move of the same phase is
+    small = [0.2 + 0.001 * i for i in range(10)]
+    assert compare_phase("optimizer", small, [v + 0.12 for v in small]).verdict == "slower"
+    assert compare_phase("optimizer", small, [v + 0.12 for v in small], step_ms=27.0).verdict == "same"
+    assert compare_phase("optimizer", small, [v + 0.5 for v in small], step_ms=27.0).verdict == "slower"
 
 
 def _run(run_dir: Path, *args: str) -> Path:

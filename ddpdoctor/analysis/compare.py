@@ -38,6 +38,9 @@ CONFIDENCE = 0.95
 #: microseconds can double without anyone caring.
 MIN_CHANGE_MS = 0.1
 MIN_CHANGE_PCT = 2.0
+#: ... and, for a phase within the step, at least this much of the base run's step time: a phase
+#: of 0.2 ms that moves by 0.1 ms in a 27 ms step changes nothing anyone would gate a merge on.
+MIN_CHANGE_STEP_PCT = 1.0
 #: The first steps include DDP's first iteration (bucket rebuild, allocator warm-up): left out
 #: when the run has enough steps without them.
 WARMUP_STEPS = 2
@@ -252,8 +255,9 @@ def _med(values: list[float]) -> float | None:
 # -- comparison -----------------------------------------------------------------------------------
 
 
-def compare_phase(name: str, a: list[float], b: list[float]) -> PhaseChange:
-    """One phase's change, with its confidence and verdict."""
+def compare_phase(name: str, a: list[float], b: list[float], step_ms: float | None = None) -> PhaseChange:
+    """One phase's change, with its confidence and verdict (``step_ms``: the base run's median
+    step, for the floor of a phase within it)."""
     base, new = _med(a), _med(b)
     if base is None or new is None:
         return PhaseChange(name, base, new, None, None, None, "n/a", len(a), len(b))
@@ -262,6 +266,8 @@ def compare_phase(name: str, a: list[float], b: list[float]) -> PhaseChange:
     p = mann_whitney_p(a, b)
     confidence = None if p is None else round(1.0 - p, 4)
     big = abs(change) >= MIN_CHANGE_MS and (pct is None or abs(pct) >= MIN_CHANGE_PCT)
+    if step_ms is not None and name != "step":
+        big = big and abs(change) >= step_ms * MIN_CHANGE_STEP_PCT / 100.0
     if confidence is None:
         verdict = "n/a"
     elif confidence >= CONFIDENCE and big:
@@ -318,7 +324,8 @@ def _run_facts(report: Report) -> dict[str, Any]:
 def compare(base: Run, new: Run, base_report: Report, new_report: Report) -> Comparison:
     """Compare two loaded runs (``load_run``) and their reports (``analyze``)."""
     sa, sb = phase_samples(base), phase_samples(new)
-    phases = [compare_phase(name, sa[name], sb[name]) for name in COMPARED]
+    step_ms = _med(sa["step"]) if "step" in sa else None
+    phases = [compare_phase(name, sa[name], sb[name], step_ms) for name in COMPARED]
     ba, bb = _bucket_stats(base), _bucket_stats(new)
     note = None
     if len(ba) != len(bb):
