@@ -531,11 +531,10 @@ class Monitor:
         return native.backward_ended() if native is not None else False
 
     def on_optimizer(self, start: bool) -> None:
+        # (Python hooks only: a monitor with the native ring has the C++ optimizer stamps, taken
+        # after the ring is drained at its next forward)
         if self.closed or not self.probes.on["optimizer"]:
             return
-        native = self._native_timing
-        if native is not None and native.pending:
-            native.drain(self.recorder.current)  # the step's buckets, before its optimizer marks
         try:
             if start:
                 self.recorder.optimizer_start()

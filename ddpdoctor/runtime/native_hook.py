@@ -16,9 +16,8 @@ Per step, ``NativeTiming`` adds (all on the training thread):
 - ``on_sync_forward`` as the synchronizing forward begins: marks the step's stamps as pending
   (and asks for the layout at the steps that capture it);
 - ``drain``, called by the monitor at its next hook of the step, which runs anyway (the next
-  forward's pre-hook, close, rewrap, a user hook's delegation; the optimizer step's hooks where
-  they are Python's): the ring's stamps go into the step (``drain_into``; out of order,
-  ``StepRecorder.add_bucket_columns``). Until then the hang watchdog reads them
+  forward's pre-hook, close, rewrap, a user hook's delegation): the ring's stamps go into the
+  step (``drain_into``; out of order, ``StepRecorder.add_bucket_columns``). Until then the hang watchdog reads them
   (``in_flight``, ``backward_ended``) when it reports a stall, to name the phase and the pending
   bucket.
 
