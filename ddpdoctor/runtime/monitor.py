@@ -42,6 +42,8 @@ _perf_ns = time.perf_counter_ns  # own_ns accounting: one lookup less per call o
 _BUFFER_BYTES_EVERY = 100
 #: Closed steps that waited this long (host ns) are emitted by a process sample.
 _STALE_NS = 1_000_000_000
+#: How long a clean close polls the GPU for the last steps' CUDA marks (seconds).
+_CLOSE_WAIT_S = 2.0
 
 
 def _close_released(monitor: Monitor) -> None:
@@ -568,7 +570,8 @@ class Monitor:
         self._services.leave(self)
         try:
             self._drain_native()
-            self.recorder.close()
+            # a clean end waits (a bounded poll) for the GPU to pass the last steps' marks
+            self.recorder.close(wait_s=_CLOSE_WAIT_S if final else 0.0)
         except Exception as exc:  # noqa: BLE001 - closing must never break training
             self.probes.failed("emit", exc)
         checks = getattr(self, "checks", None)

@@ -16,6 +16,8 @@ Records keep their order: any other record a monitor emits first emits the close
 
 from __future__ import annotations
 
+import time
+
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -278,12 +280,21 @@ class StepRecorder:
 
     # -- emission --------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """End of monitoring: emit the open step (its duration unknown) and anything pending."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """End of monitoring: emit the open step (its duration unknown) and anything pending.
+
+        With CUDA marks, the last steps' events may not have been passed yet: ``wait_s`` bounds
+        how long to poll them (``query()``, never a device synchronization) so a clean end keeps
+        their timings; a step still unresolved then keeps what the host knows."""
         if self.current is not None and self.current.synced_forward:
             self._close(self.current, None)
         self.current = None
         self.emit_closed()
+        if wait_s > 0 and self._pending:
+            deadline = time.monotonic() + wait_s
+            ready = self.clock.ready
+            while not all(ready(s.marks()) for s in self._pending) and time.monotonic() < deadline:
+                time.sleep(0.001)
         self._drain(force=True)
 
     @property

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The checks for a lent GPU machine (one GPU, torch already installed, no network), in one go:
+# the GPU tests, the GPU overhead bench, then the CPU benches on that machine's quieter cores.
+# Each step is bounded so a hang in one still leaves the others' figures. Results go to $OUT
+# (or ./gpu-session), one file per step. Wheels missing there (msgspec) travel in .whl/.
+#
+#   bash bench/gpu_session.sh            # all of it
+#   bash bench/gpu_session.sh gpu        # the GPU tests and bench only
+set -u
+out=${OUT:-gpu-session}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+step() {  # step NAME SECONDS COMMAND...: run it, bounded, its output to the screen and $out/NAME.txt
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name ($(date +%T), at most ${limit}s): $*"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
+  echo "== $name: exit ${PIPESTATUS[0]}"
+}
+{ nvidia-smi -L; nproc; python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version())"; } 2>&1 | tee "$out/machine.txt"
+step pytest_gpu 180 python3 -m pytest -v -m gpu -p no:cacheprovider -o asyncio_mode=strict tests/test_cuda.py
+step gpu_overhead 150 python3 bench/gpu_overhead.py --json "$out/gpu_overhead.json"
+[ "${1:-all}" = gpu ] && exit 0
+step hot_path 120 python3 bench/hot_path.py --steps 2000
+step overhead 150 python3 bench/overhead.py --pairs 7 --no-profiler --no-debug-env
