@@ -23,7 +23,11 @@ instances in the one process group), timed in ``--pairs`` alternating blocks of 
 steps. The median of the pairs' differences is what instrumenting adds to a whole step, including
 what ddpdoctor's callbacks cost torch's own work after them (caches they evict).
 
-    python bench/hot_path.py [--steps 1000] [--bn] [--route native|python] [--pairs 10] [--block 200]
+``--device cuda``: the same on one GPU (NCCL, world size 1), where buckets take the Python route
+and every mark is a CUDA event; pass 2 adds rows for the CUDA clock's calls (recording, querying
+and resolving events). The bench waits for the GPU around each timed block, never inside a step.
+
+    python bench/hot_path.py [--steps 1000] [--bn] [--route native|python] [--pairs 10] [--block 200] [--device cuda]
 """
 
 from __future__ import annotations
@@ -45,7 +49,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ddpdoctor
 from bench.harness import free_port, init_gloo
-from ddpdoctor.runtime import comm_hook, live_findings, native_hook, optimizer_hooks, sampled_checks, step_recorder
+from ddpdoctor.runtime import (
+    clocks,
+    comm_hook,
+    live_findings,
+    native_hook,
+    optimizer_hooks,
+    sampled_checks,
+    step_recorder,
+)
 from ddpdoctor.runtime import monitor as monitor_module
 from ddpdoctor.sinks import NullSink
 
@@ -89,6 +101,15 @@ NESTED = [
 ]
 
 
+#: ``--device cuda``: the CUDA clock's calls, inside the rows above (pass 2).
+CUDA_ROWS = [
+    (clocks.CudaClock, "now", "CUDA event recorded"),
+    (clocks.CudaClock, "ready", "CUDA events queried (ready)"),
+    (clocks.CudaClock, "rel_us", "CUDA events resolved (elapsed_time)"),
+    (clocks.CudaClock, "us", "CUDA event pairs resolved (us)"),
+]
+
+
 def _wrap(owner: Any, name: str, label: str) -> Any:
     original = getattr(owner, name, None)
     if original is None:  # not in this tree (an older one, compared side by side): a row of 0
@@ -111,6 +132,27 @@ def _model(bn: bool) -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), *norm, nn.ReLU()) for _ in range(8)], nn.Linear(64, 4))
 
 
+def _device(args: argparse.Namespace) -> torch.device:
+    return torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+
+
+def _ddp(args: argparse.Namespace) -> DDP:
+    device = _device(args)
+    ids = [0] if device.type == "cuda" else None
+    return DDP(_model(args.bn).to(device), device_ids=ids, bucket_cap_mb=0.02)
+
+
+def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    device = _device(args)
+    return torch.randn(8, 64, device=device), torch.randn(8, 4, device=device)
+
+
+def _sync(args: argparse.Namespace) -> None:
+    """The bench's own wait for the GPU, around a timed block (never inside the steps)."""
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+
+
 def _side_by_side(args: argparse.Namespace) -> tuple[float, float]:
     """What instrumenting adds to a whole step, cold caches and all, with no timer anywhere: the
     same model plain and instrumented (two DDP instances, one process group), timed in
@@ -118,18 +160,20 @@ def _side_by_side(args: argparse.Namespace) -> tuple[float, float]:
 
     The instrumented monitor's optimizer hooks are process-wide, so the plain blocks pay for them
     too (two C++ calls a step, well under a microsecond): the difference leaves them out."""
-    x, y = torch.randn(8, 64), torch.randn(8, 4)
-    plain = DDP(_model(args.bn), bucket_cap_mb=0.02)
-    watched = DDP(_model(args.bn), bucket_cap_mb=0.02)
+    x, y = _batch(args)
+    plain = _ddp(args)
+    watched = _ddp(args)
     monitor = ddpdoctor.instrument(watched, sink=NullSink(), proc_interval=1000)
 
     def block(ddp: DDP, opt: torch.optim.Optimizer, steps: int) -> float:
+        _sync(args)
         start = time.perf_counter()
         for _ in range(steps):
             loss = ((ddp(x) - y) ** 2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
+        _sync(args)
         return (time.perf_counter() - start) / steps * 1e6
 
     opts = {id(d): torch.optim.SGD(d.parameters(), lr=0.01) for d in (plain, watched)}
@@ -156,19 +200,32 @@ def main() -> None:
         "--pairs", type=int, default=10, help="pairs of plain and instrumented blocks timed side by side (0: none)"
     )
     parser.add_argument("--block", type=int, default=200, help="steps per block of the side-by-side timing")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: NCCL, world size 1, CUDA-event marks",
+    )
     args = parser.parse_args()
-    os.environ["DDPDOCTOR_NATIVE"] = "1" if args.route == "native" else "0"
-    init_gloo(0, 1, free_port())
+    if args.device == "cuda":
+        args.route = "python"  # CUDA models take the Python route: their marks are CUDA events
+        torch.cuda.set_device(0)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    else:
+        os.environ["DDPDOCTOR_NATIVE"] = "1" if args.route == "native" else "0"
+        init_gloo(0, 1, free_port())
     ab = _side_by_side(args) if args.pairs else None
     # the top-level entry points are wrapped before instrument: some are bound at registration
     for owner, name, label, _ in TOP:
         _wrap(owner, name, label)
-    ddp = DDP(_model(args.bn), bucket_cap_mb=0.02)
+    ddp = _ddp(args)
     monitor = ddpdoctor.instrument(ddp, sink=NullSink(), proc_interval=1000)
     header = monitor.attachment.header
     assert header is not None and header.timing == args.route, "the native hook did not load: see the warning"
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    x, y = torch.randn(8, 64), torch.randn(8, 4)
+    x, y = _batch(args)
 
     def step() -> None:
         loss = ((ddp(x) - y) ** 2).mean()
@@ -179,9 +236,11 @@ def main() -> None:
     def timed_pass() -> tuple[dict[str, int], float, float]:
         TOTALS.clear()
         own = monitor.own_ns
+        _sync(args)
         start = time.perf_counter()
         for _ in range(args.steps):
             step()
+        _sync(args)
         wall_us = (time.perf_counter() - start) / args.steps * 1e6
         return dict(TOTALS), wall_us, (monitor.own_ns - own) / args.steps / 1000
 
@@ -190,6 +249,9 @@ def main() -> None:
     top, wall_us, own_us = timed_pass()
     for owner, name, label, _ in NESTED:
         _wrap(owner, name, label)
+    if args.device == "cuda":
+        for owner, name, label in CUDA_ROWS:
+            _wrap(owner, name, label)
     nested, _, _ = timed_pass()
     buckets = max(1, len(monitor.recorder.layout_bytes()))
     monitor.close()
@@ -198,7 +260,7 @@ def main() -> None:
         return float(totals.get(label, 0) / args.steps / 1000)
 
     print(
-        f"{args.route} route: step {wall_us:.0f} µs (instrumented, timers included), {buckets} buckets, "
+        f"{args.device}, {args.route} route: step {wall_us:.0f} µs (instrumented, timers included), {buckets} buckets, "
         f"{args.steps} steps per pass"
     )
     for _, _, label, _ in TOP:
@@ -206,6 +268,10 @@ def main() -> None:
         for _, _, inner, parent in NESTED:
             if parent == label:
                 print(f"  {inner:40s} {per_step(nested, inner):7.1f} µs/step  (pass 2)")
+    if args.device == "cuda":
+        print("  (the CUDA clock, inside the rows above)")
+        for _, _, label in CUDA_ROWS:
+            print(f"  {label:40s} {per_step(nested, label):7.1f} µs/step  (pass 2)")
     sums = {where: sum(per_step(top, label) for _, _, label, w in TOP if w == where) for where in ("step", "bucket")}
     gloo = sum(per_step(top, label) for _, _, label, w in TOP if w == "gloo")
     print(f"training thread, per step (forward hooks, backward end, optimizer): {sums['step']:.1f} µs")

@@ -7,6 +7,7 @@ there the independent timer is the host clock and the stream checks are skipped.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,11 @@ WARMUP = 2
 
 
 def _train(
-    ddp: nn.Module, opt: torch.optim.Optimizer, data: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+    ddp: nn.Module,
+    opt: torch.optim.Optimizer,
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    check_syncs: bool = True,
 ) -> tuple[list[float], str | None]:
     """Plain training steps, under the sync debug mode "error" after ``WARMUP``; returns the
     losses (read at the end: reading them earlier would synchronize) and the first
@@ -58,7 +63,7 @@ def _train(
     losses: list[torch.Tensor] = []
     sync: str | None = None
     for i, (x, y) in enumerate(data):
-        checked = i >= WARMUP and sync is None
+        checked = check_syncs and i >= WARMUP and sync is None
         try:
             with _SyncDebug(device if checked else torch.device("cpu")):
                 loss = ((ddp(x) - y) ** 2).mean()
@@ -73,6 +78,11 @@ def _train(
     return [float(v) for v in losses], sync
 
 
+def _watch_for_hangs(seconds: float = 90.0) -> None:
+    """A rank stuck this long prints every thread's stack and exits (the test then says where)."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
 def _data(rank: int, steps: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(100 + rank)
     return [
@@ -81,16 +91,18 @@ def _data(rank: int, steps: int, device: torch.device) -> list[tuple[torch.Tenso
     ]
 
 
-def train_pair(rank: int, world_size: int, tmp: str, device: str = "cuda") -> dict[str, Any]:
+def train_pair(rank: int, world_size: int, tmp: str, device: str = "cuda", check_syncs: bool = True) -> dict[str, Any]:
     """The same six steps on a plain DDP, then on an instrumented one (sampled checks at 0, 1, 2,
     4: fingerprints, unused-parameter hooks, the post-forward timing; buffers broadcast every
-    step), both under the sync debug mode after the warm-up.
+    step), both under the sync debug mode after the warm-up (``check_syncs``).
 
     With NCCL the world size is 1 here (one GPU); with gloo two ranks share the GPU over CUDA
-    tensors (NCCL refuses two ranks on one device). Gloo's CUDA all-reduce may copy through the
-    host with a synchronization of its own: the plain run says what DDP does, and ddpdoctor must
-    add nothing to it.
+    tensors (NCCL refuses two ranks on one device); gloo's CUDA collectives copy through the host
+    with synchronizations of their own, and a rank stopped by one mid-step would leave the other
+    waiting in a collective, so that run is not checked for them. Where the plain run
+    synchronizes, the instrumented one must do so no earlier.
     """
+    _watch_for_hangs()
     dev = _device(rank, device)
     data = _data(rank, 6, dev)
     ids = [dev.index] if dev.type == "cuda" else None
@@ -100,10 +112,10 @@ def train_pair(rank: int, world_size: int, tmp: str, device: str = "cuda") -> di
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01)
 
     plain, plain_opt = build()
-    plain_losses, plain_sync = _train(plain, plain_opt, data, dev)
+    plain_losses, plain_sync = _train(plain, plain_opt, data, dev, check_syncs)
     ddp, opt = build()
     with ddpdoctor.instrument(ddp, run_dir=Path(tmp), check_every=2, log="full") as monitor:
-        losses, sync = _train(ddp, opt, data, dev)
+        losses, sync = _train(ddp, opt, data, dev, check_syncs)
         probes_on = dict(monitor.probes.on)
     return {
         "rank": rank,
@@ -160,6 +172,7 @@ def agreement_train(
     resolve as soon as the host recorded it, long before the GPU reached that point of the step:
     the ordering checks of the test catch that.
     """
+    _watch_for_hangs()
     dev = _device(rank, device)
     torch.manual_seed(0)
     model = HeavyNet(width, 4).to(dev)

@@ -44,9 +44,13 @@ def test_cuda_clock_resolves_events_without_blocking() -> None:
 
 def _check_pair(results: list[dict[str, Any]], tmp_path: Path, backend: str, world_size: int) -> None:
     for r in results:
-        # no synchronization added: where the plain DDP had none, the instrumented one has none
+        print(r)  # (on the GPU machine: what each rank saw, for the record)
+        # no synchronization added: where the plain DDP had none, the instrumented one has none;
+        # where it had one, the instrumented one has its first no earlier
         if r["plain_sync"] is None:
             assert r["sync"] is None, r["sync"]
+        else:
+            assert r["sync"] is not None and len(r["losses"]) >= len(r["plain_losses"]), r
         assert r["losses"] == r["plain_losses"][: len(r["losses"])]  # bit-identical
         assert all(r["probes_on"].values()), r["probes_on"]
     run = ddpdoctor.load_run(tmp_path)
@@ -54,8 +58,10 @@ def _check_pair(results: list[dict[str, Any]], tmp_path: Path, backend: str, wor
     for log in run.ranks.values():
         assert log.header is not None and log.header.clock == "cuda" and log.header.backend == backend
         steps = [s for s in log.steps if not s.summary]
-        assert len(steps) == len(results[0]["losses"])
         for s in steps:
+            print(s)
+        assert len(steps) >= len(results[0]["losses"])  # (a step stopped by a synchronization counts)
+        for s in steps[: len(results[0]["losses"])]:
             assert s.clock == "cuda"
             assert s.b_ready_us and len(s.b_done_us) == len(s.b_ready_us)
             assert all(r <= d for r, d in zip(s.b_ready_us, s.b_done_us, strict=True))
@@ -67,12 +73,12 @@ def _check_pair(results: list[dict[str, Any]], tmp_path: Path, backend: str, wor
 
 
 def test_nccl_world_size_one_adds_no_synchronization(tmp_path: Path) -> None:
-    results = run_ranks(train_pair, 1, args=(str(tmp_path),), backend="nccl", timeout=300)
+    results = run_ranks(train_pair, 1, args=(str(tmp_path),), backend="nccl", timeout=120)
     _check_pair(results, tmp_path, "nccl", 1)
 
 
 def test_two_ranks_on_one_gpu_with_gloo_over_cuda_tensors(tmp_path: Path) -> None:
-    results = run_ranks(train_pair, 2, args=(str(tmp_path),), backend="gloo", timeout=300)
+    results = run_ranks(train_pair, 2, args=(str(tmp_path), "cuda", False), backend="gloo", timeout=120)
     _check_pair(results, tmp_path, "gloo", 2)
 
 
@@ -80,9 +86,11 @@ def test_marks_agree_with_independent_events_on_a_side_stream(tmp_path: Path) ->
     """Forward end and step duration within TOLERANCE of CUDA events around the same region; bucket
     marks between the backward's start and its return (a mark on another stream than the
     gradient's would resolve early, before the backward even started on the GPU)."""
-    (result,) = run_ranks(agreement_train, 1, args=(str(tmp_path),), backend="nccl", timeout=300)
+    (result,) = run_ranks(agreement_train, 1, args=(str(tmp_path),), backend="nccl", timeout=120)
     regions = result["regions"]
     steps = [s for s in ddpdoctor.load_run(tmp_path).ranks[0].steps if not s.summary]
+    for s, r in zip(steps, regions, strict=False):
+        print(r, s)
     assert len(steps) == len(regions)
 
     def close(ours: float | None, theirs: float) -> bool:

@@ -74,7 +74,8 @@ class CudaClock:
 
     def recycle(self, marks: Iterable[Mark]) -> None:
         """Give resolved events back for reuse (creating events costs a driver call)."""
-        self._pool.extend(m for m in marks if m is not None)
+        # once each: a step may hold one event under two names (a bucket's ready and launch)
+        self._pool.extend({id(m): m for m in marks if m is not None}.values())
         del self._pool[4096:]
 
 

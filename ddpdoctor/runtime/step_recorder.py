@@ -16,9 +16,8 @@ Records keep their order: any other record a monitor emits first emits the close
 
 from __future__ import annotations
 
-import time
-
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -91,7 +90,10 @@ class OpenStep:
 
     def marks(self) -> list[Mark]:
         out = [self.t0, self.fwd_start, self.fwd_end, self.bwd_end, self.opt_start, self.opt_end, self.end]
-        out += self.ready + self.launch + self.done
+        out += self.ready
+        if self.launch != self.ready:  # (CUDA: the launch marks are the ready ones)
+            out += self.launch
+        out += self.done
         for a, b, _ in self.bcast:
             out += (a, b)
         return out
@@ -216,7 +218,14 @@ class StepRecorder:
         return sum(m is not None for m in step.ready) == 1
 
     def bucket_launched(self, step: OpenStep, index: int) -> None:
-        now = self.clock.now()
+        clock = self.clock
+        if not clock.always_ready and index < len(step.ready) and step.ready[index] is not None:
+            # A CUDA event here would sit on the gradient's stream right behind the ready one (the
+            # launch itself is host work, the all-reduce runs on its own stream): it would measure
+            # nothing the device did and cost an event and its resolution per bucket.
+            now = step.ready[index]
+        else:
+            now = clock.now()
         if index == len(step.launch):
             step.launch.append(now)
         else:
@@ -406,6 +415,7 @@ class StepRecorder:
                 if bcast:  # less the broadcasts inside the synchronizing forward
                     fwd_us -= sum(clock.us(a, b) for a, b, sync in bcast if sync)  # type: ignore[misc, operator]
             done = rel(t0, step.done)
+            ready_us = rel(t0, step.ready)
             if done and None not in done:
                 sync_end = max(done)  # None was ruled out just above
             record = Step(
@@ -424,8 +434,8 @@ class StepRecorder:
                 bwd_end_us=bwd_end_us,
                 # per-bucket lists hold None for a bucket not seen this step (``_put`` pads): the
                 # schema's element types do not say so; readers skip None
-                b_ready_us=rel(t0, step.ready),  # type: ignore[arg-type]
-                b_launch_us=rel(t0, step.launch),  # type: ignore[arg-type]
+                b_ready_us=ready_us,  # type: ignore[arg-type]
+                b_launch_us=list(ready_us) if step.launch == step.ready else rel(t0, step.launch),  # type: ignore[arg-type]
                 b_done_us=done,  # type: ignore[arg-type]
                 # the step is closed: its lists are handed over, not copied
                 b_bytes=step.nbytes,  # type: ignore[arg-type]
