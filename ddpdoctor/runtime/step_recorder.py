@@ -453,7 +453,9 @@ class StepRecorder:
         self.steps_emitted += 1
         self.emit(record)
         if resolved and not clock.always_ready:
-            clock.recycle(step.marks())
+            # not the step's end: that event is the next step's start, still open
+            end = step.end
+            clock.recycle([m for m in step.marks() if m is not end])
 
     def _emit_layout(self, step: OpenStep) -> None:
         if step.layout:

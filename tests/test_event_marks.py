@@ -1,0 +1,89 @@
+"""Pooled event marks (the CUDA clock's) are reused only once no open step holds them.
+
+``CudaClock`` gives resolved events back to a pool. A step's end is the next step's start: the
+same event. Recycled with the closed step, it was handed out again and recorded later while the
+open step still used it as its start, and every offset of that step came out shifted (negative
+forward times on a GPU). Checked on the recorder and the real ``CudaClock`` pool, with events
+that stamp a counter instead of the device (this runs without a GPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from ddpdoctor.events import Record, Step
+from ddpdoctor.runtime.clocks import CudaClock
+from ddpdoctor.runtime.step_recorder import StepRecorder
+
+_TICKS = itertools.count(1)
+
+
+class CountingEvent:
+    """Stands in for ``torch.cuda.Event``: ``record`` stamps the next tick (1 tick = 1 ms)."""
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.at: int | None = None
+
+    def record(self) -> None:
+        self.at = next(_TICKS)
+
+    def query(self) -> bool:
+        return self.at is not None
+
+    def elapsed_time(self, end: CountingEvent) -> float:
+        assert self.at is not None and end.at is not None
+        return float(end.at - self.at)
+
+
+class Bucket:
+    def __init__(self, nbytes: int) -> None:
+        self._buffer = torch.zeros(nbytes // 4)
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
+def _clock() -> CudaClock:
+    clock = CudaClock.__new__(CudaClock)
+    clock._event = CountingEvent
+    clock._pool = []
+    return clock
+
+
+def _step(rec: StepRecorder, buckets: list[Any]) -> None:
+    rec.forward_start(sync=True)
+    rec.forward_end()
+    step = rec.current
+    assert step is not None
+    for i, bucket in enumerate(buckets):
+        rec.bucket_ready(i, bucket)
+        rec.bucket_launched(step, i)
+        rec.bucket_done(step, i)
+    rec.backward_end(step)
+    rec.optimizer_start()
+    rec.optimizer_end()
+
+
+def test_a_steps_start_is_not_reused_while_the_step_is_open() -> None:
+    out: list[Record] = []
+    clock = _clock()
+    rec = StepRecorder(0, 0, out.append, clock)
+    buckets = [Bucket(64), Bucket(64), Bucket(32)]
+    for _ in range(12):
+        _step(rec, buckets)
+    rec.close()
+    steps = [r for r in out if isinstance(r, Step)]
+    assert [s.step for s in steps] == list(range(12))
+    for s in steps:
+        # marks in the order they were taken: every offset from the step's start is positive
+        marks = [s.fwd_end_us, *s.b_ready_us, *s.b_done_us, s.bwd_end_us, s.opt_start_us, s.opt_end_us]
+        assert all(m is not None and m > 0 for m in marks), s
+        assert s.b_launch_us == s.b_ready_us  # one event for both: the launch is host work
+        assert s.fwd_us == s.fwd_end_us  # one tick after the start
+        if s.end_us is not None:
+            assert s.end_us > s.opt_end_us  # type: ignore[operator]
+    # each event sits in the pool once: a step holds one event under two names (ready, launch)
+    assert len({id(e) for e in clock._pool}) == len(clock._pool)
