@@ -97,9 +97,10 @@ def train_pair(rank: int, world_size: int, tmp: str, device: str = "cuda", check
     step), both under the sync debug mode after the warm-up (``check_syncs``).
 
     With NCCL the world size is 1 here (one GPU); with gloo two ranks share the GPU over CUDA
-    tensors (NCCL refuses two ranks on one device); gloo's CUDA collectives copy through the host
-    with synchronizations of their own, and a rank stopped by one mid-step would leave the other
-    waiting in a collective, so that run is not checked for them. Where the plain run
+    tensors (NCCL refuses two ranks on one device). That run is not checked for synchronizations:
+    gloo's CUDA collectives copy through the host and may synchronize, and a rank stopped by the
+    check mid-step leaves the other waiting in a collective (the first GPU run of this test with
+    the check hung). Where the plain run
     synchronizes, the instrumented one must do so no earlier.
     """
     _watch_for_hangs()
