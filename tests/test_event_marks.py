@@ -1,4 +1,5 @@
-"""Pooled event marks (the CUDA clock's) are reused only once no open step holds them.
+"""Pooled event marks (the CUDA clock's) are reused only once no open step holds them; a clean
+close waits, bounded, for the last steps' events.
 
 ``CudaClock`` gives resolved events back to a pool. A step's end is the next step's start: the
 same event. Recycled with the closed step, it was handed out again and recorded later while the
@@ -87,3 +88,34 @@ def test_a_steps_start_is_not_reused_while_the_step_is_open() -> None:
             assert s.end_us > s.opt_end_us  # type: ignore[operator]
     # each event sits in the pool once: a step holds one event under two names (ready, launch)
     assert len({id(e) for e in clock._pool}) == len(clock._pool)
+
+
+class LateEvent(CountingEvent):
+    """An event the device passes only after ``LateEvent.after`` more queries of anyone."""
+
+    after = 0
+
+    def query(self) -> bool:
+        if LateEvent.after > 0:
+            LateEvent.after -= 1
+            return False
+        return super().query()
+
+
+def _late_run(wait_s: float) -> Step:
+    out: list[Record] = []
+    clock = _clock()
+    clock._event = LateEvent
+    rec = StepRecorder(0, 0, out.append, clock)
+    _step(rec, [Bucket(64)])
+    LateEvent.after = 50  # the GPU is still working on the last step when training ends
+    rec.close(wait_s=wait_s)
+    (step,) = [r for r in out if isinstance(r, Step)]
+    return step
+
+
+def test_a_clean_close_waits_for_the_last_steps_events_and_no_longer() -> None:
+    waited = _late_run(wait_s=1.0)  # polled with query() until they are passed
+    assert waited.fwd_us is not None and waited.b_ready_us and waited.b_done_us
+    unwaited = _late_run(wait_s=0.0)  # a close from a signal: what the host knows
+    assert unwaited.fwd_us is None and not unwaited.b_ready_us and unwaited.b_bytes == [64]
