@@ -74,7 +74,8 @@ class CudaClock:
 
     def recycle(self, marks: Iterable[Mark]) -> None:
         """Give resolved events back for reuse (creating events costs a driver call)."""
-        # once each: a step may hold one event under two names (a bucket's ready and launch)
+        # once each: a step holds some events under two names (its start and its forward's start;
+        # a bucket's ready and launch), and an event in the pool twice would be handed out twice
         self._pool.extend({id(m): m for m in marks if m is not None}.values())
         del self._pool[4096:]
 

@@ -90,10 +90,7 @@ class OpenStep:
 
     def marks(self) -> list[Mark]:
         out = [self.t0, self.fwd_start, self.fwd_end, self.bwd_end, self.opt_start, self.opt_end, self.end]
-        out += self.ready
-        if self.launch != self.ready:  # (CUDA: the launch marks are the ready ones)
-            out += self.launch
-        out += self.done
+        out += self.ready + self.launch + self.done
         for a, b, _ in self.bcast:
             out += (a, b)
         return out
