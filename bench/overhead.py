@@ -56,6 +56,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -145,6 +146,52 @@ SPECS = {
 # -- one rank ----------------------------------------------------------------------------------
 
 
+class CpuClock:
+    """CPU time this process spent over the timed steps, split by thread: the training (main)
+    thread, ddpdoctor's threads (named ``ddpdoctor-*``) and the rest (gloo's and torch's native
+    threads, where the native comm hook's completion callback also runs).
+
+    CPU time does not count the time a thread waits (for a peer, for a core the VM lent elsewhere),
+    so on a noisy machine it attributes what wall-clock pairs cannot: the work each thread did. It
+    misses what ddpdoctor costs torch's own work (caches it evicts, a GIL hand-off's wait)."""
+
+    def __init__(self) -> None:
+        self._start: dict[str, int] = {}
+
+    @staticmethod
+    def _now() -> dict[str, int]:
+        by = {"process": time.process_time_ns(), "main": 0, "ddpdoctor": 0}
+        for t in threading.enumerate():
+            if t.ident is None or not t.is_alive():
+                continue
+            if t is threading.main_thread():
+                key = "main"
+            elif t.name.startswith("ddpdoctor"):
+                key = "ddpdoctor"
+            else:
+                continue
+            try:
+                by[key] += time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident))
+            except OSError:  # the thread ended between enumerate and here
+                pass
+        return by
+
+    def start(self) -> None:
+        self._start = self._now()
+
+    def per_step_us(self, steps: int) -> dict[str, float]:
+        """µs of CPU per timed step: process, main, ddpdoctor threads, rest (process - the two).
+
+        A ddpdoctor thread started during the steps counts from its start (its CPU before the
+        first timed step is not subtracted), which is what it cost."""
+        if not self._start or steps <= 0:
+            return {}
+        end = self._now()
+        d = {k: (end[k] - self._start.get(k, 0)) / 1e3 / steps for k in end}
+        d["rest"] = d["process"] - d["main"] - d["ddpdoctor"]
+        return d
+
+
 def _batches(spec: Spec, rank: int, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1000 + rank)
     return [
@@ -209,10 +256,13 @@ def _run_round(
         ctx = profiler
     times: list[float] = []
     losses: list[float] = []
+    cpu = CpuClock()
     dist.barrier()
     perf = time.perf_counter
     with ctx:
         for i in range(warmup + steps):
+            if i == warmup:
+                cpu.start()
             x, y = batches[i % len(batches)]
             t0 = perf()
             loss = loss_fn(ddp(x), y)
@@ -224,7 +274,7 @@ def _run_round(
                 times.append(t1 - t0)
             if i == 0 or i == warmup + steps - 1:
                 losses.append(float(loss.detach()))
-    out: dict[str, Any] = {"times": times, "losses": losses}
+    out: dict[str, Any] = {"times": times, "losses": losses, "cpu_us": cpu.per_step_us(steps)}
     try:
         logged = ddp._get_ddp_logging_data()
         sizes = str(logged.get("rebuilt_bucket_sizes") or logged.get("bucket_sizes") or "")
@@ -304,6 +354,10 @@ def rank_worker(rank: int, group: str, port: int, commands: Any, done: Any, debu
                             "step_ms": statistics.median(per_step_max) * 1e3,
                             "mean_ms": statistics.fmean(per_step_max) * 1e3,
                             "rank_median_ms": [statistics.median(g["times"]) * 1e3 for g in gathered],
+                            # µs of CPU per step, per rank (averaged over the ranks)
+                            "cpu_us": {
+                                k: statistics.fmean(g["cpu_us"][k] for g in gathered) for k in gathered[0]["cpu_us"]
+                            },
                             "buckets": gathered[0]["buckets"],
                             "losses": gathered[0]["losses"],
                             "monitor_steps": gathered[0].get("monitor_steps"),
@@ -361,8 +415,43 @@ def summarize(results: list[dict[str, Any]], models: list[str], tools: list[Tool
                 "tool_ms": statistics.median(t["step_ms"] for t in with_tool),
                 **of_medians,
                 "overhead_of_means": of_means["overhead"],
+                "cpu": _cpu_deltas(base, with_tool),
             }
     return summary
+
+
+def _cpu_deltas(base: list[dict[str, Any]], with_tool: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per CPU account (process, main, ddpdoctor, rest): the plain round's µs/step (median) and
+    the median over pairs of the tool round's minus its plain round's."""
+    out: dict[str, dict[str, float]] = {}
+    for key in ("process", "main", "ddpdoctor", "rest"):
+        pairs = [(b["cpu_us"][key], t["cpu_us"][key]) for b, t in zip(base, with_tool, strict=True)]
+        out[key] = {
+            "plain": statistics.median(b for b, _ in pairs),
+            "delta": statistics.median(t - b for b, t in pairs),
+        }
+    return out
+
+
+def cpu_table(summary: dict[str, Any], models: list[str], tools: list[Tool], failed: dict[str, str]) -> str:
+    """CPU µs per step per rank: the plain rounds', and what each tool added (median of pairs)."""
+    lines = [
+        "| model | tool | process: plain µs/step | + tool | main thread: plain | + tool "
+        "| ddpdoctor threads: + tool | other threads: plain | + tool |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for model in models:
+        for tool in tools:
+            s = summary.get(f"{model}/{tool.key}")
+            if tool.key in failed or s is None:
+                continue
+            c = s["cpu"]
+            lines.append(
+                f"| {model} | {tool.label} | {c['process']['plain']:.0f} | {c['process']['delta']:+.0f} | "
+                f"{c['main']['plain']:.0f} | {c['main']['delta']:+.0f} | {c['ddpdoctor']['delta']:+.0f} | "
+                f"{c['rest']['plain']:.0f} | {c['rest']['delta']:+.0f} |"
+            )
+    return "\n".join(lines)
 
 
 def table(
@@ -584,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
         n_params = sum(p.numel() for p in SPECS[model].build().parameters())
         info[model] = f"{n_params / 1e3:.0f}k params, {r['buckets']} buckets, {plan[model][1]} steps/round"
     print(table(summary, models, shown, info, failed))
+    print("\nCPU time per step and rank (µs; what each thread did, waits excluded):\n")
+    print(cpu_table(summary, models, shown, failed))
     print(
         f"\n{WORLD_SIZE} gloo ranks on CPU, torch {torch.__version__}, 1 thread/rank, {os.cpu_count()} cores; "
         f"{args.pairs} pairs; warm-up {warm_long}/{warm_short} steps (long/short); "

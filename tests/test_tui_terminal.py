@@ -50,6 +50,10 @@ class Terminal:
     def screen(self) -> str:
         return self._tmux("capture-pane", "-p", "-t", "t")
 
+    def history(self) -> str:
+        """Everything the pane printed, scrolled-off lines included."""
+        return self._tmux("capture-pane", "-p", "-S", "-", "-t", "t")
+
     def keys(self, *keys: str) -> None:
         self._tmux("send-keys", "-t", "t", *keys)
 
@@ -61,6 +65,8 @@ class Terminal:
             screen = self.screen()
             if (text in screen) != gone:
                 return screen
+            # the command ended: the text can no longer come (fail now, not at the deadline)
+            assert "EXITED rc=" not in screen, f"{text!r} never {'went' if gone else 'appeared'}; the screen:\n{screen}"
             assert time.monotonic() < deadline, (
                 f"{text!r} never {'went' if gone else 'appeared'}; the screen:\n{screen}"
             )
@@ -68,6 +74,17 @@ class Terminal:
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=20, check=False)
+
+
+def _log_summary(run_dir: Path) -> str:
+    """Per rank file: its step records and its last line (how the rank ended)."""
+    out = []
+    for f in sorted(run_dir.glob("rank-*.jsonl")):
+        lines = f.read_text().splitlines()
+        steps = sum('"kind":"step"' in line for line in lines)
+        last = lines[-1][:300] if lines else ""
+        out.append(f"{f.name}: {steps} steps; last: {last}")
+    return "\n".join(out) or "no rank files"
 
 
 @pytest.fixture
@@ -108,11 +125,15 @@ def test_demo_opens_the_live_view_and_prints_the_report_on_quit(tmp_path: Path, 
         f"--run-dir {shlex.quote(str(run_dir))}"
     )
     terminal.append(term)
-    screen = term.wait_for("arrives late at the step's collectives", timeout=120)
-    assert "ranks 2/2" in screen and "straggler" in screen
+    live = term.wait_for("arrives late at the step's collectives", timeout=120)
+    assert "ranks 2/2" in live and "straggler" in live
     term.keys("q")
     screen = term.wait_for("EXITED rc=0", timeout=60)
-    assert "stopped the training on your quit" in screen and "straggler" in screen
+    # the whole report (the screen holds its last 40 lines) and what the ranks wrote, on failure
+    history = term.history()
+    assert "stopped the training on your quit" in history and "straggler" in screen, (
+        f"{history}\n--- the live view before the quit:\n{live}\n--- the rank logs:\n{_log_summary(run_dir)}"
+    )
     # the ranks were stopped with SIGTERM, so each closed its log ("terminated" in the report)
     assert screen.count("terminated") >= 2
 
