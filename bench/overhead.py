@@ -160,14 +160,14 @@ class CpuClock:
 
     @staticmethod
     def _now() -> dict[str, int]:
-        by = {"process": time.process_time_ns(), "main": 0, "ddpdoctor": 0}
+        by = {"process": time.process_time_ns(), "main": 0, "ours": 0}
         for t in threading.enumerate():
             if t.ident is None or not t.is_alive():
                 continue
             if t is threading.main_thread():
                 key = "main"
             elif t.name.startswith("ddpdoctor"):
-                key = "ddpdoctor"
+                key = "ours"
             else:
                 continue
             try:
@@ -188,7 +188,7 @@ class CpuClock:
             return {}
         end = self._now()
         d = {k: (end[k] - self._start.get(k, 0)) / 1e3 / steps for k in end}
-        d["rest"] = d["process"] - d["main"] - d["ddpdoctor"]
+        d["rest"] = d["process"] - d["main"] - d["ours"]
         return d
 
 
@@ -424,7 +424,7 @@ def _cpu_deltas(base: list[dict[str, Any]], with_tool: list[dict[str, Any]]) -> 
     """Per CPU account (process, main, ddpdoctor, rest): the plain round's µs/step (median) and
     the median over pairs of the tool round's minus its plain round's."""
     out: dict[str, dict[str, float]] = {}
-    for key in ("process", "main", "ddpdoctor", "rest"):
+    for key in ("process", "main", "ours", "rest"):
         pairs = [(b["cpu_us"][key], t["cpu_us"][key]) for b, t in zip(base, with_tool, strict=True)]
         out[key] = {
             "plain": statistics.median(b for b, _ in pairs),
@@ -448,7 +448,7 @@ def cpu_table(summary: dict[str, Any], models: list[str], tools: list[Tool], fai
             c = s["cpu"]
             lines.append(
                 f"| {model} | {tool.label} | {c['process']['plain']:.0f} | {c['process']['delta']:+.0f} | "
-                f"{c['main']['plain']:.0f} | {c['main']['delta']:+.0f} | {c['ddpdoctor']['delta']:+.0f} | "
+                f"{c['main']['plain']:.0f} | {c['main']['delta']:+.0f} | {c['ours']['delta']:+.0f} | "
                 f"{c['rest']['plain']:.0f} | {c['rest']['delta']:+.0f} |"
             )
     return "\n".join(lines)
