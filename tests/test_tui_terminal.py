@@ -4,6 +4,7 @@ send-keys, the screen comes back with capture-pane. Skipped where tmux is not in
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,22 +59,34 @@ class Terminal:
         self._tmux("send-keys", "-t", "t", *keys)
 
     def wait_for(self, text: str, timeout: float = 60.0, gone: bool = False) -> str:
-        """The screen once ``text`` is on it (or, ``gone``, off it); polled: a terminal has no other way to tell."""
+        """The screen once ``text`` is on it (or, ``gone``, off it)."""
+        what = f"{text!r} {'gone' if gone else 'shown'}"
+        return self.wait_until(lambda screen: (text in screen) != gone, what, timeout)
+
+    def wait_until(self, ready: Callable[[str], bool], what: str, timeout: float = 60.0) -> str:
+        """The screen once ``ready(screen)``; polled: a terminal has no other way to tell."""
         deadline = time.monotonic() + timeout
         tick = threading.Event()
         while True:
             screen = self.screen()
-            if (text in screen) != gone:
+            if ready(screen):
                 return screen
-            # the command ended: the text can no longer come (fail now, not at the deadline)
-            assert "EXITED rc=" not in screen, f"{text!r} never {'went' if gone else 'appeared'}; the screen:\n{screen}"
-            assert time.monotonic() < deadline, (
-                f"{text!r} never {'went' if gone else 'appeared'}; the screen:\n{screen}"
-            )
+            # the command ended: the screen can no longer change (fail now, not at the deadline)
+            assert "EXITED rc=" not in screen, f"never {what}; the command exited; the screen:\n{screen}"
+            assert time.monotonic() < deadline, f"never {what} in {timeout:.0f} s; the screen:\n{screen}"
             tick.wait(0.2)
 
     def close(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=20, check=False)
+
+
+QUIT_AT_STEP = 30
+
+
+def _latest_step(screen: str) -> int:
+    """The live view's latest step (its header's "(latest N)"), -1 before one is shown."""
+    found = re.search(r"\(latest (\d+)\)", screen)
+    return int(found.group(1)) if found else -1
 
 
 def _log_summary(run_dir: Path) -> str:
@@ -127,6 +140,11 @@ def test_demo_opens_the_live_view_and_prints_the_report_on_quit(tmp_path: Path, 
     terminal.append(term)
     live = term.wait_for("arrives late at the step's collectives", timeout=120)
     assert "ranks 2/2" in live and "straggler" in live
+    # The live view names a new straggler over its last 10 steps; the report weighs the whole
+    # run, where one early hiccup of the other rank (a loaded machine) can outweigh a few late
+    # steps. Quit once the run is long enough for the whole-run rule too.
+    live = term.wait_until(lambda screen: _latest_step(screen) >= QUIT_AT_STEP, f"step {QUIT_AT_STEP}", timeout=120)
+    assert "arrives late at the step's collectives" in live
     term.keys("q")
     screen = term.wait_for("EXITED rc=0", timeout=60)
     # the whole report (the screen holds its last 40 lines) and what the ranks wrote, on failure
