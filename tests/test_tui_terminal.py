@@ -80,7 +80,7 @@ class Terminal:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=20, check=False)
 
 
-QUIT_AT_STEP = 30
+QUIT_AT_STEP = 40
 
 
 def _latest_step(screen: str) -> int:
