@@ -421,7 +421,7 @@ def summarize(results: list[dict[str, Any]], models: list[str], tools: list[Tool
 
 
 def _cpu_deltas(base: list[dict[str, Any]], with_tool: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per CPU account (process, main, ddpdoctor, rest): the plain round's µs/step (median) and
+    """Per CPU account (process, main, ours: ddpdoctor's threads, rest): the plain round's µs/step (median) and
     the median over pairs of the tool round's minus its plain round's."""
     out: dict[str, dict[str, float]] = {}
     for key in ("process", "main", "ours", "rest"):
