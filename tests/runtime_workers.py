@@ -365,6 +365,22 @@ def delay_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     return {"rank": rank}
 
 
+def sampled_marks_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Rank 1 slow in backward, on the Python route, with the recorder marking every bucket only
+    at the sampled steps, as it does with CUDA events (here with host marks: the CPU runs the same
+    callbacks, DDP's finalization included)."""
+    from ddpdoctor.runtime import native_hook
+
+    os.environ[native_hook.ENV] = "0"
+    torch.manual_seed(0)
+    ddp = DDP(DelayNet(backward_s=0.12 if rank == 1 else 0.0), bucket_cap_mb=BUCKET_CAP_MB)
+    with ddpdoctor.instrument(ddp, run_dir=Path(tmp) / "sampled") as monitor:
+        monitor.recorder.bucket_marks_every_step = False
+        monitor.recorder.build_step = None
+        losses = train(ddp, rank, steps=10)
+    return {"rank": rank, "losses": losses, "timing": monitor.attachment.header.timing}
+
+
 def straggler_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     """Three runs in one process group: rank 1 slow in backward, slow in data loading, and none."""
     import time as _time

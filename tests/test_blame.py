@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+import msgspec
+
 from ddpdoctor.analysis.blame import NOISE_FLOOR_MS, blame, pattern
 from ddpdoctor.analysis.bucket_wait import arrivals
 from ddpdoctor.analysis.clock_align import estimate_offsets
@@ -178,3 +180,48 @@ def test_blame_over_a_live_window() -> None:
     assert rb.rank == 0 and rb.late_steps == (37, 53) and 1150 < rb.lost_ms < 1250
     assert pattern(rb, b.steps).kind in ("periodic", "intermittent")
     assert b.ranks[1].lost_ms == 0.0
+
+
+def cuda_between_samples(steps_by_rank: dict[int, list[Step]]) -> dict[int, list[Step]]:
+    """The same timeline as a CUDA run logs it: three buckets (a middle one added), all marked at
+    the sampled steps; between them the first and last bucket's ready only, no done times, and
+    the end of DDP's wait as ``sync_end_us`` (``runtime.step_recorder``)."""
+    from ddpdoctor.events.schedule import DEFAULT_EVERY, is_sampled
+
+    out: dict[int, list[Step]] = {}
+    for rank, steps in steps_by_rank.items():
+        out[rank] = []
+        for s in steps:
+            (r0, r1), (d0, d1) = s.b_ready_us, s.b_done_us
+            full = is_sampled(s.step, DEFAULT_EVERY)
+            ready = [r0, (r0 + r1) / 2, r1] if full else [r0, None, r1]
+            out[rank].append(
+                msgspec.structs.replace(
+                    s,
+                    clock="cuda",
+                    b_ready_us=ready,
+                    b_launch_us=list(ready),
+                    b_done_us=[d0, (d0 + d1) / 2, d1] if full else [],
+                    b_bytes=[1 << 20] * 3,
+                )
+            )
+    return out
+
+
+def test_cuda_steps_between_samples_are_blamed_at_their_first_and_last_bucket() -> None:
+    plain = timeline(2, 30, backward=lambda r, s: 120.0 if r == 1 and s % 3 == 2 else 0.0)
+    cuda = cuda_between_samples(plain)
+    got = arrivals(cuda, estimate_offsets(cuda))
+    assert [sa.step for sa in got] == list(range(30))  # every step compared, not only the sampled
+    assert sum(not sa.per_bucket for sa in got) == 30 - 5  # steps 0, 1, 3, 7, 15: every bucket
+    (f,) = found(cuda)
+    (g,) = found(plain)
+    assert f.ranks == g.ranks == [1] and f.evidence["late_steps"] == g.evidence["late_steps"]
+    assert f.evidence["pattern"] == "periodic" and f.evidence["every_n_steps"] == 3
+    assert 1150 <= f.evidence["time_lost_ms"] <= 1250
+    # clocks line up on the sync end where no bucket's done is known
+    partial = {r: [s for s in v if not s.per_bucket()] for r, v in cuda.items()}
+    assert estimate_offsets(partial).method[1] == "collective"
+    between = cuda[0][2]
+    assert not between.per_bucket() and between.ready_span_us() == (between.b_ready_us[0], between.b_ready_us[2])
+    assert cuda[0][3].per_bucket()

@@ -145,3 +145,27 @@ def test_bare_steps_are_remembered_even_when_sampled(tmp_path: Path) -> None:
     (tmp_path / rank_file_name(0)).write_bytes(b"".join(encode(r) for r in records))
     assert load_run(tmp_path, max_steps=64).ranks[0].bare_steps == [37]
     assert load_run(tmp_path).ranks[0].bare_steps == [37]
+
+
+def test_steps_with_unmarked_buckets_are_read_back_not_dropped(tmp_path: Path) -> None:
+    """Per-bucket lists hold null for a bucket not seen (a step closed mid-backward) or not marked
+    (a CUDA step between the sampled ones): such a step is read like any other. Until the
+    schema's element types said so, the reader dropped it as an unknown record."""
+    partial = Step(
+        rank=0,
+        step=1,
+        t0_mono_ns=0,
+        t0_wall_ns=0,
+        clock="cuda",
+        b_ready_us=[1000.0, None, 3000.0],
+        b_launch_us=[1000.0, None, 3000.0],
+        b_bytes=[64, 64, 64],
+        bwd_end_us=3100.0,
+        sync_end_us=4000.0,
+        end_us=5000.0,
+    )
+    _write(tmp_path / "rank-00000.jsonl", _header(0), _step(0, 0), encode(partial), _step(0, 2))
+    log = load_run(tmp_path).ranks[0]
+    assert [s.step for s in log.steps] == [0, 1, 2] and log.unknown_lines == 0
+    (read,) = [s for s in log.steps if s.step == 1]
+    assert read == partial and read.ready_span_us() == (1000.0, 3000.0) and not read.per_bucket()

@@ -11,11 +11,13 @@ from typing import Any
 import pytest
 
 import ddpdoctor
+from ddpdoctor.analysis.bucket_wait import arrivals
+from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.cli.render_text import render
 from ddpdoctor.events import Header, Layout, ProbeOff, Step
 from ddpdoctor.runtime import torch_compat
 from tests.ddp_harness import run_ranks
-from tests.runtime_workers import DELAYS_S, core_checks, delay_checks
+from tests.runtime_workers import DELAYS_S, core_checks, delay_checks, sampled_marks_run
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +217,37 @@ def test_timings_measure_real_delays(tmp_path: Path) -> None:
     assert len(common) >= 3, span
     total = [sum(span[r][n] for n in common) for r in (0, 1)]
     assert abs(total[0] - total[1]) < 0.1 * max(total), (total, seen)
+
+
+def test_steps_between_samples_keep_their_phases_and_the_straggler_from_two_bucket_marks(tmp_path: Path) -> None:
+    """The CUDA default (every bucket marked at the sampled steps only), on real gloo DDP: the
+    mark queued from inside the backward-end callback runs after DDP's finalization, so the fast
+    rank's exposed communication holds its wait for the slow one, and the report names it."""
+    results = run_ranks(sampled_marks_run, 2, args=(str(tmp_path),), timeout=180)
+    assert [r["timing"] for r in results] == ["python", "python"]
+    run = ddpdoctor.load_run(tmp_path / "sampled")
+    fast = run.ranks[0].steps
+    assert [s.step for s in fast] == list(range(10))
+    for s in fast[1:]:  # (step 0: one bucket, before DDP rebuilds them in gradient order)
+        n = len(s.b_bytes)
+        assert n >= 3 and len(s.b_ready_us) == n, s
+        if s.step in (1, 3, 7):
+            assert s.per_bucket() and None not in s.b_ready_us and len(s.b_done_us) == n, s
+            continue
+        assert not s.per_bucket() and s.b_done_us == [], s
+        assert s.b_ready_us[0] is not None and s.b_ready_us[-1] is not None and None in s.b_ready_us, s
+        assert s.sync_end_us is not None and s.bwd_end_us is not None
+        # DDP's wait for the slow rank (0.12 s) lies between backward's end and the sync mark
+        assert s.sync_end_us - s.bwd_end_us >= 0.7 * 0.12e6, s
+    # every step is compared across the ranks, the partial ones at their first and last bucket
+    got = arrivals(
+        {r: log.steps for r, log in run.ranks.items()}, estimate_offsets({r: log.steps for r, log in run.ranks.items()})
+    )
+    assert [sa.step for sa in got] == list(range(10)) and sum(not sa.per_bucket for sa in got) == 6
+    assert all(sa.wait_us[0] >= 0.7 * 0.12e6 for sa in got if sa.step > 0), [sa.wait_us for sa in got]
+    found = ddpdoctor.analyze(run).findings
+    straggler = [f for f in found if f.code == "straggler"]
+    assert straggler and straggler[0].ranks == [1], found
 
 
 def test_uneven_inputs_under_join_train_identically_and_raise_no_false_alarm(core: Any) -> None:

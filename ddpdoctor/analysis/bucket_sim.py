@@ -118,7 +118,7 @@ def samples_of(header: Header, unused: list[Unused], steps: list[Step], skip_ste
                 bwd_end_us=s.bwd_end_us,
                 after_sync_us=s.end_us - s.sync_end_us,
                 measured_step_us=s.end_us,
-                measured_buckets=list(s.b_ready_us),
+                measured_buckets=[t for t in s.b_ready_us if t is not None],  # (None ruled out above)
                 measured_bytes=list(s.b_bytes),
             )
         )

@@ -5,13 +5,15 @@ A fast rank blocks in a bucket's all-reduce until the slowest rank reaches the s
 per-rank durations even out; arrival times on aligned clocks do not.
 
 A step that some rank logged as a window row (the compact log keeps each bucket's ready time at
-sampled steps and around incidents only) is compared at its first and last bucket on every rank:
-a rank late at the first bucket, or still late at the last, is caught there.
+sampled steps and around incidents only), or, on CUDA, between the sampled steps (where the
+runtime marks the first and last bucket only), is compared at its first and last bucket on every
+rank: a rank late at the first bucket, or still late at the last, is caught there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from ddpdoctor.analysis.clock_align import ClockOffsets
 from ddpdoctor.events import Step
@@ -50,9 +52,17 @@ def arrivals(steps_by_rank: dict[int, list[Step]], clocks: ClockOffsets) -> list
                     continue
                 ready, per_bucket = list(span), False
             else:  # the common case, inline: this loop runs over every step of every rank
-                ready, per_bucket = s.b_ready_us, True
-                if not ready or None in ready:
+                ready, per_bucket = cast(list[float], s.b_ready_us), True
+                if not ready:
                     continue
+                if None in ready:
+                    # a bucket not seen (left out), or a CUDA step between the sampled ones,
+                    # which marks its first and last bucket only (``runtime.step_recorder``):
+                    # compared there, as a window row is
+                    span = None if s.per_bucket() else s.ready_span_us()
+                    if span is None or span[0] == span[1]:
+                        continue
+                    ready, per_bucket = list(span), False
             base = s.t0_wall_ns / 1000.0 - offset
             # the buffer broadcast at forward start is the step's first collective: a rank that
             # starts late is caught there, and the others wait inside it, before any bucket

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from statistics import median
+from typing import cast
 
 from ddpdoctor.events import Step
 
@@ -42,11 +43,12 @@ def bucket_durations(steps: list[Step]) -> dict[tuple[int, int], tuple[int, floa
         n = len(s.b_done_us)
         if not n or len(s.b_launch_us) != n or len(s.b_bytes) != n or None in s.b_done_us or None in s.b_launch_us:
             continue
+        launch, done = cast(list[float], s.b_launch_us), cast(list[float], s.b_done_us)  # None ruled out above
         previous_done = 0.0
-        for b in sorted(range(n), key=lambda i: s.b_launch_us[i]):
-            start = max(s.b_launch_us[b], previous_done)
-            out[(s.step, b)] = (s.b_bytes[b], max(0.0, s.b_done_us[b] - start))
-            previous_done = max(previous_done, s.b_done_us[b])
+        for b in sorted(range(n), key=launch.__getitem__):
+            start = max(launch[b], previous_done)
+            out[(s.step, b)] = (s.b_bytes[b], max(0.0, done[b] - start))
+            previous_done = max(previous_done, done[b])
     return out
 
 

@@ -146,11 +146,11 @@ def bucket_views(s: Step, lateness: Sequence[float] | None) -> tuple[BucketView,
             )
         )
     off = 1 if has_bcast else 0
-    span = s.ready_span_us() if s.summary else None
-    if span is not None:  # a window row: the first and the last bucket's ready, the step's sync end
-        for i, (name, ready, done) in enumerate((("first", span[0], None), ("last", span[1], s.sync_end_us))):
+    span = None if s.per_bucket() else s.ready_span_us()
+    if span is not None:  # a window row (or a CUDA step between samples): first and last bucket, sync end
+        for i, (name, at, end) in enumerate((("first", span[0], None), ("last", span[1], s.sync_end_us))):
             late = lateness[i + off] / 1000.0 if lateness and i + off < len(lateness) else None
-            out.append(BucketView(name, _ms(ready), _ms(done), 0, late))
+            out.append(BucketView(name, _ms(at), _ms(end), 0, late))
         return tuple(out)
     for i, ready in enumerate(s.b_ready_us):
         done = s.b_done_us[i] if i < len(s.b_done_us) else None

@@ -99,14 +99,15 @@ def chrome_trace(run: Run) -> dict[str, Any]:
             rest_from = opt_end if opt_end is not None else sync_end
             if end is not None and rest_from is not None:
                 events.append(_slice("data / other", rank, STEP_TID, rest_from, end, step_args))
-            span = s.ready_span_us() if s.summary else None
+            span = None if s.per_bucket() else s.ready_span_us()
             if span is not None and sync_end is not None:
-                # a window row of a compact log: the step's communication as one slice, first
-                # bucket ready to last bucket done, on the first bucket's track
+                # a window row of a compact log (or a CUDA step between the sampled ones): the
+                # step's communication as one slice, first bucket ready to last bucket done, on
+                # the first bucket's track
                 if 0 not in buckets_named:
                     buckets_named.add(0)
                     events.append(_meta("thread_name", rank, 1, "bucket 0"))
-                args = {"bytes": s.b_bytes_total, "buckets": s.b_count, "last_ready_us": span[1], **step_args}
+                args = {"bytes": s.bucket_bytes(), "buckets": s.bucket_count(), "last_ready_us": span[1], **step_args}
                 events.append(_slice("all-reduce (all buckets)", rank, 1, at_us(span[0]), sync_end, args))
             for i, (ready, launch, done) in enumerate(zip(s.b_ready_us, s.b_launch_us, s.b_done_us, strict=False)):
                 if launch is None or done is None:

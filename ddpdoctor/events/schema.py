@@ -118,9 +118,9 @@ class Step(_Record, tag="step", kw_only=True):
     bcast_bytes: int = 0
     fwd_end_us: float | None = None
     bwd_end_us: float | None = None  # backward compute finished (autograd graph done)
-    b_ready_us: list[float] = []  # per bucket: all its gradients ready (comm hook called)
-    b_launch_us: list[float] = []  # per bucket: communication launched (hook returned)
-    b_done_us: list[float] = []  # per bucket: communication completed
+    b_ready_us: list[float | None] = []  # per bucket: all its gradients ready (comm hook called)
+    b_launch_us: list[float | None] = []  # per bucket: communication launched (hook returned)
+    b_done_us: list[float | None] = []  # per bucket: communication completed
     b_bytes: list[int] = []
     sync_end_us: float | None = None  # last bucket completed
     opt_start_us: float | None = None  # optimizer.step() of this step, when one ran
@@ -143,6 +143,14 @@ class Step(_Record, tag="step", kw_only=True):
             return self.b_first_ready_us, self.b_last_ready_us
         ready = [t for t in self.b_ready_us if t is not None]
         return (min(ready), max(ready)) if ready else None
+
+    def per_bucket(self) -> bool:
+        """Whether every bucket's ready and done times are here. Not in a window row, nor in a
+        CUDA step between the sampled ones: the runtime marks its first and last bucket ready
+        and DDP's wait's end (``sync_end_us``) only, and ``ready_span_us`` has what is known."""
+        if self.summary:
+            return False
+        return not (self.b_ready_us and not self.b_done_us and self.sync_end_us is not None)
 
     def bucket_count(self) -> int:
         """Buckets whose gradients were ready in this step (0: a bare step, backward never reached DDP)."""

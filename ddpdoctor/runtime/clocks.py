@@ -51,16 +51,24 @@ class CudaClock:
     def __init__(self) -> None:
         import torch
 
+        from ddpdoctor.runtime import torch_compat
+
         self._event = torch.cuda.Event
         self._pool: list[Any] = []
+        self._record = torch_compat.cuda_event_recorder() or self._event.record
 
     def now(self) -> Mark:
         event = self._pool.pop() if self._pool else self._event(enable_timing=True)
-        event.record()
+        self._record(event)
         return event
 
-    def ready(self, marks: Iterable[Mark]) -> bool:
-        return all(m is None or m.query() for m in marks)
+    def ready(self, marks: list[Mark]) -> bool:
+        """Whether the device has passed every mark (``query()``: never waits).
+
+        Latest first: the step's last marks (buckets done, its end) are the ones still ahead of
+        the device when a step is not ready, so a step still in flight costs a query or two, not
+        one per mark up to the first pending one."""
+        return all(m is None or m.query() for m in reversed(marks))
 
     def us(self, t0: Mark, mark: Mark | None) -> float | None:
         if mark is None:

@@ -37,6 +37,9 @@ class Options:
         log: what the rank file keeps: "compact" (full per-bucket step records at sampled steps and
             around anything anomalous, a few numbers per step otherwise: ``sinks.compact``) or
             "full" (every step's full record). Default: ``$DDPDOCTOR_LOG``, else "compact".
+            With CUDA timing, "full" also marks every bucket of every step with CUDA events;
+            otherwise only at the sampled steps (timing events cost GPU time:
+            ``runtime.step_recorder``).
     """
 
     run_dir: str | os.PathLike[str] | None = None

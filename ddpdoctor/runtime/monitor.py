@@ -34,6 +34,7 @@ from ddpdoctor.runtime.sampled_checks import SampledChecks
 from ddpdoctor.runtime.services import services
 from ddpdoctor.runtime.step_recorder import OpenStep, StepRecorder
 from ddpdoctor.sinks import FileSink, NullSink, Sink, SinkError
+from ddpdoctor.sinks.file import log_mode
 from ddpdoctor.sinks.tcp import ENDPOINT_ENV, stream_tee
 
 _perf_ns = time.perf_counter_ns  # own_ns accounting: one lookup less per call on the hot path
@@ -111,6 +112,8 @@ class Monitor:
             self.recorder = StepRecorder(
                 self.rank, self.ddp_index, self.emit, CudaClock() if self._cuda else HostClock()
             )
+            if log_mode(opts.log) == "full":  # every step's detail asked for: every bucket's marks
+                self.recorder.bucket_marks_every_step = True
             self.live = LiveFindings(self.rank, self.ddp_index, self.emit, self._flush_now)
             self._bwd_queued: OpenStep | None = None
             self._native_timing: Any = None
@@ -517,6 +520,17 @@ class Monitor:
     def _on_backward_end(self, step: OpenStep) -> None:
         try:
             self.recorder.backward_end(step)
+            if not step.all_marks:
+                # Queued from inside a final callback, it runs after the ones queued before it,
+                # DDP's finalization among them: DDP has then made the stream wait for every
+                # bucket's all-reduce, and a mark there is the step's communication end.
+                torch_compat.queue_backward_callback(lambda: self._on_sync_end(step))
+        except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); it must never break training
+            self.probes.failed("backward_end", exc)
+
+    def _on_sync_end(self, step: OpenStep) -> None:
+        try:
+            self.recorder.sync_end(step)
         except Exception as exc:  # noqa: BLE001 - it would surface inside loss.backward(); it must never break training
             self.probes.failed("backward_end", exc)
 

@@ -294,3 +294,30 @@ def compiled_autograd_possible() -> bool:
     """Whether a backward run now may be traced by compiled autograd (C++ hooks must then stay
     off the graph: Python hooks are used instead)."""
     return compiled_autograd_asked() or compiled_autograd_enabled()
+
+
+def cuda_event_recorder() -> Callable[[Any], None] | None:
+    """``record(event)``: what ``event.record()`` does (record on this thread's current stream of
+    the current device), without the Python stream object that ``torch.cuda.current_stream()``
+    builds at every call: the stream objects are kept, one per stream. Measured on an H200 host
+    (torch 2.11): 8.8 µs a record through ``event.record()``, 2.6 µs given the stream. None
+    where this torch lacks the private calls it uses (the caller then records the public way)."""
+    c = torch._C
+    get_device = getattr(c, "_cuda_getDevice", None)
+    get_stream = getattr(c, "_cuda_getCurrentStream", None)
+    record_on = getattr(getattr(c, "_CudaEventBase", None), "record", None)
+    if not (callable(get_device) and callable(get_stream) and callable(record_on)):
+        return None
+    streams: dict[Any, Any] = {}
+    make = torch.cuda.Stream
+
+    def record(event: Any) -> None:
+        key = get_stream(get_device())  # (stream id, device index, device type): a tuple of ints
+        stream = streams.get(key)
+        if stream is None:
+            if len(streams) >= 1024:  # streams a job makes and drops: kept bounded
+                streams.clear()
+            stream = streams[key] = make(stream_id=key[0], device_index=key[1], device_type=key[2])
+        record_on(event, stream)
+
+    return record

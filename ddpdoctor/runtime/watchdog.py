@@ -57,7 +57,7 @@ def signature(recorder: StepRecorder) -> tuple[Any, ...]:
     step = recorder.current
     if step is None:
         return (recorder.next_index, None)
-    done = sum(1 for m in list(step.done) if m is not None)
+    done = sum(1 for m in list(step.done) if m is not None) + sum(list(step.done_seen))
     return (
         step.index,
         step.micro,
@@ -92,6 +92,10 @@ def locate(
         return {"step": recorder.next_index, "phase": "between steps"}
     ready_marks: list[Any] = list(step.ready)
     done_marks: list[Any] = list(step.done)
+    if not step.all_marks:  # buckets left unmarked between the sampled steps: seen, not timed
+        ready_marks = [True if b is not None else None for b in list(step.nbytes)]
+        seen = list(step.done_seen)
+        done_marks = [True if i < len(seen) and seen[i] else None for i in range(len(ready_marks))]
     if not ready_marks and in_flight:
         count = max(i for i, *_ in in_flight) + 1
         ready_marks, done_marks = [None] * count, [None] * count

@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import cast
 
 from ddpdoctor.events import (
     FindingRecord,
@@ -149,7 +150,7 @@ def window_of(rows: list[Step]) -> Window:
     ready_first: list[int | None] = []
     ready_last: list[int | None] = []
     for r in rows:
-        ready = [t for t in r.b_ready_us if t is not None] if None in r.b_ready_us else r.b_ready_us
+        ready = [t for t in r.b_ready_us if t is not None] if None in r.b_ready_us else cast(list[float], r.b_ready_us)
         ready_first.append(round(min(ready)) if ready else None)
         ready_last.append(round(max(ready)) if ready else None)
     buckets, nbytes, bcast_bytes, clock, ddp = _key(first)
