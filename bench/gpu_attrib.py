@@ -1,9 +1,10 @@
 """Where ddpdoctor's step-time overhead on a GPU comes from: device time, host syncs, or the hook.
 
 Same workloads and process group as ``bench/gpu_overhead.py`` (one GPU, NCCL, world size 1).
-Four DDPs of one model side by side: plain, plain with a minimal Python comm hook (the floor of
-timing buckets from Python), ddpdoctor, and ddpdoctor with CUDA timing off (host marks: what the
-CUDA events themselves cost). After a warm-up, ``--pairs`` rounds of ``--steps`` steps each in a
+DDPs of one model side by side: plain, plain with a minimal Python comm hook (the floor of
+timing buckets from Python), ddpdoctor (default: every bucket marked at the sampled steps only),
+ddpdoctor with CUDA timing off (host marks: what the CUDA events themselves cost) and, on a GPU,
+ddpdoctor with ``log="full"`` (every bucket of every step marked). After a warm-up, ``--pairs`` rounds of ``--steps`` steps each in a
 rotating order give each one's step time against plain (median of the paired ratios). Then the
 profiler (CPU and CUDA activity) records ``--profile-steps`` steps of each, and a table lists per
 step: the kernels' device time, the kernel count, and the host's CUDA runtime calls that wait for
@@ -118,6 +119,10 @@ def contenders(model: str, device: torch.device, events: bool) -> dict[str, Cont
     host = Contender(model, False, device, False)
     host.monitor = ddpdoctor.instrument(host.ddp, run_dir=host.tmp, cuda_timing=False)
     out["ddpdoctor-host-marks"] = host
+    if device.type == "cuda":  # every bucket of every step marked (the default: sampled steps only)
+        full = Contender(model, False, device, False)
+        full.monitor = ddpdoctor.instrument(full.ddp, run_dir=full.tmp, log="full")
+        out["ddpdoctor-log-full"] = full
     return out
 
 

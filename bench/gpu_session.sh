@@ -30,6 +30,8 @@ if [ "$mode" != cpu ]; then
   step pytest_gpu 170 python3 -m pytest -v -s -m gpu -p no:cacheprovider -o asyncio_mode=strict --timeout 140 tests/test_cuda.py
   step hot_path_cuda 90 python3 bench/hot_path.py --device cuda --steps 1000 --pairs 6 --block 100
   step gpu_overhead 120 python3 bench/gpu_overhead.py --pairs 7 --json "$out/gpu_overhead.json"
+  # what the transformer's overhead is made of: the comm hook's floor, timing events, full marks
+  step gpu_attrib 150 python3 bench/gpu_attrib.py --model transformer --pairs 5 --warmup 30 --events
   if [ -d .base/bench ]; then  # an earlier tree, carried: its figures beside these, on the same machine
     (cd .base && step gpu_overhead_base 120 python3 bench/gpu_overhead.py --pairs 7)
   fi

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -365,16 +366,38 @@ def delay_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     return {"rank": rank}
 
 
+class HostEvent:
+    """Stands in for ``torch.cuda.Event`` where there is no GPU: ``record`` stamps the host clock."""
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.at: int | None = None
+
+    def record(self) -> None:
+        self.at = time.perf_counter_ns()
+
+    def query(self) -> bool:
+        return self.at is not None
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        assert self.at is not None and end.at is not None
+        return (end.at - self.at) / 1e6  # ms, as CUDA events give it
+
+
 def sampled_marks_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    """Rank 1 slow in backward, on the Python route, with the recorder marking every bucket only
-    at the sampled steps, as it does with CUDA events (here with host marks: the CPU runs the same
-    callbacks, DDP's finalization included)."""
+    """Rank 1 slow in backward, on the Python route, with the CUDA clock's code (its pool, its
+    readiness, the recorder's pending steps) over events that stamp the host clock: the recorder
+    marks every bucket only at the sampled steps, as on a GPU, and the CPU runs the same
+    callbacks, DDP's finalization included."""
     from ddpdoctor.runtime import native_hook
+    from ddpdoctor.runtime.clocks import CudaClock
 
     os.environ[native_hook.ENV] = "0"
     torch.manual_seed(0)
     ddp = DDP(DelayNet(backward_s=0.12 if rank == 1 else 0.0), bucket_cap_mb=BUCKET_CAP_MB)
     with ddpdoctor.instrument(ddp, run_dir=Path(tmp) / "sampled") as monitor:
+        clock = CudaClock.__new__(CudaClock)
+        clock._event, clock._pool, clock._record = HostEvent, [], HostEvent.record
+        monitor.recorder.clock = clock  # (before the first step: no mark taken yet)
         monitor.recorder.bucket_marks_every_step = False
         monitor.recorder.build_step = None
         losses = train(ddp, rank, steps=10)

@@ -161,3 +161,29 @@ def test_a_clean_close_waits_for_the_last_steps_events_and_no_longer() -> None:
     assert waited.fwd_us is not None and waited.b_ready_us and waited.b_done_us
     unwaited = _late_run(wait_s=0.0)  # a close from a signal: what the host knows
     assert unwaited.fwd_us is None and not unwaited.b_ready_us and unwaited.b_bytes == [64]
+
+
+def test_the_hang_report_counts_unmarked_buckets_as_ready_and_done() -> None:
+    """A step between the sampled ones marks few buckets: where a rank hangs, the report still
+    counts every bucket that was ready and every one that completed, and names the first pending."""
+    from ddpdoctor.runtime import watchdog
+
+    rec = StepRecorder(0, 0, lambda r: None, _clock())
+    buckets = [Bucket(64), Bucket(64), Bucket(32), Bucket(16)]
+    for _ in range(2):
+        _step(rec, buckets)  # steps 0 and 1 (sampled), then step 2 (not)
+    rec.forward_start(sync=True)
+    rec.forward_end()
+    step = rec.current
+    assert step is not None and not step.all_marks
+    before = watchdog.signature(rec)
+    for i, bucket in enumerate(buckets):
+        rec.bucket_ready(i, bucket)
+        rec.bucket_launched(step, i)
+    rec.backward_end(step)
+    for i in (0, 1):
+        rec.bucket_done(step, i)
+    assert watchdog.signature(rec) != before  # progress is seen
+    where = watchdog.locate(rec)
+    assert where["phase"] == "allreduce" and where["pending_bucket"] == 2
+    assert (where["buckets_ready"], where["buckets_done"], where["buckets"]) == (4, 2, 4)
