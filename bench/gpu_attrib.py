@@ -4,11 +4,12 @@ Same workloads and process group as ``bench/gpu_overhead.py`` (one GPU, NCCL, wo
 DDPs of one model side by side: plain, plain with a minimal Python comm hook (the floor of
 timing buckets from Python), ddpdoctor (default: every bucket marked at the sampled steps only),
 ddpdoctor with CUDA timing off (host marks: what the CUDA events themselves cost) and, on a GPU,
-ddpdoctor with ``log="full"`` (every bucket of every step marked). After a warm-up, ``--pairs`` rounds of ``--steps`` steps each in a
-rotating order give each one's step time against plain (median of the paired ratios). Then the
-profiler (CPU and CUDA activity) records ``--profile-steps`` steps of each, and a table lists per
-step: the kernels' device time, the kernel count, and the host's CUDA runtime calls that wait for
-the device or add work (synchronizations, event records and queries, host allocations).
+ddpdoctor with ``log="full"`` (every bucket of every step marked). After a warm-up, ``--pairs``
+rounds of ``--steps`` steps each in a rotating order give each one's step time against plain
+(median of the paired ratios). Then the profiler (CPU and CUDA activity) records
+``--profile-steps`` steps of each, and a table lists per step: the kernels' device time, the
+kernel count, and the host's CUDA runtime calls that wait for the device or add work
+(synchronizations, event records and queries, host allocations).
 
 ``--events`` adds two more: the minimal Python hook recording two CUDA events per bucket (one
 before the all-reduce, one in its callback, as ddpdoctor's full marks do), with timing enabled
