@@ -227,7 +227,10 @@ def test_steps_between_samples_keep_their_phases_and_the_straggler_from_two_buck
     assert [r["timing"] for r in results] == ["python", "python"]
     run = ddpdoctor.load_run(tmp_path / "sampled")
     fast = run.ranks[0].steps
-    assert [s.step for s in fast] == list(range(10))
+    assert [s.step for s in fast] == list(range(12))
+    # steps 10 and 11 ran after the backward-end probe was switched off: every bucket marked
+    assert all(s.per_bucket() and None not in s.b_ready_us and None not in s.b_done_us for s in fast[10:]), fast[10:]
+    fast = fast[:10]
     for s in fast[1:]:  # (step 0: one bucket, before DDP rebuilds them in gradient order)
         n = len(s.b_bytes)
         assert n >= 3 and len(s.b_ready_us) == n, s
@@ -243,7 +246,7 @@ def test_steps_between_samples_keep_their_phases_and_the_straggler_from_two_buck
     got = arrivals(
         {r: log.steps for r, log in run.ranks.items()}, estimate_offsets({r: log.steps for r, log in run.ranks.items()})
     )
-    assert [sa.step for sa in got] == list(range(10)) and sum(not sa.per_bucket for sa in got) == 6
+    assert [sa.step for sa in got] == list(range(12)) and sum(not sa.per_bucket for sa in got) == 6
     assert all(sa.wait_us[0] >= 0.7 * 0.12e6 for sa in got if sa.step > 0), [sa.wait_us for sa in got]
     found = ddpdoctor.analyze(run).findings
     straggler = [f for f in found if f.code == "straggler"]

@@ -112,13 +112,15 @@ class Monitor:
             self.recorder = StepRecorder(
                 self.rank, self.ddp_index, self.emit, CudaClock() if self._cuda else HostClock()
             )
-            if log_mode(opts.log) == "full":  # every step's detail asked for: every bucket's marks
+            self._backward_end_ok = torch_compat.available("backward_end")
+            if log_mode(opts.log) == "full" or not self._backward_end_ok:
+                # every step's detail asked for, or no callback to mark the sync end with:
+                # every bucket's marks at every step
                 self.recorder.bucket_marks_every_step = True
             self.live = LiveFindings(self.rank, self.ddp_index, self.emit, self._flush_now)
             self._bwd_queued: OpenStep | None = None
             self._native_timing: Any = None
             self._opt_stamps: Any = None  # the C++ optimizer hooks' (``optimizer_stamps``)
-            self._backward_end_ok = torch_compat.available("backward_end")
             svc = services()
             self._services = svc
             self.attachment = self._attach(
@@ -388,6 +390,9 @@ class Monitor:
             return False
 
     def _report_probe_off(self, probe: str, detail: str) -> None:
+        recorder = getattr(self, "recorder", None)
+        if probe == "backward_end" and recorder is not None:
+            recorder.bucket_marks_every_step = True  # no sync-end mark any more: mark every bucket
         self.emit(ProbeOff(rank=self.rank, ddp=self.ddp_index, t_wall_ns=wall_ns(), probe=probe, error=detail))
 
     @property
