@@ -43,8 +43,13 @@ def test_straggler_and_trace_line_up_despite_a_clock_offset(tmp_path: Path) -> N
     proc = ddpdoctor_run(tmp_path, torchrun_cmd(str(script)), "--run-dir", "run", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = ddpdoctor.load_run(tmp_path / "run")
-    skew_s = (run.ranks[0].header.t_wall_ns - run.ranks[1].header.t_wall_ns) / 1e9
-    assert 3.0 < skew_s < 4.5  # the offset is really in the log
+    # the offset is really in the log: both ranks start a step at about the same true time (rank 1
+    # some 80 ms later), so their wall clocks there differ by about 3.7 s. (Not the headers: a
+    # rank can attach most of a second after the other on a loaded machine; CI once saw 2.99 s.)
+    t0 = {r: {s.step: s.t0_wall_ns for s in log.steps} for r, log in run.ranks.items()}
+    common = sorted((set(t0[0]) & set(t0[1])) - {0})
+    skews = sorted((t0[0][n] - t0[1][n]) / 1e9 for n in common)
+    assert len(common) >= 8 and 3.0 < skews[len(skews) // 2] < 4.5, skews
 
     findings = {f.code: f for f in ddpdoctor.analyze(run).findings}
     f = findings["straggler"]
