@@ -38,7 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_overhead import Contender
-from bench.harness import free_port, pct
+from bench.harness import free_port, pct, python_allreduce_hook
 
 #: Host-side CUDA runtime calls worth counting (the profiler names them so on every version).
 RUNTIME_CALLS = (
@@ -56,17 +56,6 @@ RUNTIME_CALLS = (
     "cudaStreamWaitEvent",
     "cudaLaunchKernel",
 )
-
-
-def _first_value(fut: Any) -> Any:
-    return fut.value()[0]
-
-
-def _python_allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
-    """A minimal Python comm hook: what DDP does in C++ without one."""
-    tensor = bucket.buffer()
-    tensor.div_(process_group.size())
-    return process_group.allreduce([tensor]).get_future().then(_first_value)
 
 
 class EventHook:
@@ -109,7 +98,7 @@ def _event_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks an
 
 def contenders(model: str, device: torch.device, events: bool) -> dict[str, Contender]:
     out = {"plain": Contender(model, False, device, False), "pyhook": Contender(model, False, device, False)}
-    out["pyhook"].ddp.register_comm_hook(out["pyhook"].ddp.process_group, _python_allreduce_hook)
+    out["pyhook"].ddp.register_comm_hook(out["pyhook"].ddp.process_group, python_allreduce_hook)
     if events:
         for timing in (True, False) if device.type == "cuda" else (None,):
             c = out[f"pyhook+events(timing={timing})"] = Contender(model, False, device, False)

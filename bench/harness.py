@@ -1,6 +1,7 @@
 """What the benches share: a free port, a gloo process group per rank, process groups that take
-turns (interleaved rounds), and the statistics of paired rounds. Each bench file holds its own
-workload; the tests use the same ``free_port`` (``ddpdoctor.cli.ports``, also the demo's).
+turns (interleaved rounds), the statistics of paired rounds, and the minimal Python comm hook
+(the attribution rows' floor). Each bench file holds its own workload; the tests use the same
+``free_port`` (``ddpdoctor.cli.ports``, also the demo's).
 
 On a machine whose CPU capacity changes from one few-second stretch to the next, a comparison is
 only fair when its two sides run interleaved in short rounds: ``rotated`` and ``pair_roles``
@@ -26,6 +27,7 @@ __all__ = [
     "free_port",
     "init_gloo",
     "pair_roles",
+    "python_allreduce_hook",
     "paired_overheads",
     "pct",
     "quantile",
@@ -48,6 +50,18 @@ def init_gloo(rank: int, world_size: int, port: int, timeout_s: float = 300.0) -
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def _first_value(fut: Any) -> Any:
+    return fut.value()[0]
+
+
+def python_allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+    """The least a Python comm hook can do (what DDP does in C++ without one): the floor of any
+    design that times buckets from Python. Same work as ddpdoctor's default inner hook."""
+    tensor = bucket.buffer()
+    tensor.div_(process_group.size())
+    return process_group.allreduce([tensor]).get_future().then(_first_value)
 
 
 # -- process groups that take turns ------------------------------------------------------------

@@ -69,7 +69,16 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import Groups, RankFailure, init_gloo, pair_roles, paired_overheads, pct, rotated
+from bench.harness import (
+    Groups,
+    RankFailure,
+    init_gloo,
+    pair_roles,
+    paired_overheads,
+    pct,
+    python_allreduce_hook,
+    rotated,
+)
 
 WORLD_SIZE = 2
 #: ``DDPDOCTOR_NATIVE`` (read by ddpdoctor at instrument): ``0`` for the Python-route rounds.
@@ -200,18 +209,6 @@ def _batches(spec: Spec, rank: int, n: int = 8) -> list[tuple[torch.Tensor, torc
     ]
 
 
-def _first_value(fut: Any) -> Any:
-    return fut.value()[0]
-
-
-def _python_allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
-    """The least a Python comm hook can do (what DDP does in C++ without one): the floor of any
-    design that times buckets from Python. Same work as ddpdoctor's default inner hook."""
-    tensor = bucket.buffer()
-    tensor.div_(process_group.size())
-    return process_group.allreduce([tensor]).get_future().then(_first_value)
-
-
 def _run_round(
     rank: int, spec: Spec, mode: str, warmup: int, steps: int, run_dir: str, verify: bool = False
 ) -> dict[str, Any]:
@@ -244,7 +241,7 @@ def _run_round(
         if not isinstance(monitor, ddpdoctor.Monitor):
             raise RuntimeError("ddpdoctor.instrument did not attach (returned a disabled monitor)")
     elif mode == "pyhook":  # attribution only: DDP's allreduce done by a minimal Python comm hook
-        ddp.register_comm_hook(ddp.process_group, _python_allreduce_hook)
+        ddp.register_comm_hook(ddp.process_group, python_allreduce_hook)
     elif mode == "nativehook":  # routes only: ddpdoctor's C++ timed hook alone, its ring never drained
         from ddpdoctor.runtime import native_hook
 
