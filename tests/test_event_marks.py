@@ -70,18 +70,22 @@ def _step(rec: StepRecorder, buckets: list[Any]) -> None:
     rec.optimizer_end()
 
 
+def _run(rec: StepRecorder, out: list[Record], buckets: list[Any], steps: int) -> list[Step]:
+    """``steps`` steps, then a close: the step records emitted, checked to be all of them, in order."""
+    for _ in range(steps):
+        _step(rec, buckets)
+    rec.close()
+    records = [r for r in out if isinstance(r, Step)]
+    assert [s.step for s in records] == list(range(steps))
+    return records
+
+
 def test_a_steps_start_is_not_reused_while_the_step_is_open() -> None:
     out: list[Record] = []
     clock = _clock()
     rec = StepRecorder(0, 0, out.append, clock)
     rec.bucket_marks_every_step = True
-    buckets = [Bucket(64), Bucket(64), Bucket(32)]
-    for _ in range(12):
-        _step(rec, buckets)
-    rec.close()
-    steps = [r for r in out if isinstance(r, Step)]
-    assert [s.step for s in steps] == list(range(12))
-    for s in steps:
+    for s in _run(rec, out, [Bucket(64), Bucket(64), Bucket(32)], 12):
         # marks in the order they were taken: every offset from the step's start is positive
         marks = [s.fwd_end_us, *s.b_ready_us, *s.b_done_us, s.bwd_end_us, s.opt_start_us, s.opt_end_us]
         assert all(m is not None and m > 0 for m in marks), s
@@ -110,12 +114,7 @@ def test_between_the_sampled_steps_only_the_first_and_last_bucket_and_the_sync_a
         return real(enable_timing=enable_timing)
 
     clock._event = counted
-    for _ in range(10):
-        _step(rec, buckets)
-    rec.close()
-    steps = [r for r in out if isinstance(r, Step)]
-    assert [s.step for s in steps] == list(range(10))
-    for s in steps:
+    for s in _run(rec, out, buckets, 10):
         assert s.b_bytes == [64, 64, 32, 16]
         assert s.fwd_us is not None and s.bwd_end_us is not None and s.opt_end_us is not None
         assert s.sync_end_us is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from statistics import median
+from typing import cast
 
 from ddpdoctor.events import Step
 
@@ -36,8 +37,8 @@ def _done_times(steps: list[Step]) -> dict[int, list[float]]:
     for s in steps[-MAX_STEPS:]:
         base = s.t0_wall_ns / 1000.0
         if s.b_done_us and all(t is not None for t in s.b_done_us):
-            out[s.step] = [base + t for t in s.b_done_us if t is not None]
-        elif s.sync_end_us is not None and (s.b_count if s.summary else s.b_ready_us and not s.b_done_us):
+            out[s.step] = [base + t for t in cast(list[float], s.b_done_us)]  # None ruled out just above
+        elif s.sync_end_us is not None and s.bucket_count() and not s.per_bucket():
             # a window row, or a CUDA step between the sampled ones (no per-bucket done marks)
             out[s.step] = [base + s.sync_end_us]
     return out
