@@ -243,9 +243,8 @@ def test_steps_between_samples_keep_their_phases_and_the_straggler_from_two_buck
         # DDP's wait for the slow rank (0.12 s) lies between backward's end and the sync mark
         assert s.sync_end_us - s.bwd_end_us >= 0.7 * 0.12e6, s
     # every step is compared across the ranks, the partial ones at their first and last bucket
-    got = arrivals(
-        {r: log.steps for r, log in run.ranks.items()}, estimate_offsets({r: log.steps for r, log in run.ranks.items()})
-    )
+    steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
+    got = arrivals(steps_by_rank, estimate_offsets(steps_by_rank))
     assert [sa.step for sa in got] == list(range(12)) and sum(not sa.per_bucket for sa in got) == 6
     assert all(sa.wait_us[0] >= 0.7 * 0.12e6 for sa in got if sa.step > 0), [sa.wait_us for sa in got]
     found = ddpdoctor.analyze(run).findings
