@@ -119,7 +119,8 @@ def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Findin
     derived = [f for log in run.ranks.values() for f in rank_findings(log, cost, floor)]
     header = next((log.header for log in run.ranks.values() if log.header is not None), None)
     if header is not None:
-        derived += compare_fingerprints(header, {r: log.fingerprints for r, log in run.ranks.items()})
+        broadcast_seen = any(s.bcast_bytes for log in run.ranks.values() for s in log.steps)
+        derived += compare_fingerprints(header, {r: log.fingerprints for r, log in run.ranks.items()}, broadcast_seen)
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
     if arrived is None:
         arrived = arrivals(steps_by_rank, estimate_offsets(steps_by_rank))

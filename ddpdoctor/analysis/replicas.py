@@ -23,6 +23,14 @@ BUFFER_FIX = (
     "        torch.distributed.broadcast(b, src=0)\n"
     "or use torch.nn.SyncBatchNorm (GPU) / broadcast_buffers=True."
 )
+#: The same, where DDP was asked to broadcast them and no step of the run was seen doing it.
+BUFFER_UNSEEN_FIX = (
+    "DDP was built with broadcast_buffers=True, but no buffer broadcast was seen in any step, so each rank "
+    "keeps its own. Check what stops it (a buffer communication hook, for example), or "
+    "broadcast them yourself before evaluation or checkpointing:\n"
+    "    for b in model.module.buffers():\n"
+    "        torch.distributed.broadcast(b, src=0)"
+)
 
 
 def _odd_ranks(values: Mapping[int, tuple[float, ...]]) -> list[int]:
@@ -57,8 +65,14 @@ def fingerprints_by_step(prints: Mapping[int, list[Fingerprint]]) -> dict[int, d
     return by_step
 
 
-def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -> list[Finding]:
-    """Parameters and buffers that differ across ranks at a step every rank fingerprinted."""
+def compare_fingerprints(
+    header: Header, prints: dict[int, list[Fingerprint]], broadcast_seen: bool = False
+) -> list[Finding]:
+    """Parameters and buffers that differ across ranks at a step every rank fingerprinted.
+
+    ``broadcast_seen``: a step of the run shows DDP broadcasting the buffers. A fingerprint
+    taken right after a broadcast shows it too; under gradient accumulation none is, as DDP
+    broadcasts in the first micro-step's forward and the checks run in the synchronizing one."""
     if len(prints) < 2:
         return []
     by_step = fingerprints_by_step(prints)
@@ -66,9 +80,10 @@ def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -
     buffers = header.buffers
     bad_params: dict[str, tuple[int, list[int], float]] = {}
     bad_buffers: dict[str, tuple[int, list[int], float]] = {}
-    # DDP broadcasts these from rank 0 at every synchronizing forward: a copy taken between two
-    # forwards may differ (each rank updated its own), the next broadcast puts them back in step
-    broadcasting = any(fp.after_broadcast for records in prints.values() for fp in records)
+    # DDP broadcasts these from rank 0 at the first forward after a synchronized backward: a copy
+    # taken between two broadcasts may differ (each rank updated its own), the next broadcast
+    # puts them back in step
+    broadcasting = broadcast_seen or any(fp.after_broadcast for records in prints.values() for fp in records)
     compared: list[int] = []  # steps every rank fingerprinted, in order
     for step in sorted(by_step):
         at = by_step[step]
@@ -100,7 +115,13 @@ def compare_fingerprints(header: Header, prints: dict[int, list[Fingerprint]]) -
     out = []
     checks: tuple[tuple[str, dict[str, tuple[int, list[int], float]], str, str, Severity], ...] = (
         ("replica-divergence", bad_params, "parameter", RESYNC_FIX, "error"),
-        ("buffer-divergence", bad_buffers, "buffer", BUFFER_FIX, "warning"),
+        (
+            "buffer-divergence",
+            bad_buffers,
+            "buffer",
+            BUFFER_UNSEEN_FIX if header.ddp_options.get("broadcast_buffers") is True else BUFFER_FIX,
+            "warning",
+        ),
     )
     for code, bad, what, fix, severity in checks:
         if not bad:

@@ -1,0 +1,86 @@
+"""Gradient accumulation with BatchNorm: DDP broadcasts the buffers in the first micro-step's
+forward, not in the synchronizing one, so the sampled steps' fingerprints (taken in the
+synchronizing forward) never follow a broadcast. The buffers then differ across ranks at every
+check, as they do between broadcasts in any run, and that is not divergence: the next cycle's
+broadcast puts them back in step. Real 2-rank gloo DDP, instrumented and plain."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpdoctor
+from ddpdoctor.analysis.replicas import compare_fingerprints
+from tests.ddp_harness import run_ranks
+
+STEPS = 8
+MICRO = 2
+
+
+def _train(rank: int, run_dir: str | None) -> list[float]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    ddp = DDP(model)
+    monitor = ddpdoctor.instrument(ddp, run_dir) if run_dir is not None else None
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank + 1)
+    losses = []
+    for _ in range(STEPS):
+        for micro in range(MICRO):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            with ddp.no_sync() if micro < MICRO - 1 else nullcontext():
+                loss = ((ddp(x) - y) ** 2).mean()
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if monitor is not None:
+        monitor.close()
+    return losses
+
+
+def _worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    return {"plain": _train(rank, None), "instrumented": _train(rank, tmp)}
+
+
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    tmp = tmp_path_factory.mktemp("accumulate-bn")
+    return run_ranks(_worker, args=(str(tmp),)), tmp
+
+
+def test_buffers_broadcast_in_the_first_micro_step_are_not_called_divergent(accumulated: Any) -> None:
+    results, tmp = accumulated
+    for r in results:
+        assert r["instrumented"] == r["plain"]
+    run = ddpdoctor.load_run(tmp)
+    # what the finding must not rest on: no fingerprint followed a broadcast, the buffers differ
+    # across ranks at the sampled steps, and the steps show DDP broadcasting them
+    prints = {rank: log.fingerprints for rank, log in run.ranks.items()}
+    assert not any(fp.after_broadcast for fps in prints.values() for fp in fps)
+    assert len({fp.buffer_sums[0] for fps in prints.values() for fp in fps if fp.step == 1 and not fp.final}) == 2
+    assert all(s.bcast_bytes > 0 for log in run.ranks.values() for s in log.steps)
+    header = run.ranks[0].header
+    assert header is not None and header.ddp_options["broadcast_buffers"] is True
+    found = ddpdoctor.analyze(run).findings
+    assert not [f for f in found if f.code in ("buffer-divergence", "replica-divergence")], found
+    # the same fingerprints, with no step seen broadcasting: then the difference is divergence
+    assert [f.code for f in compare_fingerprints(header, prints)] == ["buffer-divergence"]
+    assert [f.code for f in compare_fingerprints(header, prints, broadcast_seen=True)] == []
+
+
+def test_divergence_of_buffers_ddp_was_asked_to_broadcast_says_no_broadcast_was_seen(accumulated: Any) -> None:
+    _, tmp = accumulated
+    run = ddpdoctor.load_run(tmp)
+    header = run.ranks[0].header
+    assert header is not None
+    (finding,) = compare_fingerprints(header, {rank: log.fingerprints for rank, log in run.ranks.items()})
+    # broadcast_buffers=True: the fix must not claim it is False
+    assert "broadcast_buffers=False" not in finding.fix
+    assert "no buffer broadcast was seen" in finding.fix
