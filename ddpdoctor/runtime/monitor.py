@@ -121,6 +121,7 @@ class Monitor:
             self._bwd_queued: OpenStep | None = None
             self._native_timing: Any = None
             self._opt_stamps: Any = None  # the C++ optimizer hooks' (``optimizer_stamps``)
+            torch_compat.skip_in_dynamo()  # a compiled DDP calls the hooks as they are
             svc = services()
             self._services = svc
             self.attachment = self._attach(

@@ -22,6 +22,9 @@ Features and what they need:
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import inspect
 import sys
 import threading
@@ -294,6 +297,78 @@ def compiled_autograd_possible() -> bool:
     """Whether a backward run now may be traced by compiled autograd (C++ hooks must then stay
     off the graph: Python hooks are used instead)."""
     return compiled_autograd_asked() or compiled_autograd_enabled()
+
+
+# -- torch.compile: dynamo must run ddpdoctor's hooks as they are, not trace them ----------------
+
+_DYNAMO_RULES = "torch._dynamo.trace_rules"
+_dynamo_skip_lock = threading.Lock()
+_dynamo_skip_state = ""  # "" not yet; "waiting" for dynamo's import; "done"; "failed"
+
+
+def _skip_ddpdoctor_in_dynamo(rules: Any) -> None:
+    global _dynamo_skip_state
+    try:
+        rules.add(__name__.split(".")[0])
+        _dynamo_skip_state = "done"
+    except Exception:  # noqa: BLE001 - a torch without this rule: dynamo traces the hooks, which still work
+        _dynamo_skip_state = "failed"
+
+
+class _AfterDynamoRules(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when dynamo's trace rules are imported, it hands their spec over
+    with a loader that adds ddpdoctor's skip once the module has run (and then leaves
+    ``sys.meta_path``: not from ``find_spec``, while the import system walks that list)."""
+
+    def __init__(self) -> None:
+        self._busy = False
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _DYNAMO_RULES or self._busy:
+            return None
+        self._busy = True  # the search below walks sys.meta_path again, this finder included
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._busy = False
+        loader = spec.loader if spec is not None else None
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            _skip_ddpdoctor_in_dynamo(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def skip_in_dynamo() -> None:
+    """Tell ``torch.compile`` to run ddpdoctor's code as it is: a compiled DDP (``torch.compile``
+    over the DDP model) then calls the monitor's forward hooks without tracing them, as it calls
+    any function of a skipped module, instead of compiling them into its graphs (which broke
+    them into many frames, recompiled as the monitor's state changed, and warned about the
+    clock calls). Importing dynamo costs seconds, so a process that has not imported it is not
+    made to: the rule is added when it is (``_AfterDynamoRules``). Once per process."""
+    global _dynamo_skip_state
+    with _dynamo_skip_lock:
+        if _dynamo_skip_state:
+            return
+        rules = sys.modules.get(_DYNAMO_RULES)
+        if rules is not None:
+            _skip_ddpdoctor_in_dynamo(rules)
+            return
+        _dynamo_skip_state = "waiting"
+        sys.meta_path.insert(0, _AfterDynamoRules())
+
+
+def dynamo_skip_state() -> str:
+    """What ``skip_in_dynamo`` achieved so far: "" (not asked), "waiting" (dynamo not imported
+    yet), "done" or "failed"."""
+    return _dynamo_skip_state
 
 
 def cuda_event_recorder() -> Callable[[Any], None] | None:
