@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Any, cast
 
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
-from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
+from ddpdoctor.analysis.bucket_wait import StepArrivals
 from ddpdoctor.analysis.buffers import (
     advise_broadcast,
     broadcast_redundancy,
@@ -14,10 +14,10 @@ from ddpdoctor.analysis.buffers import (
     constant_buffers,
     cross_rank_floor_ms,
 )
-from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.analysis.comm_advice import advise_communication
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding, Severity
 from ddpdoctor.analysis.from_run import bucket_size_in_run, hangs_in_run, lost_in_run
+from ddpdoctor.analysis.groups import ddp_groups, group_arrivals
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
 from ddpdoctor.analysis.straggler import (
@@ -112,19 +112,26 @@ def _whole_run(f: Finding, run: Run, looked_at: int) -> Finding:
     )
 
 
-def diagnose(run: Run, arrived: list[StepArrivals] | None = None) -> list[Finding]:
-    """Every finding the logs support (``arrived``: the run's bucket arrivals, if at hand)."""
+def diagnose(run: Run, arrived: list[list[StepArrivals]] | None = None) -> list[Finding]:
+    """Every finding the logs support (``arrived``: each DDP group's bucket arrivals, in the order
+    of ``ddp_groups``, if at hand). Replicas and stragglers are compared within a DDP group."""
     cost = cross_rank_floor_ms({r: log.steps for r, log in run.ranks.items()})
     floor = exposed_floor_us({r: log.steps for r, log in run.ranks.items()}) if len(run.ranks) > 1 else None
     derived = [f for log in run.ranks.values() for f in rank_findings(log, cost, floor)]
     header = next((log.header for log in run.ranks.values() if log.header is not None), None)
-    if header is not None:
-        broadcast_seen = any(s.bcast_bytes for log in run.ranks.values() for s in log.steps)
-        derived += compare_fingerprints(header, {r: log.fingerprints for r, log in run.ranks.items()}, broadcast_seen)
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
+    groups = ddp_groups({r: log.header for r, log in run.ranks.items()})
     if arrived is None:
-        arrived = arrivals(steps_by_rank, estimate_offsets(steps_by_rank))
-    derived += [_whole_run(f, run, len(arrived)) for f in stragglers(steps_by_rank, arrived)]
+        _, arrived = group_arrivals(steps_by_rank, groups)
+    for members, group_arrived in zip(groups, arrived, strict=True):
+        logs = [run.ranks[r] for r in members]
+        group_header = next((log.header for log in logs if log.header is not None), None)
+        if group_header is not None:
+            broadcast_seen = any(s.bcast_bytes for log in logs for s in log.steps)
+            prints = {r: run.ranks[r].fingerprints for r in members}
+            derived += compare_fingerprints(group_header, prints, broadcast_seen)
+        group_steps = {r: steps_by_rank[r] for r in members}
+        derived += [_whole_run(f, run, len(group_arrived)) for f in stragglers(group_steps, group_arrived)]
     derived += lost_in_run(run)
     derived += hangs_in_run(run)
     derived += bucket_size_in_run(run)

@@ -7,10 +7,9 @@ from statistics import median
 from typing import Any
 
 from ddpdoctor.analysis.blame import blame
-from ddpdoctor.analysis.bucket_wait import arrivals
-from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.analysis.diagnose import diagnose
 from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.groups import ddp_groups, group_arrivals
 from ddpdoctor.analysis.phases import PHASES, step_phases
 from ddpdoctor.events import SCHEMA_VERSION, Header, Layout
 from ddpdoctor.runlog import RankLog, Run
@@ -110,23 +109,29 @@ def _ddp_options(header: Header | None, layout: Layout | None) -> dict[str, Any]
 def analyze(run: Run) -> Report:
     """Analyze a loaded run (``ddpdoctor.load_run``): per-rank breakdown, stats, findings."""
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
-    clocks = estimate_offsets(steps_by_rank)
+    groups = ddp_groups({r: log.header for r, log in run.ranks.items()})
+    clocks, arrived_by_group = group_arrivals(steps_by_rank, groups)
     wait_ms: dict[int, list[float]] = {r: [] for r in run.ranks}
-    arrived = arrivals(steps_by_rank, clocks)
-    for sa in arrived:
-        for r, w in sa.wait_us.items():
-            wait_ms[r].append(w / 1000.0)
-    findings = diagnose(run, arrived)
+    for arrived in arrived_by_group:
+        for sa in arrived:
+            for r, w in sa.wait_us.items():
+                wait_ms[r].append(w / 1000.0)
+    findings = diagnose(run, arrived_by_group)
     lost = {r for f in findings if f.code == "rank-lost" for r in f.ranks}
     ranks = [
         _rank_entry(log, wait_ms[r], clocks.offset_us.get(r, 0.0), clocks.method.get(r, "wall"), lost)
         for r, log in sorted(run.ranks.items())
     ]
-    # what each rank cost the others (wall ms over the steps read, margins above the noise floor)
-    blamed = blame(steps_by_rank, arrived) if len(run.ranks) > 1 and arrived else None
+    # what each rank cost the others of its DDP group (wall ms over the steps read, margins above
+    # the noise floor)
+    lost_ms: dict[int, float] = {}
+    for members, arrived in zip(groups, arrived_by_group, strict=True):
+        if len(members) > 1 and arrived:
+            blamed = blame({r: steps_by_rank[r] for r in members}, arrived)
+            lost_ms.update({r: rb.lost_ms for r, rb in blamed.ranks.items()})
     for entry in ranks:
-        rb = blamed.ranks.get(entry["rank"]) if blamed else None
-        entry["time_lost_for_others_ms"] = round(rb.lost_ms, 3) if rb else None
+        cost = lost_ms.get(entry["rank"])
+        entry["time_lost_for_others_ms"] = round(cost, 3) if cost is not None else None
     header = next((log.header for log in run.ranks.values() if log.header is not None), None)
     layout = None
     for log in run.ranks.values():
@@ -137,6 +142,8 @@ def analyze(run: Run) -> Report:
         "dir": str(run.dir),
         "run_id": header.run_id if header else None,
         "world_size": run.world_size,
+        # the ranks of each DDP group where DDP runs over subgroups of the world (else one group)
+        "ddp_groups": groups,
         "ranks_logged": sorted(run.ranks),
         "missing_ranks": run.missing_ranks(),
         "backend": header.backend if header else None,

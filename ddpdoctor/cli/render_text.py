@@ -69,13 +69,22 @@ def _duration(ms: float) -> str:
     return f"{ms / 1000.0:.2f} s" if ms >= 1000.0 else f"{ms:.0f} ms"
 
 
+def world_text(run: dict[str, Any]) -> str:
+    """The world size, and each DDP group's ranks where DDP runs over subgroups of the world."""
+    groups = run.get("ddp_groups") or []
+    if len(groups) <= 1:
+        return str(run["world_size"])
+    ranks = " / ".join(",".join(map(str, g)) for g in groups)
+    return f"{run['world_size']} in {len(groups)} DDP groups (ranks {ranks})"
+
+
 def render(report: Report) -> str:
     """The whole report as readable text."""
     run, stats = report.run, report.stats
     opts = run.get("ddp_options") or {}
     lines = [
         f"ddpdoctor report: {run['dir']}",
-        f"  world size {run['world_size']}, backend {run['backend']}, torch {run['torch']}, "
+        f"  world size {world_text(run)}, backend {run['backend']}, torch {run['torch']}, "
         f"device {run['device']}, hosts {', '.join(run['hosts']) or '?'}",
         f"  {stats['steps']} steps, "
         f"{'finished' if run['finished'] else 'not finished (still running, or a rank died)'}",
@@ -134,7 +143,7 @@ def render_markdown(report: Report) -> str:
     lines = [
         f"# ddpdoctor report: `{run['dir']}`",
         "",
-        f"World size {run['world_size']}, backend {run['backend']}, torch {run['torch']}, device {run['device']}, "
+        f"World size {world_text(run)}, backend {run['backend']}, torch {run['torch']}, device {run['device']}, "
         f"{stats['steps']} steps, {'finished' if run['finished'] else 'not finished'}.",
     ]
     if run["missing_ranks"]:

@@ -78,6 +78,10 @@ class Header(_Record, tag="header", kw_only=True):
     # what timed the buckets: "python" (a Python comm hook) or "native" (ddpdoctor's C++ comm hook for
     # DDP's default all-reduce; a user hook registered after instrument is then timed in Python)
     timing: str = "python"
+    # the global ranks of DDP's process group where it is a subgroup of the world (data parallel
+    # inside model-parallel groups: several DDP groups in one run, each all-reducing on its own);
+    # empty where DDP spans the whole world. ``world_size`` is the group's size.
+    group_ranks: list[int] = []
 
 
 class BucketInfo(msgspec.Struct):

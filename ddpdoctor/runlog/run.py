@@ -36,12 +36,23 @@ class Run:
 
     @property
     def world_size(self) -> int:
-        sizes = [log.header.world_size for log in self.ranks.values() if log.header is not None]
+        """The ranks the headers promise: DDP's world, or the whole world where DDP runs over
+        subgroups of it (``Header.group_ranks``)."""
+        sizes = [
+            max(h.group_ranks) + 1 if h.group_ranks else h.world_size
+            for h in (log.header for log in self.ranks.values())
+            if h is not None
+        ]
         return max(sizes) if sizes else len(self.ranks)
 
     def missing_ranks(self) -> list[int]:
         """Ranks the headers promise but for which there is no file."""
-        return [r for r in range(self.world_size) if r not in self.ranks]
+        promised: set[int] = set()
+        for log in self.ranks.values():
+            h = log.header
+            if h is not None:
+                promised.update(h.group_ranks if h.group_ranks else range(h.world_size))
+        return sorted(promised - set(self.ranks))
 
 
 def rank_files(directory: Path) -> list[tuple[Path, int, int]]:

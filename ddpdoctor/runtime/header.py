@@ -58,6 +58,12 @@ def build_header(
     """Everything a reader needs to interpret this rank's records, taken at attach time."""
     group = ddp.process_group
     world_size = group.size() if group is not None else 1
+    group_ranks: list[int] = []
+    try:
+        if group is not None and dist.is_initialized() and world_size != dist.get_world_size():
+            group_ranks = sorted(int(r) for r in dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - the group's members are optional; attaching must never break training
+        group_ranks = []
     try:
         backend = str(dist.get_backend(group))
     except Exception:  # noqa: BLE001 - the backend name is optional; attaching must never break training
@@ -113,4 +119,5 @@ def build_header(
         buffers=buffers,
         reason=reason,
         first_step=first_step,
+        group_ranks=group_ranks,
     )

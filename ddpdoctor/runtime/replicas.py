@@ -45,6 +45,12 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
         values = tensor_values([p for _, p in params] + [b for _, b in buffers]).cpu()
     norms, sums = values[:, 0].tolist(), values[:, 1].tolist()
     world = dist.get_world_size(group)
+    try:  # findings name global ranks, as the logs do (DDP over a subgroup: not 0..n-1)
+        members = [int(r) for r in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)]
+    except Exception:  # noqa: BLE001 - an older torch without the call: the group's own ranks
+        members = list(range(world))
+    if len(members) != world:
+        members = list(range(world))
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (norms, sums), group=group)
     n = len(params)
@@ -85,7 +91,7 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
                 after_broadcast=True,
             )
         ]
-        for r, g in enumerate(gathered)
+        for r, g in zip(members, gathered, strict=True)
     }
     findings = compare_fingerprints(header, prints)
     if warn:
