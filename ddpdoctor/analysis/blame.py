@@ -18,7 +18,10 @@ steps it was late in. Jitter is kept out three ways, all explicit here:
   the median step and its deviation where they were;
 - jitter moves between ranks: each rank's counted time is compared with what the *other* ranks
   were blamed for over the same steps (the median of them); a rank is named only for what it
-  cost beyond that, and only when it cost at least ``DOMINANCE`` times as much;
+  cost beyond that, and only when it cost at least ``DOMINANCE`` times as much. Both sides are
+  taken less each rank's largest late step: a single late step (a hiccup, a loaded machine at
+  start-up) is an incident, neither jitter that would hide a steady straggler on another rank
+  nor a pattern that names its own;
 - the late steps must not look like chance: either too many of them are this rank's for
   jitter that picks ranks at random (a binomial tail below ``CHANCE``), or they are far larger
   than anything the other ranks were blamed for (``MAGNITUDE`` times their median).
@@ -46,7 +49,8 @@ NOISE_FLOOR_MS = 5.0
 NOISE_FLOOR_SHARE = 0.10
 #: ... or below this many median absolute deviations of the window's step durations.
 JITTER_MADS = 3.0
-#: A rank is named when what it cost beyond the others' jitter is at least this many ms ...
+#: A rank is named when what it cost beyond its largest late step and the others' jitter is at
+#: least this many ms ...
 MIN_LOST_MS = 200.0
 #: ... and this share of the steps' wall time, ...
 MIN_LOST_SHARE = 0.03
@@ -73,7 +77,7 @@ class RankBlame:
     margins_ms: tuple[float, ...]  # its margin at each of those steps
     worst: tuple[int, ...]  # per late step, the index of the collective where the margin was largest
     others_waited_ms: float  # the other ranks' waiting for it, summed over them (rank-ms)
-    noise_ms: float  # what the median other rank was blamed for over the same steps
+    noise_ms: float  # what the median other rank was blamed for over the same steps, less its largest late step
     named: bool  # material and not jitter
 
     @property
@@ -204,18 +208,22 @@ def blame(
             if margin >= floor:
                 late.setdefault(r, []).append((step, margin, where, waited))
     lost = {r: sum(m for _, m, _, _ in v) for r, v in late.items()}
+    # a single late step is an incident (a hiccup: a loaded machine at start-up), neither jitter nor
+    # a straggler's pattern: each rank is judged on its time less its largest late step, both
+    # what it is named for and what it adds to the others' noise
+    beyond = {r: lost[r] - max((m for _, m, _, _ in late[r]), default=0.0) for r in ranks}
     events = sum(len(v) for v in late.values())
-    ordered = sorted(lost[r] for r in ranks)  # for the median of the others, per rank in O(ranks)
+    ordered = sorted(beyond[r] for r in ranks)  # for the median of the others, per rank in O(ranks)
     out: dict[int, RankBlame] = {}
     for r in ranks:
-        noise = _median_without(ordered, lost[r])
+        noise = _median_without(ordered, beyond[r])
         rank_margins = [m for _, m, _, _ in late[r]]
-        excess = lost[r] - noise
+        excess = beyond[r] - noise
         named = (
             len(ranks) >= 2
             and len(rank_margins) >= MIN_LATE_STEPS
             and excess >= max(MIN_LOST_MS, MIN_LOST_SHARE * window_ms)
-            and lost[r] >= DOMINANCE * noise
+            and beyond[r] >= DOMINANCE * noise
         )
         if named:  # material: is it chance? (rarely reached: these cost O(ranks))
             chance = _binomial_tail(len(rank_margins), events, 1.0 / len(ranks))
