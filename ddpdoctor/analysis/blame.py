@@ -80,11 +80,6 @@ class RankBlame:
     noise_ms: float  # what the median other rank was blamed for over the same steps, less its largest late step
     named: bool  # material and not jitter
 
-    @property
-    def excess_ms(self) -> float:
-        """Time lost beyond the jitter every rank gets."""
-        return max(0.0, self.lost_ms - self.noise_ms)
-
 
 @dataclass(frozen=True)
 class Blame:
