@@ -465,6 +465,10 @@ class Monitor:
         checks = getattr(self, "checks", None)
         if checks is not None:
             checks.broadcasts += 1  # the fingerprints leave out what the broadcasts bump
+            if not self.recorder.in_forward:
+                # an evaluation forward's broadcast (grad off): rank 0's buffers on every rank
+                # after the last step, which the final fingerprint must know
+                checks.broadcast_outside_at = self.recorder.next_index
         if not (self.probes.on["buffers"] and self.recorder.in_forward):
             return original()
         t = time.perf_counter_ns()

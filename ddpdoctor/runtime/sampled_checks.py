@@ -94,6 +94,8 @@ class SampledChecks:
         self.sample: _Sample | None = None
         self.bcast_in_forward = False  # set by the monitor when DDP broadcast buffers in this forward
         self.broadcasts = 0  # DDP's buffer broadcasts since attach (counted by the monitor)
+        # ``next_index`` at the last broadcast outside a training forward (-1: none; the monitor sets it)
+        self.broadcast_outside_at = -1
         #: per buffer, how much one broadcast bumps its version (None: not measured yet)
         self.broadcast_bumps: list[int] | None = None
         self.fingerprinter = Fingerprinter(self._deliver_fingerprint)
@@ -234,12 +236,15 @@ class SampledChecks:
     def final(self, step: int) -> None:
         """The fingerprint at the end of the run (``close`` or a clean exit), delivered now.
 
-        Taken outside any forward (``after_broadcast`` False): each rank's own buffers after its
-        own updates, which tells whether DDP's buffer broadcast is redundant or needed. Divergence
-        of broadcast buffers is still not reported (the next forward's broadcast resyncs them).
+        Taken outside any forward: each rank's own buffers after its own updates, which tells
+        whether DDP's buffer broadcast is redundant or needed (``after_broadcast`` False). Unless
+        a forward outside training (evaluation, grad off) broadcast them after the last step's:
+        they are rank 0's copy then, on every rank (``after_broadcast`` True), and say nothing of
+        the ranks' own updates. Divergence of broadcast buffers is still not reported (the next
+        forward's broadcast resyncs them).
         """
         self.end_sample()
-        self.fingerprint(step, False, final=True)
+        self.fingerprint(step, self.broadcast_outside_at == step, final=True)
         self.fingerprinter.drain()
 
     def _deliver_fingerprint(self, meta: Any, norms: list[float], sums: list[float]) -> None:
