@@ -148,6 +148,8 @@ def test_live_accumulation_finding_still_raised_on_the_observing_thread() -> Non
         for i in range(live_findings.WARMUP):
             live.observe(_step(i, opt=i % 2 == 1))  # two synchronized backwards per optimizer step
     assert [w.category for w in caught] == [AccumulationWarning]
+    # attributed to the line that fed the step (the script's forward), not to ddpdoctor's code
+    assert caught[0].filename == __file__, caught[0].filename
     assert [getattr(r, "code", None) for r in out] == ["sync-during-accumulation"]
 
 

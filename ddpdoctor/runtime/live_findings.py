@@ -11,9 +11,13 @@ to disk at once so that the log and stderr already say why when DDP raises.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections import deque
 from collections.abc import Callable
+
+import torch
 
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
 from ddpdoctor.analysis.buffers import buffer_broadcast_cost, constant_buffers
@@ -41,14 +45,34 @@ WARMUP = 20
 RAISED_KEPT = 256
 
 
-def warn_finding(finding: Finding, rank: int, stacklevel: int = 3) -> None:
-    """The Python warning for a finding, in its family's category."""
+#: Frames a warning is not attributed to: ddpdoctor's own and torch's (a forward hook runs
+#: inside torch's module call), so that it points at the line of the script that ran the step.
+_NOT_THE_SCRIPT = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+)
+
+
+def _script_stacklevel() -> int:
+    """``stacklevel`` for ``warnings.warn`` called in ``warn_finding``: the first frame outside
+    ddpdoctor and torch (1, warn_finding itself, where there is none: a thread of ddpdoctor's)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_THE_SCRIPT):
+        frame = frame.f_back
+        level += 1
+    return level if frame is not None else 1
+
+
+def warn_finding(finding: Finding, rank: int) -> None:
+    """The Python warning for a finding, in its family's category, attributed to the script's
+    line that was running (a forward, ``check_replicas``), not to ddpdoctor's code."""
     category = CATEGORY_OF_CODE.get(finding.code, DDPDoctorWarning)
     step = f" (step {finding.step})" if finding.step is not None else ""
     warnings.warn(
         f"ddpdoctor [rank {rank}] {finding.code}: {finding.title}{step}. {finding.detail}\nFix: {finding.fix}",
         category,
-        stacklevel=stacklevel,
+        stacklevel=_script_stacklevel(),
     )
 
 
@@ -154,4 +178,4 @@ class LiveFindings:
                 continue
             if f.severity == "error":
                 self._flush()  # on disk before the error it predicts kills the process
-            warn_finding(f, self.rank, stacklevel=4)
+            warn_finding(f, self.rank)
