@@ -16,6 +16,7 @@ import sys
 import warnings
 from collections import deque
 from collections.abc import Callable
+from types import FrameType
 
 import torch
 
@@ -56,7 +57,7 @@ _NOT_THE_SCRIPT = (
 def _script_stacklevel() -> int:
     """``stacklevel`` for ``warnings.warn`` called in ``warn_finding``: the first frame outside
     ddpdoctor and torch (1, warn_finding itself, where there is none: a thread of ddpdoctor's)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_NOT_THE_SCRIPT):
         frame = frame.f_back
