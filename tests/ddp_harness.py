@@ -16,10 +16,38 @@ import torch.multiprocessing as mp
 
 from ddpdoctor.cli.ports import free_port
 
+#: What the fork server imports once, before it forks the ranks: torch's import is most of a
+#: rank's start-up (seconds on a busy 2-core machine), paid once per test session instead of once
+#: per rank. Importing these starts no thread and initializes neither CUDA nor a process group, so
+#: a forked rank starts as clean as a spawned one.
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel"]
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
 
 def _entry(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str, args: tuple[Any, ...], backend: str
+    env: dict[str, str],
+    cwd: str,
+    fn_name: tuple[str, str],
+    rank: int,
+    world_size: int,
+    port: int,
+    out_dir: str,
+    args: tuple[Any, ...],
+    backend: str,
 ) -> None:
+    # A forked rank has the fork server's environment and working directory (those of the first
+    # run_ranks of the session): the test's own come first, as a spawned rank would have them,
+    # and only then is the test's module imported (``fn`` is named, not pickled, for that).
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    import importlib
+
     import torch
     import torch.distributed as dist
 
@@ -28,6 +56,10 @@ def _entry(
     torch.set_num_threads(1)
     result_path = Path(out_dir) / f"result-{rank}.pkl"
     try:
+        module, qualname = fn_name
+        fn: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            fn = getattr(fn, part)
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         payload: dict[str, Any] = {"ok": True, "result": result}
@@ -57,12 +89,20 @@ def run_ranks(
     The ranks use gloo unless ``backend`` says otherwise. ``fn`` must be importable
     (module-level). A rank's exception is re-raised here with its traceback; a rank still
     running after ``timeout`` seconds fails the test; every child is killed on the way out.
+    Each rank is forked from a fork server that imported torch once per session, with the
+    caller's environment and working directory, as a spawned process would have them.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
+    env = dict(os.environ)
+    fn_name = (fn.__module__, fn.__qualname__)
     with tempfile.TemporaryDirectory(prefix="ddpdoctor-ranks-") as out_dir:
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args, backend), daemon=True)
+            ctx.Process(
+                target=_entry,
+                args=(env, os.getcwd(), fn_name, r, world_size, port, out_dir, args, backend),
+                daemon=True,
+            )
             for r in range(world_size)
         ]
         try:
