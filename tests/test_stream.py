@@ -145,6 +145,53 @@ def test_an_older_elastic_attempt_is_not_mixed_into_the_live_view() -> None:
         source.close()
 
 
+def test_two_runs_sent_to_one_watcher_are_never_mixed() -> None:
+    """The newest run to connect is shown; the other's records are dropped and counted; a rank of
+    the older run that reconnects does not move the view back; the view starts afresh on the
+    switch (its label names the run)."""
+    from ddpdoctor.analysis.live_run import LiveRun, poll_source
+
+    source = StreamSource("127.0.0.1", 0)
+    live = LiveRun(label=source.label, attempt=source.attempt)
+    try:
+        first = TcpSink(f"127.0.0.1:{source.port}", rank=0, run="run-a")
+        first.emit(proc_record(0, 1))
+        first.flush()
+        out: list[RankRecord] = []
+        wait_for(lambda: bool(taken(out, source.poll())))
+        assert [mono(r.record) for r in out] == [1] and source.run == "run-a"
+        assert source.label == f"listening on 127.0.0.1:{source.port}, run run-a"
+        live, _ = poll_source(live, source)
+        assert live.label == source.label
+        second = TcpSink(f"127.0.0.1:{source.port}", rank=0, run="run-b")
+        second.emit(proc_record(0, 100))
+        second.flush()
+        out.clear()
+        wait_for(lambda: bool(taken(out, source.poll())))
+        assert [mono(r.record) for r in out] == [100] and source.run == "run-b"
+        # run-a goes on sending, and one of its ranks connects anew: neither is shown
+        first.emit(proc_record(0, 2))
+        first.close()
+        again = TcpSink(f"127.0.0.1:{source.port}", rank=1, run="run-a")
+        again.emit(proc_record(1, 3))
+        again.close()
+        second.emit(proc_record(0, 101))
+        second.close()
+
+        def settled() -> bool:
+            taken(out, source.poll())
+            return len(out) == 2 and source.ignored == 2
+
+        wait_for(settled, what="run-b's record and run-a's two")
+        assert [mono(r.record) for r in out] == [100, 101]
+        assert source.run == "run-b" and source.other_runs == 1
+        # the LiveRun of run-a is left behind at the switch
+        fresh = LiveRun(label="listening on the old label", attempt=source.attempt)
+        assert poll_source(fresh, source)[0] is not fresh
+    finally:
+        source.close()
+
+
 def test_receiver_down_never_blocks_and_counts_drops_then_reconnects() -> None:
     port = free_port()  # nobody listens here yet
     file = MemorySink()

@@ -488,12 +488,13 @@ class LiveRun:
 def poll_source(live: LiveRun, source: RecordSource) -> tuple[LiveRun, list[RankRecord]]:
     """Poll ``source`` once and feed ``live``; returns the LiveRun to keep using, and the records.
 
-    When the source moved on to another elastic attempt (torchrun restarted the workers), the
-    records go to a fresh LiveRun: step numbers start over and the old attempt's ranks, history
-    and findings must not mix with the new one's.
+    When the source moved on to another elastic attempt (torchrun restarted the workers) or
+    another run (its label names what it follows), the records go to a fresh LiveRun: step
+    numbers start over and the old attempt's or run's ranks, history and findings must not mix
+    with the new one's.
     """
     records = source.poll()
-    if source.attempt != live.attempt:
+    if source.attempt != live.attempt or source.label != live.label:
         live = LiveRun(label=source.label, history=live.history, window=live.window, attempt=source.attempt)
     if records:
         live.feed(records)

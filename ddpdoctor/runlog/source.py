@@ -35,7 +35,9 @@ class SourceHealth(NamedTuple):
 class RecordSource(Protocol):
     """Anything that yields records of a run as they arrive."""
 
-    label: str  # what the UI shows: the run dir, or "listening on HOST:PORT"
+    #: what the UI shows: the run dir, or "listening on HOST:PORT, run NAME". It names what the
+    #: records come from: when it changes, a consumer starts afresh (``live_run.poll_source``).
+    label: str
     #: the elastic attempt the records come from (None: not known, or a run that is not elastic).
     #: When it changes, torchrun restarted the workers: what came before belongs to another
     #: attempt, its step numbers start over, and a consumer starts afresh (``live_run.poll_source``).
