@@ -37,7 +37,7 @@ def group_arrivals(
     method: dict[int, str] = {}
     arrived: list[list[StepArrivals]] = []
     for members in groups:
-        steps = {r: list(steps_by_rank[r]) for r in members if r in steps_by_rank}
+        steps = {r: steps_by_rank[r] for r in members if r in steps_by_rank}
         clocks = estimate_offsets(steps)
         offsets.update(clocks.offset_us)
         method.update(clocks.method)
