@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
 from ddpdoctor.analysis.buffers import (
+    allreduce_bound_ms,
     buffer_broadcast_cost,
     constant_buffers,
     cross_rank_floor_ms,
@@ -72,8 +75,28 @@ def test_broadcast_cost_uses_the_floor_not_the_waits() -> None:
     cost = cross_rank_floor_ms({0: waiting, 1: arriving_last})
     assert cost == 0.1
     assert buffer_broadcast_cost(HEADER, waiting, 0, cost_ms=cost) == []  # 1% of the step: nothing to say
-    (f,) = buffer_broadcast_cost(HEADER, waiting, 0)  # alone, this rank can only see its own floor
-    assert f.severity == "warning"
+    # alone, the waiting rank's floor is 5 ms; its own all-reduce moved 64 B in 0.1 ms, so 32 B of
+    # buffers cost at most 0.2 ms: the rest was waiting (a late data loader on the other rank)
+    assert allreduce_bound_ms(waiting, 32) == 0.2
+    assert buffer_broadcast_cost(HEADER, waiting, 0) == []
+    # without a bucket timed end to end, nothing bounds the floor: this rank can only see its own
+    untimed = [msgspec.structs.replace(s, b_done_us=[]) for s in waiting]
+    (f,) = buffer_broadcast_cost(HEADER, untimed, 0)
+    assert f.severity == "warning" and not f.evidence["capped_by_allreduce"]
+
+
+def test_broadcast_cost_bound_scales_with_the_buffers_bytes() -> None:
+    # 64 KiB of buffers against 64 B buckets all-reduced in 0.1 ms: the bound (2 x 0.1 ms x 1024)
+    # is far above the 5 ms floor, which stands: a real cost is still reported
+    heavy = [msgspec.structs.replace(_step(i, bcast=5000.0), bcast_bytes=65536) for i in range(20)]
+    assert allreduce_bound_ms(heavy, 65536) == 204.8
+    (f,) = buffer_broadcast_cost(HEADER, heavy, 0)
+    assert (f.severity, f.evidence["broadcast_ms"], f.evidence["capped_by_allreduce"]) == ("warning", 5.0, False)
+    # a rank that waited in every broadcast of those bytes: capped at the bound, said in the detail
+    slow = [msgspec.structs.replace(s, bcast_us=500_000.0, end_us=1_000_000.0) for s in heavy]
+    (f,) = buffer_broadcast_cost(HEADER, slow, 0)
+    assert f.evidence["broadcast_ms"] == 204.8 and f.evidence["capped_by_allreduce"]
+    assert "waited in every broadcast" in f.detail
 
 
 def test_constant_buffers_need_both_version_and_values_unchanged() -> None:

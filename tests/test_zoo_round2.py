@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import ddpdoctor
 from ddpdoctor.cli.main import main
 from tests.zoo_runs import ZooRuns
 
@@ -115,3 +116,20 @@ def test_buffers_that_would_drift_make_turning_the_broadcast_off_unsafe(tmp_path
     f = by_code(report("buffer_broadcast_cost", tmp_path, zoo_runs))["buffer-broadcast-cost"]
     assert f["evidence"]["broadcast_redundant"] is False and f["evidence"]["would_drift"] == ["feature_ema"]
     assert "unsafe" in f["detail"]
+
+
+def test_slow_data_loader_is_not_blamed_on_the_buffer_broadcast(tmp_path: Path, zoo_runs: ZooRuns) -> None:
+    # rank 0 waits for rank 1's data inside DDP's buffer broadcast (the step's first collective):
+    # the straggler is named, and neither the report nor rank 0's live check blames the broadcast
+    # (its own all-reduces bound what a transfer of a few hundred bytes can cost)
+    found = by_code(report("straggler_data_loading", tmp_path, zoo_runs))
+    f = found["straggler"]
+    assert f["ranks"] == [1] and f["evidence"]["phase"] == "data loading (before forward)"
+    assert "buffer-broadcast-cost" not in found
+    proc, run_dir = zoo_runs.run(ZOO / "straggler_data_loading.py")
+    assert "buffer-broadcast-cost" not in proc.stderr
+    run = ddpdoctor.load_run(run_dir)
+    assert not [r for log in run.ranks.values() for r in log.findings if r.code == "buffer-broadcast-cost"]
+    # rank 0 did spend the wait inside the broadcast: without the bound its floor is most of the step
+    waits = sorted(s.bcast_us for s in run.ranks[0].steps if s.bcast_us is not None)
+    assert len(waits) >= 25 and waits[len(waits) // 10] >= 10_000

@@ -17,17 +17,51 @@ COST_WARNING_SHARE = 0.15
 COST_INFO_SHARE = 0.03
 #: Training steps a buffer must stay unchanged before it is called constant.
 MIN_STEPS_CONSTANT = 3
+#: A broadcast's transfer is taken to cost at most this many times the quickest all-reduce of as
+#: many bytes on the same rank (``allreduce_bound_ms``): what the broadcast takes beyond that was
+#: waiting for other ranks.
+TRANSFER_BOUND_FACTOR = 2.0
 
 
-def _bcast_stats(steps: list[Step]) -> tuple[float | None, float | None, int]:
-    """(broadcast cost ms, step ms, bytes). The broadcast is the step's first collective, so on
-    most steps it also absorbs the wait for slower ranks; its cost is its floor (10th percentile),
-    what it takes when this rank arrives last. Removing the broadcast would not remove the wait."""
+_CAPPED = (
+    f": this rank waited in every broadcast, so the cost is taken as {TRANSFER_BOUND_FACTOR:g} times its quickest "
+    "all-reduce of as many bytes"
+)
+
+
+def allreduce_bound_ms(steps: list[Step], nbytes: int) -> float | None:
+    """What broadcasting ``nbytes`` can cost at most on this rank, from its own all-reduces:
+    ``TRANSFER_BOUND_FACTOR`` times the quickest bucket all-reduce seen (launch to done, scaled up
+    to ``nbytes`` when the bucket was smaller). An all-reduce moves at least what a broadcast of as
+    many bytes does, in at least as many hops; None without a bucket timed end to end."""
+    best: float | None = None
+    for s in steps:
+        if s.summary or not s.b_done_us:
+            continue
+        launch = s.b_launch_us or s.b_ready_us
+        for start, done, size in zip(launch, s.b_done_us, s.b_bytes, strict=False):
+            if start is None or done is None or not size:
+                continue
+            ms = (done - start) / 1000.0 * max(1.0, nbytes / size)
+            if best is None or ms < best:
+                best = ms
+    return None if best is None else best * TRANSFER_BOUND_FACTOR
+
+
+def _bcast_stats(steps: list[Step]) -> tuple[float | None, float | None, int, bool]:
+    """(broadcast cost ms, step ms, bytes, whether the cost was capped). The broadcast is the
+    step's first collective, so it also absorbs the wait for slower ranks (one that loads its data
+    late, say): its cost is its floor (10th percentile), what it takes when this rank arrives
+    last, capped by what this rank's all-reduces show a transfer costs (``allreduce_bound_ms``): a
+    rank that arrives first at every broadcast has no floor free of waiting. Removing the broadcast
+    would not remove the wait."""
     bcast = sorted(s.bcast_us for s in steps if s.bcast_us is not None)
     total = [s.end_us for s in steps if s.end_us is not None]
     nbytes = max((s.bcast_bytes for s in steps), default=0)
     floor = bcast[len(bcast) // 10] / 1000.0 if bcast else None
-    return (floor, median(total) / 1000.0 if total else None, nbytes)
+    bound = allreduce_bound_ms(steps, nbytes) if floor is not None and nbytes else None
+    capped = bound is not None and floor is not None and bound < floor
+    return (bound if capped else floor, median(total) / 1000.0 if total else None, nbytes, capped)
 
 
 def constant_buffers(
@@ -49,7 +83,7 @@ def constant_buffers(
     names = [header.buffers[i].name for i in constant]
     const_bytes = sum(header.buffers[i].bytes for i in constant)
     all_bytes = sum(header.buffers[i].bytes for i in broadcast)
-    bcast_ms, step_ms, _ = _bcast_stats(steps)
+    bcast_ms, step_ms, _, _ = _bcast_stats(steps)
     everything = len(constant) == len(broadcast)
     saving_ms = None if bcast_ms is None else bcast_ms * (1.0 if everything else const_bytes / max(1, all_bytes))
     share = saving_ms / step_ms if saving_ms is not None and step_ms else None
@@ -112,9 +146,9 @@ def cross_rank_floor_ms(steps_by_rank: dict[int, list[Step]]) -> float | None:
 def buffer_broadcast_cost(header: Header, steps: list[Step], rank: int, cost_ms: float | None = None) -> list[Finding]:
     """The share of step time that goes to DDP's buffer broadcast (``cost_ms``: a cross-rank
     estimate of it, when the other ranks' logs are at hand)."""
-    bcast_ms, step_ms, nbytes = _bcast_stats(steps)
+    bcast_ms, step_ms, nbytes, capped = _bcast_stats(steps)
     if cost_ms is not None:
-        bcast_ms = cost_ms
+        bcast_ms, capped = cost_ms, False
     if bcast_ms is None or not step_ms or len(steps) < 5:
         return []
     share = bcast_ms / step_ms
@@ -131,9 +165,15 @@ def buffer_broadcast_cost(header: Header, steps: list[Step], rank: int, cost_ms:
             detail=(
                 f"DDP broadcasts {human_bytes(nbytes)} of module buffers from rank 0 at every forward: "
                 f"{bcast_ms:.2f} ms of a {step_ms:.2f} ms step ({len(steps)} steps; time spent waiting for other "
-                "ranks inside the broadcast is not counted)."
+                f"ranks inside the broadcast is not counted{_CAPPED if capped else ''})."
             ),
-            evidence={"broadcast_ms": bcast_ms, "step_ms": step_ms, "share_of_step": share, "bytes_per_step": nbytes},
+            evidence={
+                "broadcast_ms": bcast_ms,
+                "step_ms": step_ms,
+                "share_of_step": share,
+                "bytes_per_step": nbytes,
+                "capped_by_allreduce": capped,
+            },
             fix=(
                 "If the buffers need not match on every rank during training (BatchNorm statistics matter at eval "
                 "and checkpoint time), stop the per-forward broadcast and sync them once when needed:\n"
