@@ -7,8 +7,10 @@ Sampled steps (``schedule``: dense early, then every ``check_every``): post-accu
 on the reduced parameters (which got no gradient: ``unused``, and when each was ready), a one-shot
 forward pre-hook on the *wrapped* module (after DDP's buffer broadcast) that takes fingerprints,
 and a one-shot timing of DDP's ``_post_forward`` (the graph search ``find_unused_parameters``
-costs). ``final`` takes one more fingerprint at the end of the run, so replicas are compared at
-the end of a run of any length.
+costs). A sample in which no parameter got a gradient (the model ran forward again before any
+backward: a GAN's discriminator on real then fake data) says nothing and is dropped; the next
+synchronizing forward samples instead. ``final`` takes one more fingerprint at the end of the
+run, so replicas are compared at the end of a run of any length.
 
 A fingerprint's buffer versions leave out what DDP's own buffer broadcast adds: on some torch
 releases (2.5) the broadcast copies into every broadcast buffer, on every rank, and so bumps its
@@ -38,6 +40,10 @@ from ddpdoctor.runtime.clocks import HostClock
 from ddpdoctor.runtime.fingerprints import Fingerprinter
 
 _requires_grad = operator.attrgetter("requires_grad")
+#: Synchronizing forwards in a row that sample again after a sample saw no gradient at all
+#: (bounded: a DDP model run forward with grad on and never backpropagated must not be sampled
+#: at every forward)
+VOID_RESAMPLES = 4
 
 
 class _Sample:
@@ -102,6 +108,10 @@ class SampledChecks:
         self._grad_ready = torch_compat.available("grad_ready")
         self._post_forward = torch_compat.available("post_forward_timing", warn=False)
         self._join_warned = False
+        # samples in a row that saw no gradient at all: the step's forward had no backward of its
+        # own (a model called twice before one backward, a GAN's discriminator): the next
+        # synchronizing forward samples instead, up to ``VOID_RESAMPLES`` times in a row
+        self._void = 0
 
     @property
     def ddp(self) -> Any:
@@ -124,7 +134,7 @@ class SampledChecks:
         same = self._same_flags
         if same is None or not same(self.params, self._flag_bytes):  # (one native call: unchanged)
             self.check_grad_flags(step)
-        if sync and self.sample is None and is_sampled(step, self.check_every):
+        if sync and self.sample is None and (0 < self._void <= VOID_RESAMPLES or is_sampled(step, self.check_every)):
             self.begin_sample(step, t0_mono_ns)
 
     def check_grad_flags(self, step: int) -> None:
@@ -279,6 +289,13 @@ class SampledChecks:
             ddp.__dict__.pop("_post_forward", None)
         if not self._grad_ready:
             return
+        if sample.hooked and not sample.seen:
+            # no parameter of the model got a gradient: no backward ran between this forward and
+            # the next (DDP all-reduces after the backward of its last forward), which says
+            # nothing about unused parameters; the next synchronizing forward samples instead
+            self._void += 1
+            return
+        self._void = 0
         names = [name for i, name in sample.hooked if i not in sample.seen]
         t0, seen = sample.t0_mono_ns, sample.seen
         ready = [round((seen[i] - t0) / 1000.0, 1) if i in seen else None for i in range(len(self.params))]
