@@ -1,11 +1,13 @@
-"""A model run forward twice before one backward: a GAN's discriminator, on real data, then on the
-generator's output, then once more for the generator's loss (which all-reduces its gradients
-again). DDP allows it; the sampled checks must not call the parameters of a forward that had no
-backward of its own "unused" (an error, with a warning that the next iteration fails). Real
-2-rank gloo, two DDP models in one process, instrumented and plain."""
+"""Two DDP models in one process, one of them run forward twice before one backward: a GAN's
+discriminator, on real data, then on the generator's output, then once more for the generator's
+loss (which all-reduces its gradients again). DDP allows it; the sampled checks must not call the
+parameters of a forward that had no backward of its own "unused" (an error, with a warning that
+the next iteration fails), and the report must say that the run holds two models and read each.
+Real 2-rank gloo, instrumented and plain."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpdoctor
+from ddpdoctor.cli.main import main
 from tests.ddp_harness import run_ranks
 
 STEPS = 12
@@ -79,3 +82,23 @@ def test_a_forward_without_its_own_backward_is_not_unused(gan: Any) -> None:
         # and the forward after each sampled instead (1 was due anyway; 4 and 16 were not)
         assert sampled == [1, 4, 7, 16, 31]
         assert all(u.names == [] and None not in u.param_ready_us for u in log.unused)
+
+
+def test_the_report_names_every_ddp_model_and_reports_each(
+    gan: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, run_dir = gan
+    reports = {}
+    for model in (0, 1):
+        out = tmp_path / f"report-{model}.json"
+        assert main(["report", str(run_dir), "--ddp", str(model), "--format", "json", "-o", str(out)]) == 0
+        reports[model] = json.loads(out.read_text())
+    assert (reports[0]["run"]["ddp_model"], reports[0]["run"]["other_ddp_models"]) == (0, [1])
+    assert (reports[1]["run"]["ddp_model"], reports[1]["run"]["other_ddp_models"]) == (1, [0])
+    # the generator all-reduces once an iteration, the discriminator three times (one bare)
+    assert (reports[0]["stats"]["steps"], reports[1]["stats"]["steps"]) == (STEPS, 3 * STEPS)
+    assert "unused-parameters" not in {f["code"] for r in reports.values() for f in r["findings"]}
+    assert main(["report", str(run_dir)]) == 0
+    assert f"the others: ddpdoctor report {run_dir} --ddp 1" in capsys.readouterr().out
+    assert main(["report", str(run_dir), "--ddp", "2"]) == 2
+    assert "no rank files of DDP model 2 here (models with files: 0, 1)" in capsys.readouterr().err

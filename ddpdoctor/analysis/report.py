@@ -145,6 +145,9 @@ def analyze(run: Run) -> Report:
         # the ranks of each DDP group where DDP runs over subgroups of the world (else one group)
         "ddp_groups": groups,
         "ranks_logged": sorted(run.ranks),
+        # the DDP model reported (a process may wrap several: a GAN's two), and the others logged
+        "ddp_model": run.ddp,
+        "other_ddp_models": [m for m in run.models() if m != run.ddp],
         "missing_ranks": run.missing_ranks(),
         "backend": header.backend if header else None,
         "torch": header.torch if header else None,

@@ -78,6 +78,18 @@ def world_text(run: dict[str, Any]) -> str:
     return f"{run['world_size']} in {len(groups)} DDP groups (ranks {ranks})"
 
 
+def models_text(run: dict[str, Any]) -> str | None:
+    """Which DDP model is reported, where each process wrapped several (None: one)."""
+    others = run.get("other_ddp_models") or []
+    if not others:
+        return None
+    switches = ", ".join(f"--ddp {m}" for m in others)
+    return (
+        f"DDP model {run.get('ddp_model', 0)} of {len(others) + 1} wrapped in each process; "
+        f"the others: ddpdoctor report {run['dir']} {switches}"
+    )
+
+
 def render(report: Report) -> str:
     """The whole report as readable text."""
     run, stats = report.run, report.stats
@@ -88,6 +100,7 @@ def render(report: Report) -> str:
         f"device {run['device']}, hosts {', '.join(run['hosts']) or '?'}",
         f"  {stats['steps']} steps, "
         f"{'finished' if run['finished'] else 'not finished (still running, or a rank died)'}",
+        *([f"  {models}"] if (models := models_text(run)) else []),
         *(
             [f"  step statistics from every {run['steps_sampled_every']}th step of each rank and its last 128 steps"]
             if run.get("steps_sampled_every", 1) > 1
@@ -148,6 +161,8 @@ def render_markdown(report: Report) -> str:
     ]
     if run["missing_ranks"]:
         lines.append(f"Missing rank files: {run['missing_ranks']}.")
+    if models := models_text(run):
+        lines.append(models + ".")
     if stream := _stream_note(report):
         lines.append(stream[0].upper() + stream[1:] + ".")
     if run["corrupt_lines"] or run["unknown_lines"]:

@@ -22,12 +22,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="html: one self-contained page with plots, readable offline (use with -o)",
     )
     p.add_argument("-o", "--output", type=Path, help="write the report to this file instead of stdout")
+    p.add_argument(
+        "--ddp",
+        type=int,
+        default=0,
+        metavar="K",
+        help="where each process wrapped several DDP models (a GAN's two): report the K-th (default 0, the first)",
+    )
     p.add_argument("--fail-on", choices=["warning", "error"], help="exit 1 if a finding this severe or worse exists")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    run_log = load_run(args.run_dir, max_steps="auto")
+    run_log = load_run(args.run_dir, max_steps="auto", ddp=args.ddp)
     report = analyze(run_log)
     if args.format == "html":
         from ddpdoctor.analysis.plot_data import plot_data

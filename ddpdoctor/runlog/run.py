@@ -18,11 +18,13 @@ class RunDirError(ValueError):
 
 @dataclass
 class Run:
-    """A run dir's logs: ``ranks`` maps global rank to its log (first DDP model of each rank)."""
+    """A run dir's logs: ``ranks`` maps global rank to its log of DDP model ``ddp`` (the first
+    DDP model each process wrapped, unless ``load_run`` was asked for another)."""
 
     dir: Path
     ranks: dict[int, RankLog] = field(default_factory=dict)
-    other_models: list[RankLog] = field(default_factory=list)  # second and later DDP models
+    other_models: list[RankLog] = field(default_factory=list)  # the other DDP models' logs
+    ddp: int = 0  # which DDP model of each process ``ranks`` holds (0: the first one wrapped)
     attempt: int | None = None  # the elastic attempt read (``dir`` is then its ``attempt-N`` folder)
     attempts: list[int] = field(default_factory=list)  # every attempt the run dir holds
 
@@ -44,6 +46,11 @@ class Run:
             if h is not None
         ]
         return max(sizes) if sizes else len(self.ranks)
+
+    def models(self) -> list[int]:
+        """Every DDP model with a rank file here (0: the first one each process wrapped; a GAN's
+        second model writes ``rank-NNNNN.ddp1.jsonl``)."""
+        return sorted({self.ddp} | {log.ddp for log in self.other_models})
 
     def missing_ranks(self) -> list[int]:
         """Ranks the headers promise but for which there is no file."""
@@ -114,7 +121,10 @@ MIN_STEPS_PER_RANK, MAX_STEPS_PER_RANK = 512, 8192
 
 
 def load_run(
-    directory: str | os.PathLike[str], attempt: int | None = None, max_steps: int | Literal["auto"] | None = None
+    directory: str | os.PathLike[str],
+    attempt: int | None = None,
+    max_steps: int | Literal["auto"] | None = None,
+    ddp: int = 0,
 ) -> Run:
     """Read every rank file of a run dir (finished or still being written).
 
@@ -122,6 +132,9 @@ def load_run(
     never fatal. A run dir with elastic attempts (``attempt-N`` folders) is read at its latest
     attempt unless ``attempt`` says which. Raises ``RunDirError`` when the directory is missing
     or holds no rank file.
+
+    ``ddp`` picks the DDP model whose logs ``ranks`` holds where a process wrapped several (0:
+    the first; the others go to ``other_models``); ``RunDirError`` when it has no rank file.
 
     ``max_steps`` bounds the step records kept per rank (for very long or very wide runs): steps
     are then kept at a power-of-two stride of their index, the same on every rank, plus the last
@@ -133,20 +146,25 @@ def load_run(
     files = rank_files(path)
     if not files:
         raise RunDirError(f"{path}: no rank files (rank-NNNNN.jsonl) here; is this a ddpdoctor run dir?")
-    run = Run(dir=path, attempt=chosen, attempts=attempts(root) if chosen is not None else [])
+    models = sorted({index for _, _, index in files})
+    if ddp not in models:
+        raise RunDirError(
+            f"{path}: no rank files of DDP model {ddp} here (models with files: {', '.join(map(str, models))})"
+        )
+    run = Run(dir=path, attempt=chosen, attempts=attempts(root) if chosen is not None else [], ddp=ddp)
     if max_steps == "auto":
         max_steps = min(MAX_STEPS_PER_RANK, max(MIN_STEPS_PER_RANK, STEP_BUDGET // len(files)))
     collecting = gc.isenabled()
     gc.disable()  # many small objects that never form cycles: the collector would only rescan them
     try:
-        for file, rank, ddp in files:
+        for file, rank, index in files:
             if max_steps is None:
-                tail = RankFileTail(file, rank, ddp)
+                tail = RankFileTail(file, rank, index)
                 tail.poll(final=True)
                 log = tail.log
             else:
-                log = read_sampled(file, rank, ddp, max_steps)
-            if ddp == 0:
+                log = read_sampled(file, rank, index, max_steps)
+            if index == ddp:
                 run.ranks[rank] = log
             else:
                 run.other_models.append(log)
