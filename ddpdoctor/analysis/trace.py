@@ -131,7 +131,10 @@ def chrome_trace(run: Run) -> dict[str, Any]:
                         {"bytes": nbytes, "ready_us": ready, **step_args},
                     )
                 )
-    other: dict[str, Any] = {"run_dir": str(run.dir), "clock_offsets_us": {str(r): v for r, v in clocks.offset_us.items()}}
+    other: dict[str, Any] = {
+        "run_dir": str(run.dir),
+        "clock_offsets_us": {str(r): v for r, v in clocks.offset_us.items()},
+    }
     if len(groups) > 1:
         other["ddp_groups"] = groups  # each offset is against its group's lowest rank
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}

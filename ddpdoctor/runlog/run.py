@@ -48,7 +48,9 @@ class Run:
             h = log.header
             if h is not None:
                 # a subgroup's header names its group, and (newer logs) the whole world's size
-                promised.update(h.group_ranks if h.group_ranks and not h.dist_world_size else range(h.whole_world_size()))
+                promised.update(
+                    h.group_ranks if h.group_ranks and not h.dist_world_size else range(h.whole_world_size())
+                )
         return sorted(promised - set(self.ranks))
 
 
