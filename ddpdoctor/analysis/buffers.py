@@ -229,6 +229,26 @@ def broadcast_redundancy(header: Header, prints: dict[int, list[Fingerprint]]) -
     return {"changing": changing, "would_drift": differing, "redundant": not differing, "steps_compared": steps[:100]}
 
 
+def combined_redundancy(verdicts: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Several DDP groups' ``broadcast_redundancy`` verdicts as one (each compares the ranks of
+    one group: groups train different models, whose buffers differ by design): redundant only
+    where no group's changing buffers differ within it. None when no group has a verdict."""
+    found = [v for v in verdicts if v is not None]
+    if len(found) <= 1:
+        return found[0] if found else None
+
+    def union(key: str) -> list[str]:
+        return list(dict.fromkeys(name for v in found for name in v[key]))
+
+    drift = union("would_drift")
+    return {
+        "changing": union("changing"),
+        "would_drift": drift,
+        "redundant": not drift,
+        "steps_compared": sorted({s for v in found for s in v["steps_compared"]})[:100],
+    }
+
+
 def advise_broadcast(cost: Finding, verdict: dict[str, Any] | None) -> Finding:
     """The ``buffer-broadcast-cost`` finding with what turning the broadcast off would do."""
     if verdict is None:

@@ -4,7 +4,8 @@
 
 - per phase (``phases.PHASES`` plus the cross-rank bucket wait), the median over steps of each
   run, the change, and a confidence that the change is not noise. Each step gives one sample:
-  the slowest rank's value at that step (a synchronized step is as slow as its slowest rank).
+  the slowest rank's value at that step (a synchronized step is as slow as its slowest rank;
+  the bucket wait is each DDP group's own, its clocks aligned within it, as the report's).
   The confidence is ``1 - p`` of a two-sided Mann-Whitney U test over the two runs' steps, so
   it comes from the runs' own step-to-step spread, needs no assumption about its shape, and a
   single outlier step cannot make it;
@@ -22,9 +23,8 @@ from dataclasses import asdict, dataclass, field
 from statistics import median
 from typing import Any
 
-from ddpdoctor.analysis.bucket_wait import arrivals
-from ddpdoctor.analysis.clock_align import estimate_offsets
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
+from ddpdoctor.analysis.groups import ddp_groups, group_arrivals
 from ddpdoctor.analysis.phases import step_phases
 from ddpdoctor.analysis.report import REPORTED, Report
 from ddpdoctor.events import Step
@@ -208,9 +208,13 @@ def phase_samples(run: Run) -> dict[str, list[float]]:
                 if value is not None and name in COMPARED:
                     row[name] = max(row.get(name, value), value)
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
-    for sa in arrivals(steps_by_rank, estimate_offsets(steps_by_rank)):
-        if sa.step in by_step and sa.wait_us:
-            by_step[sa.step]["bucket_wait"] = max(sa.wait_us.values()) / 1000.0
+    # ranks wait only for the ranks of their own DDP group: each group's waits, the longest of them
+    _, arrived = group_arrivals(steps_by_rank, ddp_groups({r: log.header for r, log in run.ranks.items()}))
+    for group_arrived in arrived:
+        for sa in group_arrived:
+            if sa.step in by_step and sa.wait_us:
+                wait = max(sa.wait_us.values()) / 1000.0
+                by_step[sa.step]["bucket_wait"] = max(by_step[sa.step].get("bucket_wait", wait), wait)
     out: dict[str, list[float]] = {name: [] for name in COMPARED}
     for step in sorted(by_step):
         for name, value in by_step[step].items():
@@ -314,6 +318,8 @@ def _run_facts(report: Report) -> dict[str, Any]:
         "dir": report.run.get("dir"),
         "run_id": report.run.get("run_id"),
         "world_size": report.run.get("world_size"),
+        # each DDP group's ranks, as the report has them (one group: DDP over the whole world)
+        "ddp_groups": report.run.get("ddp_groups"),
         "steps": report.stats.get("steps"),
         "backend": report.run.get("backend"),
         "device": report.run.get("device"),

@@ -11,6 +11,7 @@ from ddpdoctor.analysis.buffers import (
     advise_broadcast,
     broadcast_redundancy,
     buffer_broadcast_cost,
+    combined_redundancy,
     constant_buffers,
     cross_rank_floor_ms,
 )
@@ -115,12 +116,16 @@ def _whole_run(f: Finding, run: Run, looked_at: int) -> Finding:
 def diagnose(run: Run, arrived: list[list[StepArrivals]] | None = None) -> list[Finding]:
     """Every finding the logs support (``arrived``: each DDP group's bucket arrivals, in the order
     of ``ddp_groups``, if at hand). Replicas and stragglers are compared within a DDP group."""
-    cost = cross_rank_floor_ms({r: log.steps for r, log in run.ranks.items()})
     floor = exposed_floor_us({r: log.steps for r, log in run.ranks.items()}) if len(run.ranks) > 1 else None
-    derived = [f for log in run.ranks.values() for f in rank_findings(log, cost, floor)]
-    header = next((log.header for log in run.ranks.values() if log.header is not None), None)
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
     groups = ddp_groups({r: log.header for r, log in run.ranks.items()})
+    # the buffer broadcast's cost across the ranks that broadcast together: each DDP group's own
+    cost: dict[int, float | None] = {}
+    for members in groups:
+        group_cost = cross_rank_floor_ms({r: steps_by_rank[r] for r in members})
+        cost.update(dict.fromkeys(members, group_cost))
+    derived = [f for log in run.ranks.values() for f in rank_findings(log, cost.get(log.rank), floor)]
+    verdicts: list[dict[str, Any] | None] = []
     if arrived is None:
         _, arrived = group_arrivals(steps_by_rank, groups)
     for members, group_arrived in zip(groups, arrived, strict=True):
@@ -130,6 +135,8 @@ def diagnose(run: Run, arrived: list[list[StepArrivals]] | None = None) -> list[
             broadcast_seen = any(s.bcast_bytes for log in logs for s in log.steps)
             prints = {r: run.ranks[r].fingerprints for r in members}
             derived += compare_fingerprints(group_header, prints, broadcast_seen)
+            # whether the broadcast is redundant: the group's replicas against each other only
+            verdicts.append(broadcast_redundancy(group_header, prints))
         group_steps = {r: steps_by_rank[r] for r in members}
         derived += [_whole_run(f, run, len(group_arrived)) for f in stragglers(group_steps, group_arrived)]
     derived += lost_in_run(run)
@@ -143,7 +150,7 @@ def diagnose(run: Run, arrived: list[list[StepArrivals]] | None = None) -> list[
         if r.code in LOGGED_EVIDENCE_CODES and r.code not in codes
     ]
     merged = merge(derived + logged)
-    verdict = broadcast_redundancy(header, {r: log.fingerprints for r, log in run.ranks.items()}) if header else None
+    verdict = combined_redundancy(verdicts)
     advised = {
         "exposed-communication": lambda f: advise_communication(run, f),
         "buffer-broadcast-cost": lambda f: advise_broadcast(f, verdict),

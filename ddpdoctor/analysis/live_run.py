@@ -28,9 +28,10 @@ from typing import Literal, NamedTuple, cast
 from ddpdoctor.analysis import live_view
 from ddpdoctor.analysis.blame import Margins, blame, step_margins
 from ddpdoctor.analysis.bucket_size import RankBackward, bucket_size
-from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
-from ddpdoctor.analysis.clock_align import ClockOffsets, estimate_offsets
+from ddpdoctor.analysis.bucket_wait import StepArrivals
+from ddpdoctor.analysis.clock_align import ClockOffsets
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding, Severity
+from ddpdoctor.analysis.groups import arrivals_in_groups, ddp_groups, group_clocks, merged_arrivals
 from ddpdoctor.analysis.hang import COLLECTIVE_PHASES, hang_findings, steps_without_allreduce
 from ddpdoctor.analysis.live_view import EMPTY_HEALTH, LiveSnapshot, StepTime
 from ddpdoctor.analysis.lost import RankTail, lost_ranks
@@ -121,8 +122,16 @@ class LiveRun:
         self._world_size = 0
         self._pending: dict[int, set[int]] = {}  # step -> ranks that logged it, until complete
         self._complete: deque[int] = deque(maxlen=self.history)
-        self._arrivals: dict[int, StepArrivals] = {}
-        self._margins: dict[int, Margins] = {}  # per complete step: who held the others, by how much
+        # the DDP groups (``groups.ddp_groups``), recomputed only when a header or a rank comes:
+        # never per record
+        self._groups: list[list[int]] = []
+        self._groups_stale = False
+        # per complete step, per DDP group (by its lowest rank): its arrivals, who held the others
+        # of the group and by how much, and the group's median step (ms). Ranks of different
+        # groups never wait for each other: arrivals, clocks and blame stay within a group
+        self._arrivals: dict[int, dict[int, StepArrivals]] = {}
+        self._margins: dict[int, dict[int, Margins]] = {}
+        self._group_ms: dict[int, dict[int, float]] = {}
         self._step_times: deque[StepTime] = deque(maxlen=self.history)
         self._clocks: ClockOffsets | None = None
         self._clock_age = 0
@@ -158,7 +167,17 @@ class LiveRun:
         st = self._ranks.get(rank)
         if st is None:
             st = self._ranks[rank] = _RankState(rank, steps=deque(maxlen=self.history))
+            self._groups_stale = True
         return st
+
+    def _ddp_groups(self) -> list[list[int]]:
+        """The ranks of each DDP group, as of the latest header (recomputed only after one came)."""
+        if self._groups_stale:
+            groups = ddp_groups({r: st.header for r, st in self._ranks.items()})
+            if groups != self._groups:
+                self._clocks = None  # each group's clocks are aligned within it
+            self._groups, self._groups_stale = groups, False
+        return self._groups
 
     def _add(self, rank: int, rec: object) -> None:
         st = self._state(rank)
@@ -180,7 +199,9 @@ class LiveRun:
                 self._reset_rank(rank)  # the file was replaced: a new run under the same name
                 st = self._state(rank)
             st.header = rec
-            self._world_size = max(self._world_size, rec.world_size)
+            self._groups_stale = True
+            # DDP over a subgroup: the header's world size is its group's; the run has more ranks
+            self._world_size = max(self._world_size, rec.whole_world_size())
             st.last_wall_ns = max(st.last_wall_ns, rec.t_wall_ns)
         elif isinstance(rec, Layout):
             st.buckets = len(rec.buckets)
@@ -216,6 +237,7 @@ class LiveRun:
 
     def _reset_rank(self, rank: int) -> None:
         del self._ranks[rank]
+        self._groups_stale = True
         for ranks in self._pending.values():
             ranks.discard(rank)
         self._clocks = None
@@ -263,24 +285,40 @@ class LiveRun:
         by_rank = self._steps_at(step)
         if len(by_rank) < len(self._ranks):
             return
+        groups = self._ddp_groups()
         if (
             self._clocks is None
             or self._clock_age >= CLOCK_EVERY
             or any(r not in self._clocks.offset_us for r in by_rank)
         ):
             recent = {r: list(st.steps)[-CLOCK_STEPS:] for r, st in self._ranks.items()}
-            self._clocks, self._clock_age = estimate_offsets(recent), 0
+            self._clocks, self._clock_age = group_clocks(recent, groups), 0
         self._clock_age += 1
-        found = arrivals({r: [s] for r, s in by_rank.items()}, self._clocks)
-        if found:
-            self._arrivals[step] = found[0]
-            self._margins[step] = step_margins(found[0])
+        found = arrivals_in_groups({r: [s] for r, s in by_rank.items()}, groups, self._clocks)
         ends = [s.end_us / 1000.0 for s in by_rank.values() if s.end_us is not None]
         if ends:
             self._step_times.append(StepTime(step, min(ends), median(ends), max(ends)))
+        at_step: dict[int, StepArrivals] = {}
+        margins: dict[int, Margins] = {}
+        group_ms: dict[int, float] = {}
+        for members, arrived in zip(groups, found, strict=True):
+            if arrived:
+                at_step[members[0]] = arrived[0]
+                margins[members[0]] = step_margins(arrived[0])
+            if len(groups) == 1:
+                if ends:
+                    group_ms[members[0]] = self._step_times[-1].median_ms
+                continue
+            mine = [end for r in members if r in by_rank and (end := by_rank[r].end_us) is not None]
+            if mine:
+                group_ms[members[0]] = median(mine) / 1000.0
+        if at_step:
+            self._arrivals[step], self._margins[step] = at_step, margins
+        self._group_ms[step] = group_ms
         if len(self._complete) == self._complete.maxlen:
             self._arrivals.pop(self._complete[0], None)
             self._margins.pop(self._complete[0], None)
+            self._group_ms.pop(self._complete[0], None)
         self._complete.append(step)
 
     # -- cross-rank live findings ---------------------------------------------------------------
@@ -298,26 +336,15 @@ class LiveRun:
         ):
             return
         self._checked_upto = self._complete[-1]
-        recent = [s for s in list(self._complete)[-self.window :] if s in self._arrivals]
-        if len(recent) < 3:
+        complete = list(self._complete)[-self.window :]
+        found: dict[int, Finding] = {}
+        lost_for_others: dict[int, float] = {}
+        for members in self._ddp_groups():  # each group's ranks wait only for each other
+            if len(members) >= 2:
+                found.update(self._group_stragglers(members, complete, lost_for_others))
+        if not lost_for_others:  # too few complete steps yet: keep what the last check said
             return
-        wanted = set(recent) | {s - 1 for s in recent}  # the step before: the data-loading gap
-        tail = self.window + 2
-        steps_by_rank = {
-            r: [s for s in list(islice(reversed(st.steps), tail))[::-1] if s.step in wanted]
-            for r, st in self._ranks.items()
-        }
-        window = [self._arrivals[s] for s in recent]
-        durations = {st.step: st.median_ms for st in self._step_times}  # as blame.step_ms_of
-        whole = blame(steps_by_rank, window, durations, self._margins)
-        found = {f.ranks[0]: f for f in stragglers(steps_by_rank, window, whole)}
-        short = window[-SHORT_WINDOW:]
-        if len(short) < len(window):
-            recent_blame = blame(steps_by_rank, short, durations, self._margins)
-            if any(rb.rank not in found for rb in recent_blame.named()):  # else: no finding to build
-                for f in stragglers(steps_by_rank, short, recent_blame):
-                    found.setdefault(f.ranks[0], f)
-        self._lost_for_others = {r: rb.lost_ms for r, rb in whole.ranks.items()}
+        self._lost_for_others = lost_for_others
         self._stragglers = set(found)
         for rank, f in found.items():
             key = _crossed("straggler", (rank,))
@@ -326,6 +353,36 @@ class LiveRun:
             self._findings[key] = dataclasses.replace(
                 f, step=old.step if old else f.step, evidence={**f.evidence, "live_seen_at_step": seen}
             )
+
+    def _group_stragglers(
+        self, members: list[int], complete: list[int], lost_for_others: dict[int, float]
+    ) -> dict[int, Finding]:
+        """One DDP group's stragglers over the ``complete`` steps (rank -> finding); each member's
+        cost to the others of its group goes into ``lost_for_others``."""
+        lead = members[0]
+        recent = [s for s in complete if lead in self._arrivals.get(s, ())]
+        if len(recent) < 3:
+            return {}
+        wanted = set(recent) | {s - 1 for s in recent}  # the step before: the data-loading gap
+        tail = self.window + 2
+        steps_by_rank = {
+            r: [s for s in list(islice(reversed(self._ranks[r].steps), tail))[::-1] if s.step in wanted]
+            for r in members
+            if r in self._ranks
+        }
+        window = [self._arrivals[s][lead] for s in recent]
+        margins = {s: self._margins[s][lead] for s in recent}
+        durations = {s: ms[lead] for s in recent if lead in (ms := self._group_ms.get(s, {}))}  # as blame.step_ms_of
+        whole = blame(steps_by_rank, window, durations, margins)
+        found = {f.ranks[0]: f for f in stragglers(steps_by_rank, window, whole)}
+        short = window[-SHORT_WINDOW:]
+        if len(short) < len(window):
+            recent_blame = blame(steps_by_rank, short, durations, margins)
+            if any(rb.rank not in found for rb in recent_blame.named()):  # else: no finding to build
+                for f in stragglers(steps_by_rank, short, recent_blame):
+                    found.setdefault(f.ranks[0], f)
+        lost_for_others.update({r: rb.lost_ms for r, rb in whole.ranks.items()})
+        return found
 
     def _check_bucket_size(self) -> None:
         """The report's bucket-size finding over the recent window, now and then (it replays backward passes)."""
@@ -413,7 +470,8 @@ class LiveRun:
         if at_step is not None and complete:
             at_step = min(max(at_step, complete[0]), complete[-1])
         view = at_step if at_step is not None else (complete[-1] if complete else None)
-        arr = self._arrivals.get(view) if view is not None else None
+        # every group's arrivals in one: each rank's lateness stays that within its own group
+        arr = merged_arrivals(list(self._arrivals.get(view, {}).values())) if view is not None else None
         rows = []
         for rank in sorted(self._ranks):
             st = self._ranks[rank]
@@ -445,10 +503,12 @@ class LiveRun:
         h0 = min(headers, key=lambda h: h.rank) if headers else None
         findings = self._shown_findings()
         latest = max((st.steps[-1].step for st in self._ranks.values() if st.steps), default=None)
+        groups = self._groups if not self._groups_stale else ddp_groups({r: st.header for r, st in self._ranks.items()})
         return LiveSnapshot(
             label=self.label,
             run_id=h0.run_id if h0 else "",
             world_size=self._expected(),
+            ddp_groups=tuple(tuple(g) for g in groups) if len(groups) > 1 else (),
             backend=h0.backend if h0 else "",
             device=h0.device if h0 else "",
             ranks=tuple(rows),

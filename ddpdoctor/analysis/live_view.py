@@ -108,6 +108,9 @@ class LiveSnapshot:
     source: SourceHealth
     records: int  # records fed so far
     attempt: int | None = None  # the elastic attempt shown (None: not elastic, or not known)
+    #: the ranks of each DDP group where DDP runs over subgroups of the world (``groups.ddp_groups``);
+    #: empty for one group. Lateness, waits and blame are each rank's within its group
+    ddp_groups: tuple[tuple[int, ...], ...] = ()
 
 
 def _ms(v: float | None) -> float | None:
@@ -201,8 +204,9 @@ def rank_row(
 
 
 def heatmap(arrivals: StepArrivals, has_bcast: bool) -> Heatmap:
-    """The step's arrivals as a ranks x collectives grid of ms late."""
-    n = len(next(iter(arrivals.lateness_us.values()), []))
+    """The step's arrivals as a ranks x collectives grid of ms late (each rank's row as long as its
+    collectives: DDP groups that train different models have different buckets)."""
+    n = max((len(v) for v in arrivals.lateness_us.values()), default=0)
     buckets = [f"b{i}" for i in range(n - (1 if has_bcast else 0))] if arrivals.per_bucket else ["first", "last"]
     names = (["bcast"] if has_bcast else []) + buckets
     return Heatmap(

@@ -6,6 +6,10 @@
 - the arrival heatmap (ranks x collectives, ms behind the earliest rank) at a step;
 - one step's timeline per rank on aligned clocks (forward, buffer broadcast, backward, each
   bucket from ready to all-reduced, optimizer).
+
+Where DDP runs over subgroups of the world, clocks are aligned and lateness measured within each
+DDP group (``groups``): the heatmap shows every rank's lateness behind the earliest rank of its
+own group, and the "worst" step is the one with the largest such lateness.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from statistics import median
 
-from ddpdoctor.analysis.bucket_wait import StepArrivals, arrivals
-from ddpdoctor.analysis.clock_align import ClockOffsets, estimate_offsets
+from ddpdoctor.analysis.bucket_wait import StepArrivals
+from ddpdoctor.analysis.clock_align import ClockOffsets
 from ddpdoctor.analysis.compare import MIN_STEPS_AFTER_WARMUP, WARMUP_STEPS
+from ddpdoctor.analysis.groups import ddp_groups, group_arrivals, merged_arrivals
 from ddpdoctor.events import Step
 from ddpdoctor.runlog import Run
 
@@ -56,6 +61,8 @@ class PlotData:
     heatmaps: dict[str, tuple[int, list[str], list[int], list[list[float]]]] = field(default_factory=dict)
     timeline_step: int | None = None
     timeline: list[Segment] = field(default_factory=list)
+    #: the ranks of each DDP group where DDP runs over subgroups of the world (empty: one group)
+    ddp_groups: list[list[int]] = field(default_factory=list)
 
 
 def _stride(n: int) -> int:
@@ -96,7 +103,7 @@ def _names(run: Run, step: int, n: int) -> list[str]:
 
 def _heatmap(run: Run, sa: StepArrivals) -> tuple[int, list[str], list[int], list[list[float]]]:
     ranks = sorted(sa.lateness_us)
-    n = len(sa.lateness_us[ranks[0]]) if ranks else 0
+    n = max((len(v) for v in sa.lateness_us.values()), default=0)  # groups may train different models
     return sa.step, _names(run, sa.step, n), ranks, [[round(v / 1000.0, 3) for v in sa.lateness_us[r]] for r in ranks]
 
 
@@ -136,8 +143,20 @@ def plot_data(run: Run) -> PlotData:
     data = PlotData()
     data.step_series, data.aggregated = _step_series(run)
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
-    clocks = estimate_offsets(steps_by_rank)
-    arrived = {sa.step: sa for sa in arrivals(steps_by_rank, clocks)}
+    groups = ddp_groups({r: log.header for r, log in run.ranks.items()})
+    if len(groups) > 1:
+        data.ddp_groups = groups
+    clocks, by_group = group_arrivals(steps_by_rank, groups)
+    # every group's arrivals at a step in one (each rank's lateness within its own group); with
+    # several groups, the steps every group has
+    per_step: dict[int, list[StepArrivals]] = {}
+    for group_arrived in by_group:
+        for sa in group_arrived:
+            per_step.setdefault(sa.step, []).append(sa)
+    compared = sum(1 for group_arrived in by_group if group_arrived)  # a one-rank group has no arrivals
+    arrived = {
+        k: merged for k, at in per_step.items() if len(at) == compared and (merged := merged_arrivals(at)) is not None
+    }
     detailed = {k: sa for k, sa in arrived.items() if sa.per_bucket}
     if detailed:  # a compact log: the plots show steps every rank logged bucket by bucket
         arrived = detailed

@@ -3,14 +3,16 @@
 Each rank gets a "step" track (forward, buffer broadcast, backward, waiting for the all-reduce,
 optimizer, the rest until the next step) and one track per gradient bucket (its all-reduce from
 launch to completion). Times are on the reference rank's clock (see clock_align), so slices of
-different ranks line up even when their hosts' clocks do not.
+different ranks line up even when their hosts' clocks do not. Where DDP runs over subgroups of the
+world, each DDP group's clocks are aligned within it (``groups.group_clocks``: ranks of different
+groups share no collective to align on) and each process names its group.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ddpdoctor.analysis.clock_align import estimate_offsets
+from ddpdoctor.analysis.groups import ddp_groups, group_clocks, ranks_text
 from ddpdoctor.events import Step
 from ddpdoctor.runlog import Run
 
@@ -40,14 +42,17 @@ def _meta(kind: str, pid: int, tid: int, name: str) -> dict[str, Any]:
 def chrome_trace(run: Run) -> dict[str, Any]:
     """The Chrome trace event JSON object of a run."""
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
-    clocks = estimate_offsets(steps_by_rank)
+    groups = ddp_groups({r: log.header for r, log in run.ranks.items()})
+    group_of = {r: members for members in groups for r in members} if len(groups) > 1 else {}
+    clocks = group_clocks(steps_by_rank, groups)
     starts = [clocks.aligned_us(r, s.t0_wall_ns, 0.0) for r, steps in steps_by_rank.items() for s in steps]
     origin = min(starts) if starts else 0.0
     events: list[dict[str, Any]] = []
     for rank, log in sorted(run.ranks.items()):
         host = log.header.host if log.header else "?"
+        group = f", DDP group {ranks_text(group_of[rank])}" if rank in group_of else ""
         events += [
-            _meta("process_name", rank, 0, f"rank {rank} ({host})"),
+            _meta("process_name", rank, 0, f"rank {rank} ({host}){group}"),
             {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
             _meta("thread_name", rank, STEP_TID, "step"),
         ]
@@ -126,8 +131,10 @@ def chrome_trace(run: Run) -> dict[str, Any]:
                         {"bytes": nbytes, "ready_us": ready, **step_args},
                     )
                 )
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {"run_dir": str(run.dir), "clock_offsets_us": {str(r): v for r, v in clocks.offset_us.items()}},
+    other: dict[str, Any] = {
+        "run_dir": str(run.dir),
+        "clock_offsets_us": {str(r): v for r, v in clocks.offset_us.items()},
     }
+    if len(groups) > 1:
+        other["ddp_groups"] = groups  # each offset is against its group's lowest rank
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}

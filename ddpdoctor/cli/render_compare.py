@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ddpdoctor.analysis.compare import CONFIDENCE, Comparison, PhaseChange
+from ddpdoctor.analysis.groups import groups_text
 from ddpdoctor.analysis.sizes import human_bytes
 
 
@@ -119,12 +122,17 @@ def _where(c: Comparison) -> list[str]:
     ]
 
 
+def ranks_text(facts: dict[str, Any]) -> str:
+    """One run's ranks, and its DDP groups where DDP runs over subgroups of the world."""
+    groups = groups_text(facts.get("ddp_groups") or [])
+    return f"{facts['world_size']} ranks {groups}" if groups else f"{facts['world_size']} ranks"
+
+
 def render_compare(c: Comparison) -> str:
     """The comparison as plain text."""
     lines = [
         f"ddpdoctor compare: {c.base['dir']} (base) -> {c.new['dir']} (new)",
-        f"  base: {c.base['world_size']} ranks, {c.base['steps']} steps; "
-        f"new: {c.new['world_size']} ranks, {c.new['steps']} steps",
+        f"  base: {ranks_text(c.base)}, {c.base['steps']} steps; new: {ranks_text(c.new)}, {c.new['steps']} steps",
         "",
         _headline(c),
     ]

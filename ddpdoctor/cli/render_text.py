@@ -6,6 +6,7 @@ from typing import Any
 
 from ddpdoctor.analysis import Report
 from ddpdoctor.analysis.findings import SEVERITY_ORDER
+from ddpdoctor.analysis.groups import groups_text
 from ddpdoctor.analysis.sizes import human_bytes
 
 _COLUMNS = [
@@ -71,11 +72,8 @@ def _duration(ms: float) -> str:
 
 def world_text(run: dict[str, Any]) -> str:
     """The world size, and each DDP group's ranks where DDP runs over subgroups of the world."""
-    groups = run.get("ddp_groups") or []
-    if len(groups) <= 1:
-        return str(run["world_size"])
-    ranks = " / ".join(",".join(map(str, g)) for g in groups)
-    return f"{run['world_size']} in {len(groups)} DDP groups (ranks {ranks})"
+    groups = groups_text(run.get("ddp_groups") or [])
+    return f"{run['world_size']} {groups}" if groups else str(run["world_size"])
 
 
 def models_text(run: dict[str, Any]) -> str | None:

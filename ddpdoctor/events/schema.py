@@ -82,6 +82,18 @@ class Header(_Record, tag="header", kw_only=True):
     # inside model-parallel groups: several DDP groups in one run, each all-reducing on its own);
     # empty where DDP spans the whole world. ``world_size`` is the group's size.
     group_ranks: list[int] = []
+    # the whole world's size where DDP runs over a subgroup of it (0 where it spans the world, and
+    # in logs written before it was logged): a live reader then knows the other groups' ranks
+    # exist before their first record
+    dist_world_size: int = 0
+
+    def whole_world_size(self) -> int:
+        """The ranks this header promises in the whole run: DDP's world, or the whole world where
+        DDP runs over a subgroup of it (``world_size`` is then the group's size; a log without
+        ``dist_world_size`` promises at least up to its group's highest rank)."""
+        if not self.group_ranks:
+            return self.world_size
+        return max(self.dist_world_size, max(self.group_ranks) + 1)
 
 
 class BucketInfo(msgspec.Struct):

@@ -40,11 +40,7 @@ class Run:
     def world_size(self) -> int:
         """The ranks the headers promise: DDP's world, or the whole world where DDP runs over
         subgroups of it (``Header.group_ranks``)."""
-        sizes = [
-            max(h.group_ranks) + 1 if h.group_ranks else h.world_size
-            for h in (log.header for log in self.ranks.values())
-            if h is not None
-        ]
+        sizes = [log.header.whole_world_size() for log in self.ranks.values() if log.header is not None]
         return max(sizes) if sizes else len(self.ranks)
 
     def models(self) -> list[int]:
@@ -58,7 +54,10 @@ class Run:
         for log in self.ranks.values():
             h = log.header
             if h is not None:
-                promised.update(h.group_ranks if h.group_ranks else range(h.world_size))
+                # a subgroup's header names its group, and (newer logs) the whole world's size
+                promised.update(
+                    h.group_ranks if h.group_ranks and not h.dist_world_size else range(h.whole_world_size())
+                )
         return sorted(promised - set(self.ranks))
 
 

@@ -59,11 +59,14 @@ def build_header(
     group = ddp.process_group
     world_size = group.size() if group is not None else 1
     group_ranks: list[int] = []
+    whole_world = 0
     try:
         if group is not None and dist.is_initialized() and world_size != dist.get_world_size():
             group_ranks = sorted(int(r) for r in dist.get_process_group_ranks(group))
+            # a live reader must know the other groups' ranks exist before their first record
+            whole_world = int(dist.get_world_size())
     except Exception:  # noqa: BLE001 - the group's members are optional; attaching must never break training
-        group_ranks = []
+        group_ranks, whole_world = [], 0
     try:
         backend = str(dist.get_backend(group))
     except Exception:  # noqa: BLE001 - the backend name is optional; attaching must never break training
@@ -120,4 +123,5 @@ def build_header(
         reason=reason,
         first_step=first_step,
         group_ranks=group_ranks,
+        dist_world_size=whole_world,
     )

@@ -5,12 +5,14 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from ddpdoctor.analysis.groups import groups_text
 from ddpdoctor.analysis.live_view import LiveSnapshot
 from ddpdoctor_tui.formatting import HEALTH_STYLE
 
 
 class RunHeader(Static):
-    """Run, world size, backend, elastic attempt, steps/s, overall health, and where the view is."""
+    """Run, world size (and its DDP groups, where DDP runs over subgroups of the world), backend,
+    elastic attempt, steps/s, overall health, and where the view is."""
 
     def show(self, snap: LiveSnapshot, paused: bool) -> None:
         """Render ``snap``; ``paused`` says the view is held on one step instead of following."""
@@ -18,6 +20,8 @@ class RunHeader(Static):
         line.append(" ddpdoctor ", style="bold reverse")
         line.append(f" {snap.run_id or '(no header yet)'} ", style="bold")
         line.append(f" ranks {len(snap.ranks)}/{snap.world_size}")
+        if snap.ddp_groups:  # lateness and blame are within each group: say which ranks those are
+            line.append(f" {groups_text(snap.ddp_groups)}")
         if snap.backend:
             line.append(f"  {snap.backend}/{snap.device}")
         if snap.attempt:  # torchrun restarted the workers: this view is the newest attempt only
