@@ -13,6 +13,7 @@ import ddpdoctor
 from ddpdoctor.analysis.blame import DOMINANCE, NOISE_FLOOR_MS, blame, pattern
 from ddpdoctor.analysis.bucket_wait import arrivals
 from ddpdoctor.analysis.clock_align import estimate_offsets
+from ddpdoctor.analysis.diagnose import merge
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.straggler import stragglers
 from ddpdoctor.events import Step
@@ -282,3 +283,25 @@ def test_cuda_steps_between_samples_are_blamed_at_their_first_and_last_bucket() 
     between = cuda[0][2]
     assert not between.per_bucket() and between.ready_span_us() == (between.b_ready_us[0], between.b_ready_us[2])
     assert cuda[0][3].per_bucket()
+
+
+def test_two_stragglers_in_one_world_are_both_named_each_with_its_own_finding() -> None:
+    # rank 1's data is 30 ms late at every step; rank 2 stalls 120 ms between steps every 4th
+    # step (where rank 1 is late too: rank 2 then holds the others 90 ms). Each rank's cost used
+    # to be weighed against the other straggler's as if it were jitter (with 3 ranks the median
+    # other rank is half a straggler): rank 2, which cost 0.8 s, was never named
+    steps = timeline(
+        3,
+        40,
+        gap=lambda r, s: (30.0 if r == 1 else 0.0) + (120.0 if r == 2 and s % 4 == 3 else 0.0),
+    )
+    b = blame(steps, arrivals(steps, estimate_offsets(steps)))
+    assert sorted(rb.rank for rb in b.named()) == [1, 2]
+    by_rank = {f.ranks[0]: f for f in found(steps)}
+    assert sorted(by_rank) == [1, 2]
+    assert by_rank[1].evidence["phase"] == "data loading (before forward)"
+    assert by_rank[2].evidence["pattern"] == "periodic" and by_rank[2].evidence["every_n_steps"] == 4
+    # the report keeps one straggler finding per rank (other codes merge across ranks)
+    merged = merge(list(by_rank.values()))
+    assert [(f.code, f.ranks) for f in merged] == [("straggler", [1]), ("straggler", [2])]
+    assert "rank 2" in merged[1].title and "every 4 steps" in merged[1].title

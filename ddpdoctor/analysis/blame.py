@@ -18,7 +18,9 @@ steps it was late in. Jitter is kept out three ways, all explicit here:
   the median step and its deviation where they were;
 - jitter moves between ranks: each rank's counted time is compared with what the *other* ranks
   were blamed for over the same steps (the median of them); a rank is named only for what it
-  cost beyond that, and only when it cost at least ``DOMINANCE`` times as much. Both sides are
+  cost beyond that, and only when it cost at least ``DOMINANCE`` times as much. A rank late in a
+  pattern of its own (the next point) is a straggler, not jitter, and is left out of the others'
+  noise and of their chance: two stragglers never hide each other. Both sides are
   taken less each rank's largest late step: a single late step (a hiccup, a loaded machine at
   start-up) is an incident, neither jitter that would hide a steady straggler on another rank
   nor a pattern that names its own;
@@ -166,6 +168,20 @@ def _jitter_ms(per_step: Sequence[tuple[int, Margins]], durations: Mapping[int, 
     return median(abs(b - middle) for b in base)
 
 
+def _not_chance(
+    r: int, late: Mapping[int, list[tuple[int, float, int, float]]], ranks: list[int], events: int, floor: float
+) -> bool:
+    """Whether rank ``r``'s late steps are a pattern, not jitter: too many of the ``events`` late
+    steps of ``ranks`` are its own for jitter that picks one of them at random (a binomial tail
+    below ``CHANCE``), or its margins are ``MAGNITUDE`` times the other ranks' (or the noise floor,
+    if they were never late)."""
+    margins = [m for _, m, _, _ in late[r]]
+    if len(margins) >= 3 and _binomial_tail(len(margins), events, 1.0 / len(ranks)) <= CHANCE:
+        return True
+    others = [m for o in ranks if o != r for _, m, _, _ in late[o]]
+    return median(margins) >= MAGNITUDE * max(floor, median(others) if others else 0.0)
+
+
 def blame(
     steps_by_rank: Mapping[int, Sequence[Step]],
     arrivals: Sequence[StepArrivals],
@@ -207,24 +223,32 @@ def blame(
     # a straggler's pattern: each rank is judged on its time less its largest late step, both
     # what it is named for and what it adds to the others' noise
     beyond = {r: lost[r] - max((m for _, m, _, _ in late[r]), default=0.0) for r in ranks}
-    events = sum(len(v) for v in late.values())
-    ordered = sorted(beyond[r] for r in ranks)  # for the median of the others, per rank in O(ranks)
+    material = max(MIN_LOST_MS, MIN_LOST_SHARE * window_ms)
+    # a rank late in a pattern (its late steps are not chance, or far larger than the others'
+    # margins) is a straggler of its own, not jitter: it is left out of the other ranks' noise,
+    # and its late steps out of the chance the others are judged against (a step has one latest
+    # rank: where one straggler holds most steps, another's late steps are few among all of
+    # them, many among the rest). So two stragglers in one world (slow data on one rank, a
+    # periodic stall on another) do not hide each other. Only ranks whose time is material are
+    # tested (they are few), once per straggler found
+    patterned: set[int] = set()
+    while True:
+        pool = [r for r in ranks if r not in patterned]
+        events = sum(len(late[r]) for r in pool)
+        found = {
+            r
+            for r in pool
+            if len(late[r]) >= MIN_LATE_STEPS and beyond[r] >= material and _not_chance(r, late, pool, events, floor)
+        }
+        if not found:
+            break
+        patterned |= found
+    ordered = sorted(beyond[r] for r in ranks if r not in patterned)  # the noise, per rank in O(ranks)
     out: dict[int, RankBlame] = {}
     for r in ranks:
-        noise = _median_without(ordered, beyond[r])
+        noise = _median_without(ordered, beyond[r]) if r not in patterned else (median(ordered) if ordered else 0.0)
         rank_margins = [m for _, m, _, _ in late[r]]
-        excess = beyond[r] - noise
-        named = (
-            len(ranks) >= 2
-            and len(rank_margins) >= MIN_LATE_STEPS
-            and excess >= max(MIN_LOST_MS, MIN_LOST_SHARE * window_ms)
-            and beyond[r] >= DOMINANCE * noise
-        )
-        if named:  # material: is it chance? (rarely reached: these cost O(ranks))
-            chance = _binomial_tail(len(rank_margins), events, 1.0 / len(ranks))
-            other_margins = [m for o in ranks if o != r for _, m, _, _ in late[o]]
-            big = median(rank_margins) >= MAGNITUDE * max(floor, median(other_margins) if other_margins else 0.0)
-            named = (len(rank_margins) >= 3 and chance <= CHANCE) or big
+        named = len(ranks) >= 2 and r in patterned and beyond[r] - noise >= material and beyond[r] >= DOMINANCE * noise
         out[r] = RankBlame(
             rank=r,
             lost_ms=lost[r],

@@ -62,13 +62,20 @@ def _merge_evidence(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+#: Codes whose findings each tell of one rank's own cost (a straggler: what it cost, when, in
+#: which phase): kept one per rank, never merged into another rank's.
+PER_RANK_CODES = {"straggler"}
+
+
 def merge(findings: list[Finding]) -> list[Finding]:
-    """One finding per code: ranks united, first step kept, the worst severity, names united."""
-    by_code: dict[str, Finding] = {}
+    """One finding per code (per rank for ``PER_RANK_CODES``): ranks united, first step kept, the
+    worst severity, names united."""
+    by_code: dict[tuple[str, tuple[int, ...]], Finding] = {}
     for f in findings:
-        seen = by_code.get(f.code)
+        key = (f.code, tuple(f.ranks) if f.code in PER_RANK_CODES else ())
+        seen = by_code.get(key)
         if seen is None:
-            by_code[f.code] = Finding(**{**f.to_dict(), "ranks": sorted(set(f.ranks))})
+            by_code[key] = Finding(**{**f.to_dict(), "ranks": sorted(set(f.ranks))})
             continue
         seen.ranks = sorted(set(seen.ranks) | set(f.ranks))
         if f.step is not None and (seen.step is None or f.step < seen.step):
@@ -76,7 +83,7 @@ def merge(findings: list[Finding]) -> list[Finding]:
         if SEVERITY_ORDER[f.severity] > SEVERITY_ORDER[seen.severity]:
             seen.severity, seen.title, seen.detail, seen.fix = f.severity, f.title, f.detail, f.fix
         seen.evidence = _merge_evidence(seen.evidence, f.evidence)
-    return sorted(by_code.values(), key=lambda f: (-SEVERITY_ORDER[f.severity], f.code))
+    return sorted(by_code.values(), key=lambda f: (-SEVERITY_ORDER[f.severity], f.code, f.ranks))
 
 
 def _from_record(r: FindingRecord) -> Finding:
