@@ -140,3 +140,27 @@ def test_a_stall_that_resumed_is_info_and_idle_ranks_are_no_hang() -> None:
     assert [(f.code, f.severity) for f in resumed] == [("hang", "info")]
     idle = {r: _hang(r, "between steps", 9) for r in range(2)}  # evaluation on every rank: nobody waits
     assert hang_findings(idle, {0: 9, 1: 9}, 2) == []
+
+
+def test_a_hang_in_one_ddp_group_names_only_that_groups_missing_rank() -> None:
+    from ddpdoctor.analysis.hang import hang_findings_in_groups
+
+    # 4 ranks in two DDP groups (0,1 / 2,3). Group 2,3 hangs: rank 2 waits in its all-reduce at
+    # step 7, rank 3 skipped a backward at step 5 and now waits one bucket later. Ranks 0 and 1,
+    # of the other group, are stuck in their own work (a model-parallel exchange with 2 and 3):
+    # never "missing" from the other group's all-reduce, nor compared with its ranks
+    latest = {
+        0: _hang(0, "forward", 8),
+        1: _hang(1, "forward", 8),
+        2: _hang(2, "allreduce", 7, pending_bucket=0, buckets_ready=2),
+        3: _hang(3, "allreduce", 8, pending_bucket=0, buckets_ready=2),
+    }
+    last = {0: 7, 1: 7, 2: 6, 3: 7}
+    bare = {3: [5]}
+    [f] = hang_findings_in_groups(latest, last, 4, [[0, 1], [2, 3]], bare_steps=bare)
+    assert f.severity == "error" and f.ranks == [3]
+    assert f.title == "rank 2 waits in the all-reduce of bucket 0 of step 7; missing: rank 3"
+    assert f.evidence["missing"][3]["steps_without_allreduce"] == [5] and "skipped a backward" in f.fix
+    # the same records read as one group (what was said before): ranks 0 and 1 named missing too
+    [whole] = hang_findings_in_groups(latest, last, 4, [[0, 1, 2, 3]], bare_steps=bare)
+    assert whole.ranks == [0, 1, 3]

@@ -10,7 +10,8 @@ from __future__ import annotations
 from ddpdoctor.analysis.bucket_sim import CANDIDATE_CAPS_MB
 from ddpdoctor.analysis.bucket_size import RankBackward, WhatIf, bucket_size, what_if
 from ddpdoctor.analysis.findings import Finding
-from ddpdoctor.analysis.hang import COLLECTIVE_PHASES, hang_findings, steps_without_allreduce
+from ddpdoctor.analysis.groups import ddp_groups
+from ddpdoctor.analysis.hang import hang_findings_in_groups
 from ddpdoctor.analysis.lost import RankTail, lost_ranks
 from ddpdoctor.runlog import RankLog, Run
 
@@ -42,15 +43,9 @@ def hangs_in_run(run: Run) -> list[Finding]:
         return []
     last_step = {r: (log.steps[-1].step if log.steps else None) for r, log in run.ranks.items()}
     ended = {r: log.end.reason for r, log in run.ranks.items() if log.end is not None}
-    waiting = any(h.state == "stalled" and h.phase in COLLECTIVE_PHASES for h in latest.values())
     bare = {r: log.bare_steps for r, log in run.ranks.items()}
-    return hang_findings(
-        latest,
-        last_step,
-        run.world_size,
-        ended=ended,
-        no_allreduce_steps=steps_without_allreduce(bare, last_step, latest) if waiting else None,
-    )
+    groups = ddp_groups({r: log.header for r, log in run.ranks.items()})
+    return hang_findings_in_groups(latest, last_step, run.world_size, groups, ended=ended, bare_steps=bare)
 
 
 def bucket_size_in_run(run: Run) -> list[Finding]:

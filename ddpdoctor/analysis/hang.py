@@ -10,10 +10,12 @@ until the last one waits forever: its log then shows a step without any bucket a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.events import Hang
+
+_V = TypeVar("_V")
 
 #: Phases in which a stalled rank is waiting for the other ranks.
 COLLECTIVE_PHASES = ("allreduce", "buffer broadcast")
@@ -48,6 +50,7 @@ def hang_findings(
     *,
     ended: dict[int, str] | None = None,
     no_allreduce_steps: dict[int, list[int]] | None = None,
+    members: list[int] | None = None,
 ) -> list[Finding]:
     """The ``hang`` finding from each rank's latest watchdog record.
 
@@ -58,6 +61,8 @@ def hang_findings(
         ended: ranks whose log closed, with the end reason.
         no_allreduce_steps: per rank, steps it logged without any bucket all-reduce while other
             ranks did all-reduce in them (the usual cause: a backward skipped on that rank).
+        members: the ranks that all-reduce together (one DDP group; None: every rank of the job):
+            a rank of another group is never missing from this group's collective.
     """
     ended = ended or {}
     stalled = {r: h for r, h in latest.items() if h.state == "stalled"}
@@ -87,7 +92,8 @@ def hang_findings(
     stuck = min(waiting.values(), key=lambda h: (h.step, order[h.phase], h.pending_bucket or 0))
     at = _where(stuck)
     waiters = sorted(r for r, h in waiting.items() if _where(h) == at)
-    missing = [r for r in range(max(world_size, max(latest) + 1)) if r not in waiters]
+    everyone = members if members is not None else range(max(world_size, max(latest) + 1))
+    missing = [r for r in everyone if r not in waiters]
     plural = len(waiters) > 1
     waits = f"rank{'s' if plural else ''} {', '.join(map(str, waiters))} wait{'' if plural else 's'} in {at}"
     lines, missing_info, skipped = [], {}, no_allreduce_steps or {}
@@ -188,3 +194,48 @@ def steps_without_allreduce(
         if bare:
             out[r] = bare
     return out
+
+
+def hang_findings_in_groups(
+    latest: dict[int, Hang],
+    last_step: dict[int, int | None],
+    world_size: int,
+    groups: list[list[int]],
+    *,
+    ended: dict[int, str] | None = None,
+    bare_steps: dict[int, list[int]] | None = None,
+    history: dict[int, Hang] | None = None,
+) -> list[Finding]:
+    """``hang_findings`` within each DDP group (``groups.ddp_groups``): ranks of different groups
+    never meet at DDP's collectives, so a hang in one group names its own missing ranks, and a
+    skipped backward is found by comparing a rank with its own group. ``bare_steps``: per rank, its
+    steps without any bucket; ``history``: every rank's latest hang record where ``latest`` holds
+    only the current ones (the live view), for telling a skipped backward."""
+    ended = ended or {}
+    bare_steps = bare_steps or {}
+    history = history if history is not None else latest
+    whole = len(groups) <= 1
+    out: list[Finding] = []
+    for members in groups if not whole else [None]:
+        group_latest = _only(latest, members)
+        if not group_latest:
+            continue
+        skipped = None
+        if any(h.state == "stalled" and h.phase in COLLECTIVE_PHASES for h in group_latest.values()):
+            skipped = steps_without_allreduce(
+                _only(bare_steps, members), _only(last_step, members), _only(history, members)
+            )
+        out += hang_findings(
+            group_latest,
+            _only(last_step, members),
+            world_size,
+            ended=_only(ended, members),
+            no_allreduce_steps=skipped,
+            members=members,
+        )
+    return out
+
+
+def _only(values: dict[int, _V], members: list[int] | None) -> dict[int, _V]:
+    """``values`` of the ``members`` ranks (None: all)."""
+    return values if members is None else {r: v for r, v in values.items() if r in members}

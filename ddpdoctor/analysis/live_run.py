@@ -32,7 +32,7 @@ from ddpdoctor.analysis.bucket_wait import StepArrivals
 from ddpdoctor.analysis.clock_align import ClockOffsets
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding, Severity
 from ddpdoctor.analysis.groups import arrivals_in_groups, ddp_groups, group_clocks, merged_arrivals
-from ddpdoctor.analysis.hang import COLLECTIVE_PHASES, hang_findings, steps_without_allreduce
+from ddpdoctor.analysis.hang import hang_findings_in_groups
 from ddpdoctor.analysis.live_view import EMPTY_HEALTH, LiveSnapshot, StepTime
 from ddpdoctor.analysis.lost import RankTail, lost_ranks
 from ddpdoctor.analysis.straggler import stragglers
@@ -436,11 +436,10 @@ class LiveRun:
         ended = {r: st.end.reason for r, st in self._ranks.items() if st.end is not None}
         current = {r: h for r, h in latest.items() if r in stalled or h.state == "resumed"}
         try:
-            skipped = None
-            if any(h.state == "stalled" and h.phase in COLLECTIVE_PHASES for h in current.values()):
-                bare = {r: list(st.bare) for r, st in self._ranks.items() if st.bare}
-                skipped = steps_without_allreduce(bare, last, latest)  # names a skipped backward
-            found = hang_findings(current, last, self._expected(), ended=ended, no_allreduce_steps=skipped)
+            bare = {r: list(st.bare) for r, st in self._ranks.items() if st.bare}  # names a skipped backward
+            found = hang_findings_in_groups(
+                current, last, self._expected(), self._ddp_groups(), ended=ended, bare_steps=bare, history=latest
+            )
         except Exception:  # noqa: BLE001 - the live view must not die of one detector's bug
             return self._hung
         # the hang as seen now replaces the hang as seen before: the ranks' watchdogs fire one
