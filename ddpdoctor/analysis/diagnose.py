@@ -123,15 +123,18 @@ def _whole_run(f: Finding, run: Run, looked_at: int) -> Finding:
 def diagnose(run: Run, arrived: list[list[StepArrivals]] | None = None) -> list[Finding]:
     """Every finding the logs support (``arrived``: each DDP group's bucket arrivals, in the order
     of ``ddp_groups``, if at hand). Replicas and stragglers are compared within a DDP group."""
-    floor = exposed_floor_us({r: log.steps for r, log in run.ranks.items()}) if len(run.ranks) > 1 else None
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
     groups = ddp_groups({r: log.header for r, log in run.ranks.items()})
-    # the buffer broadcast's cost across the ranks that broadcast together: each DDP group's own
+    # across the ranks that meet at DDP's collectives (each DDP group's own): the buffer
+    # broadcast's cost, and per step the least exposed communication (what the others' exposed
+    # time holds beyond it is waiting for the rank that finished backward last)
     cost: dict[int, float | None] = {}
+    floor: dict[int, dict[int, float] | None] = {}
     for members in groups:
-        group_cost = cross_rank_floor_ms({r: steps_by_rank[r] for r in members})
-        cost.update(dict.fromkeys(members, group_cost))
-    derived = [f for log in run.ranks.values() for f in rank_findings(log, cost.get(log.rank), floor)]
+        group_steps = {r: steps_by_rank[r] for r in members}
+        cost.update(dict.fromkeys(members, cross_rank_floor_ms(group_steps)))
+        floor.update(dict.fromkeys(members, exposed_floor_us(group_steps) if len(members) > 1 else None))
+    derived = [f for log in run.ranks.values() for f in rank_findings(log, cost.get(log.rank), floor.get(log.rank))]
     verdicts: list[dict[str, Any] | None] = []
     if arrived is None:
         _, arrived = group_arrivals(steps_by_rank, groups)
