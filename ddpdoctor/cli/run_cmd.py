@@ -147,6 +147,14 @@ def _default_run_dir(torchrun: torchrun_args.TorchrunArgs | None) -> Path:
     return _new_run_dir()
 
 
+def _recorded(run_dir: Path) -> bool:
+    """Whether some rank wrote a file in ``run_dir`` (or in an elastic attempt's folder of it)."""
+    try:
+        return any(run_dir.glob("rank-*.jsonl")) or any(run_dir.glob("attempt-*/rank-*.jsonl"))
+    except OSError:
+        return True  # unreadable here (another node's filesystem): say where the report is, as before
+
+
 def _check_endpoint(endpoint: str) -> None:
     try:
         parse_endpoint(endpoint, what="--endpoint")
@@ -183,7 +191,16 @@ def run(args: argparse.Namespace) -> int:
         return 127 if isinstance(exc, FileNotFoundError) else 126
     _forward_signals(proc)
     code = proc.wait()
-    print(f"ddpdoctor run: CMD exited with {code}; report: ddpdoctor report {run_dir}", file=sys.stderr, flush=True)
+    if _recorded(run_dir):
+        print(f"ddpdoctor run: CMD exited with {code}; report: ddpdoctor report {run_dir}", file=sys.stderr, flush=True)
+    else:
+        print(
+            f"ddpdoctor run: CMD exited with {code}; no DistributedDataParallel model was built, so nothing "
+            f"was recorded in {run_dir} (a launcher that ran one process without a process group builds "
+            "none)",
+            file=sys.stderr,
+            flush=True,
+        )
     return 128 - code if code < 0 else code
 
 
