@@ -27,7 +27,9 @@ STEPS = 8
 MICRO = 2
 
 
-def _train(rank: int, run_dir: str | None, micro_steps: int = MICRO, evaluate: bool = False) -> list[float]:
+def _train(
+    rank: int, run_dir: str | None, micro_steps: int = MICRO, evaluate: bool = False, eval_grad: bool = False
+) -> list[float]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
     ddp = DDP(model)
@@ -46,8 +48,9 @@ def _train(rank: int, run_dir: str | None, micro_steps: int = MICRO, evaluate: b
         losses.append(loss.item())
     if evaluate:  # DDP broadcasts rank 0's buffers at the first forward after training
         ddp.eval()
-        with torch.no_grad():
-            ddp(torch.randn(8, 16, generator=g))
+        with torch.no_grad() if not eval_grad else nullcontext():  # (evaluation with grad on: a common slip)
+            for _ in range(3):
+                ddp(torch.randn(8, 16, generator=g))
     if monitor is not None:
         monitor.close()
     return losses
@@ -58,6 +61,9 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         "plain": _train(rank, None),
         "instrumented": _train(rank, tmp),
         "evaluated": _train(rank, str(Path(tmp) / "evaluated"), micro_steps=1, evaluate=True),
+        "evaluated_with_grad": _train(
+            rank, str(Path(tmp) / "evaluated_with_grad"), micro_steps=1, evaluate=True, eval_grad=True
+        ),
     }
 
 
@@ -98,14 +104,16 @@ def test_divergence_of_buffers_ddp_was_asked_to_broadcast_says_no_broadcast_was_
     assert "no buffer broadcast was seen" in finding.fix
 
 
+@pytest.mark.parametrize("evaluation", ["evaluated", "evaluated_with_grad"])
 def test_buffers_broadcast_by_an_evaluation_after_the_last_step_are_no_evidence_of_redundancy(
-    accumulated: Any,
+    accumulated: Any, evaluation: str
 ) -> None:
     """Without accumulation the sampled fingerprints follow a broadcast; the final one, at close,
     shows each rank's own buffers, unless an evaluation forward broadcast rank 0's copy after the
-    last step: then the identical buffers must not make the broadcast look redundant."""
+    last step: then the identical buffers must not make the broadcast look redundant. The same
+    with the evaluation run with grad on (its forwards open steps of their own)."""
     _, tmp = accumulated
-    run = ddpdoctor.load_run(tmp / "evaluated")
+    run = ddpdoctor.load_run(tmp / evaluation)
     prints = {rank: log.fingerprints for rank, log in run.ranks.items()}
     finals = [fp for fps in prints.values() for fp in fps if fp.final]
     assert len(finals) == 2 and all(fp.after_broadcast for fp in finals)

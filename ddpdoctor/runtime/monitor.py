@@ -465,10 +465,12 @@ class Monitor:
         checks = getattr(self, "checks", None)
         if checks is not None:
             checks.broadcasts += 1  # the fingerprints leave out what the broadcasts bump
-            if not self.recorder.in_forward:
-                # an evaluation forward's broadcast (grad off): rank 0's buffers on every rank
-                # after the last step, which the final fingerprint must know
-                checks.broadcast_outside_at = self.recorder.next_index
+            # after this forward the buffers are rank 0's copy on every rank where the module
+            # does not update them (eval mode: BatchNorm keeps its statistics), with grad on or
+            # off; in train mode each rank updates its own right after. The final fingerprint
+            # must know which (an evaluation pass after the last step)
+            ddp = self.ddp
+            checks.buffers_from_broadcast = ddp is not None and not ddp.module.training
         if not (self.probes.on["buffers"] and self.recorder.in_forward):
             return original()
         t = time.perf_counter_ns()

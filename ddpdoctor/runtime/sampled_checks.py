@@ -100,8 +100,9 @@ class SampledChecks:
         self.sample: _Sample | None = None
         self.bcast_in_forward = False  # set by the monitor when DDP broadcast buffers in this forward
         self.broadcasts = 0  # DDP's buffer broadcasts since attach (counted by the monitor)
-        # ``next_index`` at the last broadcast outside a training forward (-1: none; the monitor sets it)
-        self.broadcast_outside_at = -1
+        # the buffers are rank 0's copy from DDP's last broadcast, not updated since (the last
+        # broadcasting forward ran in eval mode; the monitor sets it at every broadcast)
+        self.buffers_from_broadcast = False
         #: per buffer, how much one broadcast bumps its version (None: not measured yet)
         self.broadcast_bumps: list[int] | None = None
         self.fingerprinter = Fingerprinter(self._deliver_fingerprint)
@@ -248,13 +249,13 @@ class SampledChecks:
 
         Taken outside any forward: each rank's own buffers after its own updates, which tells
         whether DDP's buffer broadcast is redundant or needed (``after_broadcast`` False). Unless
-        a forward outside training (evaluation, grad off) broadcast them after the last step's:
-        they are rank 0's copy then, on every rank (``after_broadcast`` True), and say nothing of
-        the ranks' own updates. Divergence of broadcast buffers is still not reported (the next
-        forward's broadcast resyncs them).
+        the last forward that broadcast them ran in eval mode (an evaluation pass, with grad on or
+        off): they are rank 0's copy then, on every rank (``after_broadcast`` True), and say
+        nothing of the ranks' own updates. Divergence of broadcast buffers is still not reported
+        (the next forward's broadcast resyncs them).
         """
         self.end_sample()
-        self.fingerprint(step, self.broadcast_outside_at == step, final=True)
+        self.fingerprint(step, self.buffers_from_broadcast, final=True)
         self.fingerprinter.drain()
 
     def _deliver_fingerprint(self, meta: Any, norms: list[float], sums: list[float]) -> None:
