@@ -123,4 +123,8 @@ def test_buffers_broadcast_by_an_evaluation_after_the_last_step_are_no_evidence_
     header = run.ranks[0].header
     assert header is not None
     assert broadcast_redundancy(header, prints) is None
-    assert not [f for f in ddpdoctor.analyze(run).findings if "redundant" in f.detail]
+    report = ddpdoctor.analyze(run)
+    assert not [f for f in report.findings if "redundant" in f.detail]
+    # the evaluation's forwards with grad on are steps without a backward: counted apart
+    assert report.stats["forwards_without_backward"] == (3 if evaluation == "evaluated_with_grad" else 0)
+    assert report.stats["steps"] == STEPS + report.stats["forwards_without_backward"]

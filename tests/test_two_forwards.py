@@ -98,6 +98,11 @@ def test_the_report_names_every_ddp_model_and_reports_each(
     # the generator all-reduces once an iteration, the discriminator three times (one bare)
     assert (reports[0]["stats"]["steps"], reports[1]["stats"]["steps"]) == (STEPS, 3 * STEPS)
     assert "unused-parameters" not in {f["code"] for r in reports.values() for f in r["findings"]}
+    # the real-data forwards closed by the fake-data ones: said, and out of the medians
+    assert (reports[0]["stats"]["forwards_without_backward"], reports[1]["stats"]["forwards_without_backward"]) == (
+        0,
+        STEPS,
+    )
     assert main(["report", str(run_dir)]) == 0
     assert f"the others: ddpdoctor report {run_dir} --ddp 1" in capsys.readouterr().out
     assert main(["report", str(run_dir), "--ddp", "2"]) == 2

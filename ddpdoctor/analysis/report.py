@@ -13,6 +13,7 @@ from ddpdoctor.analysis.groups import ddp_groups, group_arrivals
 from ddpdoctor.analysis.phases import PHASES, step_phases
 from ddpdoctor.events import SCHEMA_VERSION, Header, Layout
 from ddpdoctor.runlog import RankLog, Run
+from ddpdoctor.runlog.rank_file import is_bare
 
 REPORT_SCHEMA_VERSION = 1
 #: Phases reported per rank (medians, ms), plus the cross-rank "bucket_wait".
@@ -66,7 +67,10 @@ def _rank_status(log: RankLog, lost: set[int]) -> str:
 
 def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: str, lost: set[int]) -> dict[str, Any]:
     columns: dict[str, list[float]] = {name: [] for name in PHASES}
-    for s in log.steps:
+    # forwards without a backward (an evaluation run with grad on) are steps of their own in the
+    # log: left out of the medians, which describe training steps, unless nothing else is there
+    trained = [s for s in log.steps if not is_bare(s)] or log.steps
+    for s in trained:
         for name, value in step_phases(s).items():
             if value is not None:
                 columns[name].append(value)
@@ -82,6 +86,9 @@ def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: st
         "local_rank": h.local_rank if h else None,
         "status": _rank_status(log, lost),
         "steps": log.steps_total,
+        # steps logged without any bucket all-reduce (a forward with grad on and no backward:
+        # an evaluation without torch.no_grad(), a model run twice before one backward), up to 1000
+        "forwards_without_backward": len(log.bare_steps),
         "last_step": last.step if last else None,
         "buckets": last.bucket_count() if last else 0,
         "buffer_bytes_per_step": last.bcast_bytes if last else 0,
@@ -164,6 +171,7 @@ def analyze(run: Run) -> Report:
     all_steps = [v for r in ranks for v in ([r["medians_ms"]["step"]] if r["medians_ms"]["step"] is not None else [])]
     stats: dict[str, Any] = {
         "steps": max((r["steps"] for r in ranks), default=0),
+        "forwards_without_backward": max((r["forwards_without_backward"] for r in ranks), default=0),
         "median_ms": {
             name: _median([r["medians_ms"][name] for r in ranks if r["medians_ms"][name] is not None])
             for name in REPORTED

@@ -88,6 +88,18 @@ def models_text(run: dict[str, Any]) -> str | None:
     )
 
 
+def bare_text(stats: dict[str, Any]) -> str | None:
+    """The steps without a backward of their own, when there are any (None: none)."""
+    bare = stats.get("forwards_without_backward") or 0
+    if not bare:
+        return None
+    return (
+        f"{bare} of them had no backward of their own (a forward with grad on not followed by "
+        "loss.backward(): an evaluation without torch.no_grad(), or a model called twice before one "
+        "backward); the medians leave them out"
+    )
+
+
 def render(report: Report) -> str:
     """The whole report as readable text."""
     run, stats = report.run, report.stats
@@ -98,6 +110,7 @@ def render(report: Report) -> str:
         f"device {run['device']}, hosts {', '.join(run['hosts']) or '?'}",
         f"  {stats['steps']} steps, "
         f"{'finished' if run['finished'] else 'not finished (still running, or a rank died)'}",
+        *([f"  {bare}"] if (bare := bare_text(stats)) else []),
         *([f"  {models}"] if (models := models_text(run)) else []),
         *(
             [f"  step statistics from every {run['steps_sampled_every']}th step of each rank and its last 128 steps"]
@@ -159,6 +172,8 @@ def render_markdown(report: Report) -> str:
     ]
     if run["missing_ranks"]:
         lines.append(f"Missing rank files: {run['missing_ranks']}.")
+    if bare := bare_text(stats):
+        lines.append(bare[0].upper() + bare[1:] + ".")
     if models := models_text(run):
         lines.append(models + ".")
     if stream := _stream_note(report):
