@@ -449,24 +449,64 @@ def test_run_launcher_builds_first_and_tells_the_ranks_when_it_cannot(
     assert err.count("ddpdoctor run: warning:") == 1 and "Python comm hook" in err
 
 
+def _half_grads(rank: int, dtype: torch.dtype, instrumented: bool) -> list[torch.Tensor]:
+    """The gradients of 3 steps of a model in ``dtype`` (every step's, all-reduced)."""
+    ddp = DDP(make_model().to(dtype), bucket_cap_mb=BUCKET_CAP_MB)
+    monitor = ddpdoctor.instrument(ddp, sink=MemorySink()) if instrumented else None
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    grads: list[torch.Tensor] = []
+    for _ in range(3):
+        x = torch.randn(8, 32, generator=g).to(dtype)
+        ddp(x).float().pow(2).mean().backward()
+        grads += [p.grad.clone() for p in ddp.parameters() if p.grad is not None]
+        opt.step()
+        opt.zero_grad()
+    if monitor is not None:
+        monitor.close()
+    return grads
+
+
+def _half_same(rank: int) -> dict[str, list[bool]]:
+    """Per half-precision dtype, whether each gradient is the same instrumented as plain."""
+    return {
+        str(dtype): [
+            torch.equal(a, b)
+            for a, b in zip(_half_grads(rank, dtype, False), _half_grads(rank, dtype, True), strict=True)
+        ]
+        for dtype in (torch.bfloat16, torch.float16)
+    }
+
+
 def three_rank_checks(rank: int, world_size: int) -> dict[str, Any]:
     plain = train(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB), rank)
     losses, summary, _ = _instrumented(rank, {})
+    half = _half_same(rank)
     os.environ[native_hook.ENV] = "0"
     python_losses, python_summary, _ = _instrumented(rank, {})
+    python_half = _half_same(rank)
     del os.environ[native_hook.ENV]
-    return {"plain": plain, "native": (losses, summary), "python": (python_losses, python_summary)}
+    return {
+        "plain": plain,
+        "native": (losses, summary, half),
+        "python": (python_losses, python_summary, python_half),
+    }
 
 
 def test_three_ranks_train_identically(native_built: Path) -> None:
     """1/3 is not exact in floating point: both routes scale as DDP's own no-hook path does (a
-    multiply by the reciprocal; a divide by 3 differs in the last bit for a third of the values)."""
+    multiply by the reciprocal; a divide by 3 differs in the last bit for a third of the values).
+    In bfloat16 and float16 too: the reciprocal is passed as DDP passes it (a wrapped double
+    scalar), not rounded to the bucket's dtype first (C++'s Scalar overload of ``mul_`` does that,
+    and changed a third of the gradients' last bits)."""
     for out in run_ranks(three_rank_checks, 3, timeout=240):
         for route in ("native", "python"):
-            losses, summary = out[route]
+            losses, summary, half = out[route]
             assert losses == out["plain"], route
             assert summary["timing"] == [route]
             _check_marks(summary, len(summary["steps"][-1][0]))
+            for dtype, same in half.items():
+                assert same and all(same), (route, dtype)
 
 
 def test_same_requires_grad_reads_every_flag(native_built: Path) -> None:

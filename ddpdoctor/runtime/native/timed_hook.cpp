@@ -28,6 +28,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
+#include <ATen/ScalarOps.h>
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <c10/util/SmallVector.h>
 
@@ -561,7 +562,8 @@ class TimedAllReduceHook
       std::shared_ptr<Delegate> delegate)
       : c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>>(group),
         ring_(std::move(ring)),
-        delegate_(std::move(delegate)) {}
+        delegate_(std::move(delegate)),
+        scale_(wrapped_scale(group->getSize())) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     const int64_t ready = now_ns();
@@ -579,9 +581,11 @@ class TimedAllReduceHook
       ring_->add_layout(index, std::move(params));
     }
     // DDP without a hook multiplies each gradient by 1/world size as it copies it into the
-    // bucket (a float multiply by the reciprocal); with a hook registered it copies unscaled, so
-    // the same multiply here gives the same bits.
-    buffer.mul_(1.0 / static_cast<double>(state_->getSize()));
+    // bucket (a multiply by the reciprocal, a wrapped double scalar); with a hook registered it
+    // copies unscaled, so the same multiply here gives the same bits. Not ``mul_(double)``:
+    // C++'s Scalar overload rounds the reciprocal to a half-precision bucket's dtype first
+    // (bfloat16 and float16 gradients then differ whenever the world size is not a power of 2)
+    buffer.mul_(scale_);
     std::vector<at::Tensor> tensors = {buffer};
     WithoutBackwardContext<at::impl::ThreadLocalPythonObjects> no_context;
     auto fut = state_->allreduce(tensors)->getFuture();
@@ -618,8 +622,17 @@ class TimedAllReduceHook
   }
 
  private:
+  // 1/world size as DDP's reducer passes it to its multiply: a double scalar tensor marked as a
+  // wrapped number (so the bucket's dtype wins and the product is taken in its math type)
+  static at::Tensor wrapped_scale(int64_t size) {
+    at::Tensor scale = c10::scalar_to_tensor(at::Scalar(1.0 / static_cast<double>(size)));
+    scale.unsafeGetTensorImpl()->set_wrapped_number(true);
+    return scale;
+  }
+
   std::shared_ptr<Ring> ring_;
   std::shared_ptr<Delegate> delegate_;
+  const at::Tensor scale_;
 };
 
 // Registers the timed hook on DDP's reducer; the reducer owns it from then on (a reducer takes
