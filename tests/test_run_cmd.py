@@ -234,10 +234,12 @@ def test_never_instrumented_twice(jobs: dict[str, tuple[Path, Future[Any]]]) -> 
 def test_exit_code_is_cmds_and_a_missing_command_is_127(tmp_path: Path) -> None:
     proc = ddpdoctor_run(tmp_path, [sys.executable, "-c", "raise SystemExit(7)"])
     assert proc.returncode == 7
-    # no DDP model was built (a launcher ran one process without a process group): said, instead
-    # of pointing at a report of a run dir that was never written
-    assert "CMD exited with 7; no DistributedDataParallel model was built" in proc.stderr
+    # no DDP model was built: said, instead of pointing at a report of a run dir never written
+    assert "CMD exited with 7 before any DistributedDataParallel model was built" in proc.stderr
     assert "report: ddpdoctor report" not in proc.stderr
+    # ... also where CMD succeeded (a launcher that ran one process without a process group)
+    proc = ddpdoctor_run(tmp_path, [sys.executable, "-c", "pass"])
+    assert proc.returncode == 0 and "CMD exited with 0; no DistributedDataParallel model was built" in proc.stderr
     assert ddpdoctor_run(tmp_path, ["/nonexistent/ddpdoctor-test-cmd"]).returncode == 127
 
 

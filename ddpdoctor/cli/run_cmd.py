@@ -193,6 +193,13 @@ def run(args: argparse.Namespace) -> int:
     code = proc.wait()
     if _recorded(run_dir):
         print(f"ddpdoctor run: CMD exited with {code}; report: ddpdoctor report {run_dir}", file=sys.stderr, flush=True)
+    elif code != 0:
+        print(
+            f"ddpdoctor run: CMD exited with {code} before any DistributedDataParallel model was built: "
+            f"nothing was recorded in {run_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
     else:
         print(
             f"ddpdoctor run: CMD exited with {code}; no DistributedDataParallel model was built, so nothing "
