@@ -17,9 +17,11 @@ def _ddpdoctor(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    run_dir = tmp_path_factory.mktemp("demo") / "run"
-    return run_dir, _ddpdoctor("demo", "--headless", "--ranks", "2", "--steps", "8", "--run-dir", str(run_dir))
+def demo_run(
+    headless_demo: tuple[Path, subprocess.CompletedProcess[str]],
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """The session's headless demo run (tests/conftest.py): 2 ranks, 8 steps."""
+    return headless_demo
 
 
 def test_demo_headless_trains_and_prints_a_per_rank_summary(

@@ -31,6 +31,13 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("DDPDOCTOR_", "TORCHELASTIC_"))}
 
 
+def _env_no_torch() -> dict[str, str]:
+    """For a CMD that never imports torch: ``ddpdoctor run`` skips building the native comm hook
+    first (a child process importing torch, seconds on a busy machine), which no process of CMD
+    would load. Every test here whose CMD trains still runs that step."""
+    return dict(_env(), DDPDOCTOR_NATIVE="0")
+
+
 def ddpdoctor_run(
     tmp_path: Path, cmd: list[str], *options: str, timeout: float = 180, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -232,22 +239,23 @@ def test_never_instrumented_twice(jobs: dict[str, tuple[Path, Future[Any]]]) -> 
 
 
 def test_exit_code_is_cmds_and_a_missing_command_is_127(tmp_path: Path) -> None:
-    proc = ddpdoctor_run(tmp_path, [sys.executable, "-c", "raise SystemExit(7)"])
+    env = _env_no_torch()
+    proc = ddpdoctor_run(tmp_path, [sys.executable, "-c", "raise SystemExit(7)"], env=env)
     assert proc.returncode == 7
     # no DDP model was built: said, instead of pointing at a report of a run dir never written
     assert "CMD exited with 7 before any DistributedDataParallel model was built" in proc.stderr
     assert "report: ddpdoctor report" not in proc.stderr
     # ... also where CMD succeeded (a launcher that ran one process without a process group)
-    proc = ddpdoctor_run(tmp_path, [sys.executable, "-c", "pass"])
+    proc = ddpdoctor_run(tmp_path, [sys.executable, "-c", "pass"], env=env)
     assert proc.returncode == 0 and "CMD exited with 0; no DistributedDataParallel model was built" in proc.stderr
-    assert ddpdoctor_run(tmp_path, ["/nonexistent/ddpdoctor-test-cmd"]).returncode == 127
+    assert ddpdoctor_run(tmp_path, ["/nonexistent/ddpdoctor-test-cmd"], env=env).returncode == 127
 
 
 def test_processes_that_never_import_torch_do_not_import_it_and_a_sitecustomize_still_runs(tmp_path: Path) -> None:
     own = tmp_path / "own_site"
     own.mkdir()
     (own / "sitecustomize.py").write_text("import os\nos.environ['OWN_SITECUSTOMIZE'] = 'ran'\n")
-    env = dict(_env(), PYTHONPATH=str(own))
+    env = dict(_env_no_torch(), PYTHONPATH=str(own))
     code = (
         "import os, sys; "
         "print(sorted(m for m in ('torch', 'ddpdoctor') if m in sys.modules), os.environ.get('OWN_SITECUSTOMIZE'))"
@@ -268,7 +276,7 @@ def test_signals_are_forwarded_to_cmd(tmp_path: Path, sig: signal.Signals) -> No
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddpdoctor", "run", "--", sys.executable, "-c", code],
         cwd=tmp_path,
-        env=_env(),
+        env=_env_no_torch(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
