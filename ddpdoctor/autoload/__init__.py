@@ -20,7 +20,6 @@ import functools
 import gc
 import sys
 import threading
-import warnings
 import weakref
 from pathlib import Path
 from types import ModuleType
@@ -123,9 +122,9 @@ def warn_once(exc: BaseException) -> None:
         if _warned:
             return
         _warned = True
-    from ddpdoctor.categories import ProbeDisabledWarning
+    from ddpdoctor.categories import ProbeDisabledWarning, warn
 
-    warnings.warn(
+    warn(
         f"ddpdoctor run: could not instrument a DistributedDataParallel model "
         f"({type(exc).__name__}: {exc}); training goes on unmonitored",
         ProbeDisabledWarning,

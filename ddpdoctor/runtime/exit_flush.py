@@ -28,12 +28,11 @@ import os
 import signal
 import socket
 import threading
-import warnings
 import weakref
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from ddpdoctor.categories import LogWriteWarning
+from ddpdoctor.categories import LogWriteWarning, warn
 
 if TYPE_CHECKING:
     from ddpdoctor.runtime.protocols import Closable
@@ -179,7 +178,7 @@ class ExitFlush:
 
 def _say(message: str) -> None:
     try:
-        warnings.warn(message, LogWriteWarning, stacklevel=2)
+        warn(message, LogWriteWarning, stacklevel=2)
     except BaseException:  # noqa: BLE001 - warnings turned into errors: stderr is the last resort
         try:
             os.write(2, (message + "\n").encode())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from collections import deque
 from collections.abc import Callable
 from types import FrameType
@@ -26,7 +25,7 @@ from ddpdoctor.analysis.evidence import BufferEvidence, FlagEvidence, UnusedEvid
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
 from ddpdoctor.analysis.unused import unused_parameters
-from ddpdoctor.categories import CATEGORY_OF_CODE, DDPDoctorWarning
+from ddpdoctor.categories import CATEGORY_OF_CODE, DDPDoctorWarning, warn
 from ddpdoctor.events import (
     FindingRecord,
     Fingerprint,
@@ -55,7 +54,7 @@ _NOT_THE_SCRIPT = (
 
 
 def _script_stacklevel() -> int:
-    """``stacklevel`` for ``warnings.warn`` called in ``warn_finding``: the first frame outside
+    """``stacklevel`` for ``warn`` called in ``warn_finding``: the first frame outside
     ddpdoctor and torch (1, warn_finding itself, where there is none: a thread of ddpdoctor's)."""
     frame: FrameType | None = sys._getframe(1)
     level = 1
@@ -65,12 +64,14 @@ def _script_stacklevel() -> int:
     return level if frame is not None else 1
 
 
-def warn_finding(finding: Finding, rank: int) -> None:
+def warn_finding(finding: Finding, rank: int) -> Warning | None:
     """The Python warning for a finding, in its family's category, attributed to the script's
-    line that was running (a forward, ``check_replicas``), not to ddpdoctor's code."""
+    line that was running (a forward, ``check_replicas``), not to ddpdoctor's code. Never raised
+    here: where the user's filter names its category as an error, the exception is returned for
+    the caller to raise where training can take it (``categories.warn``)."""
     category = CATEGORY_OF_CODE.get(finding.code, DDPDoctorWarning)
     step = f" (step {finding.step})" if finding.step is not None else ""
-    warnings.warn(
+    return warn(
         f"ddpdoctor [rank {rank}] {finding.code}: {finding.title}{step}. {finding.detail}\nFix: {finding.fix}",
         category,
         stacklevel=_script_stacklevel(),
@@ -95,6 +96,10 @@ class LiveFindings:
         # keys of findings raised: per code, names only grow (unused) or shrink (constant buffers)
         # with the model's own parameters, so this is bounded by the model too
         self._seen: set[tuple[str, str, tuple[str, ...]]] = set()
+        #: a finding's warning that the user's filter made an error (a filter naming its
+        #: ddpdoctor category): raised by the monitor at its next forward, out of the training
+        #: step's own call, never from inside ddpdoctor's probes or threads
+        self.error: Warning | None = None
         self._since_check = 0
         self._checked = False
         # Step records observed, and the last of them (by that count; 0: none) with a buffer
@@ -179,4 +184,6 @@ class LiveFindings:
                 continue
             if f.severity == "error":
                 self._flush()  # on disk before the error it predicts kills the process
-            warn_finding(f, self.rank)
+            error = warn_finding(f, self.rank)
+            if error is not None and self.error is None:
+                self.error = error  # the user asked for it as an exception: the monitor raises it

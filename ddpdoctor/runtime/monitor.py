@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import warnings
 import weakref
 from pathlib import Path
 from types import TracebackType
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning
+from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning, warn
 from ddpdoctor.events import End, Header, ProbeOff, ProcSample, Record, Step
 from ddpdoctor.runtime import clocks, native_hook, run_dir, torch_compat, watchdog
 from ddpdoctor.runtime.attach import AttachError, Attachment, monitor_of
@@ -203,9 +202,7 @@ class Monitor:
             self._services.sample_now()
         if attachment.timing_off is not None:
             self.probes.on["buckets"] = False
-            warnings.warn(
-                f"ddpdoctor: per-bucket timing is off: {attachment.timing_off}", CommHookWarning, stacklevel=5
-            )
+            warn(f"ddpdoctor: per-bucket timing is off: {attachment.timing_off}", CommHookWarning, stacklevel=5)
         elif attachment.hook_state is not None:
             self.recorder.set_comm_hook(attachment.hook_state.user_hook_name)
         return attachment
@@ -296,7 +293,7 @@ class Monitor:
             try:
                 self._attach(ddp, reason="rewrap")
             except AttachError as exc:
-                warnings.warn(
+                warn(
                     f"ddpdoctor could not follow the model into its new DDP ({exc}); training goes on unmonitored",
                     ProbeDisabledWarning,
                     stacklevel=3,
@@ -326,7 +323,7 @@ class Monitor:
         try:
             return FileSink(self.path, mode=self.options.log)
         except SinkError as exc:
-            warnings.warn(f"ddpdoctor: {exc}; training goes on without a log", LogWriteWarning, stacklevel=4)
+            warn(f"ddpdoctor: {exc}; training goes on without a log", LogWriteWarning, stacklevel=4)
             self.path = None
             return NullSink()
 
@@ -442,6 +439,12 @@ class Monitor:
                     except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                         self.probes.failed("checks", exc)
         self.own_ns += _perf_ns() - t
+        if self.live.error is not None:
+            # a finding whose category the user's warnings filter makes an error
+            # (``filterwarnings("error", category=StaleRequiresGradWarning)``): raised here, from
+            # the forward's own call, once every record is taken and nothing of ours is half done
+            error, self.live.error = self.live.error, None
+            raise error
 
     def on_forward_post(self, module: Any, args: Any, output: Any) -> None:
         """Every forward's end (also one that raised: ``output`` None). On the native route the
@@ -699,7 +702,7 @@ def instrument(
             return existing
         return Monitor(ddp_model, opts)
     except Exception as exc:  # noqa: BLE001 - attaching must never break the user's training
-        warnings.warn(
+        warn(
             f"ddpdoctor could not attach to the model ({type(exc).__name__}: {exc}); training goes on unmonitored",
             ProbeDisabledWarning,
             stacklevel=2,

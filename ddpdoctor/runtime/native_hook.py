@@ -41,7 +41,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 import weakref
 from pathlib import Path
 from types import ModuleType
@@ -49,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ddpdoctor.categories import CommHookWarning
+from ddpdoctor.categories import CommHookWarning, warn
 from ddpdoctor.runtime import clocks, torch_compat
 from ddpdoctor.runtime.torch_compat import compiled_autograd_asked, compiled_autograd_enabled
 
@@ -249,7 +248,7 @@ def choose_failed(why: str) -> None:
         first = not _warned
         _warned = True
     if first:
-        warnings.warn(
+        warn(
             f"ddpdoctor: the native comm hook is unavailable ({why}); per-bucket timing uses the Python "
             f"comm hook (costs more on short steps; {ENV}=0 skips the build). Training is not affected.",
             CommHookWarning,

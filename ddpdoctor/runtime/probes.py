@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import threading
 import traceback
-import warnings
 from collections.abc import Callable
 
-from ddpdoctor.categories import ProbeDisabledWarning
+from ddpdoctor.categories import ProbeDisabledWarning, warn
 
 
 class Probes:
@@ -44,7 +43,7 @@ class Probes:
         where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
         at = f" at {where[0].filename}:{where[0].lineno}" if where else ""
         detail = f"{type(exc).__name__}: {exc}{at}"
-        warnings.warn(
+        warn(
             f"ddpdoctor: the '{name}' probe failed ({detail}) and was switched off; training is not affected",
             ProbeDisabledWarning,
             stacklevel=2,

@@ -98,6 +98,9 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
         for f in findings:
             if monitor is not None:
                 monitor.live.raise_findings([f])
+                error, monitor.live.error = monitor.live.error, None
             else:
-                warn_finding(f, header.rank)
+                error = warn_finding(f, header.rank)
+            if error is not None:
+                raise error  # the user's filter asked for it as an error; this is their own call
     return findings

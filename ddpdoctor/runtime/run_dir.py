@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ddpdoctor.categories import LogWriteWarning
+from ddpdoctor.categories import LogWriteWarning, warn
 from ddpdoctor.events.layout import DEFAULT_ROOT, RUN_DIR_ENV, new_run_name, rank_file_path
 
 _AGREE_TIMEOUT = timedelta(seconds=30)
@@ -38,7 +37,7 @@ def resolve(explicit: str | os.PathLike[str] | None, rank: int, store: Any, key_
                 store.wait([key], _AGREE_TIMEOUT)
                 name = store.get(key).decode()
         except Exception as exc:  # noqa: BLE001 - a store failure means this rank writes alone; it must never break training
-            warnings.warn(
+            warn(
                 f"ddpdoctor: could not agree on a run dir with rank 0 ({exc}); this rank writes alone",
                 LogWriteWarning,
                 stacklevel=3,

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import operator
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ddpdoctor.categories import CommHookWarning
+from ddpdoctor.categories import CommHookWarning, warn
 from ddpdoctor.events import Fingerprint, GradFlags, Header, Unused
 from ddpdoctor.events.schedule import is_sampled  # shared with the file writer (sinks.compact)
 from ddpdoctor.runtime import clocks, torch_compat
@@ -209,7 +208,7 @@ class SampledChecks:
         if not getattr(config, "enable", False) or getattr(ddp, "_divide_by_initial_world_size", True):
             return
         self._join_warned = True
-        warnings.warn(
+        warn(
             "ddpdoctor: Join(divide_by_initial_world_size=False) is not honoured while ddpdoctor times the "
             "buckets: like any DDP comm hook, its timing hook divides gradients by the world size, so after a "
             "rank joins the others' gradients are scaled by (ranks training) / (world size). Use the default "

@@ -28,7 +28,6 @@ import importlib.util
 import inspect
 import sys
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddpdoctor.categories import ProbeDisabledWarning
+from ddpdoctor.categories import warn as warn_safely
 
 TORCH_VERSION = str(torch.__version__).split("+")[0]
 
@@ -131,7 +131,7 @@ def available(feature: str, warn: bool = True) -> bool:
             first = feature not in _warned
             _warned.add(feature)
         if first:
-            warnings.warn(
+            warn_safely(
                 f"ddpdoctor: {PROBES[feature][1]} is off on torch {TORCH_VERSION}: {why}. Training is not affected.",
                 ProbeDisabledWarning,
                 stacklevel=3,

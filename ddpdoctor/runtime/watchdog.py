@@ -15,13 +15,12 @@ import os
 import sys
 import threading
 import traceback
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ddpdoctor.analysis.hang import COLLECTIVE_PHASES
-from ddpdoctor.categories import HangWarning
+from ddpdoctor.categories import HangWarning, warn
 from ddpdoctor.events import FindingRecord, Hang
 from ddpdoctor.events.layout import HANG_TIMEOUT_ENV
 from ddpdoctor.runtime.clocks import mono_ns, wall_ns
@@ -46,9 +45,7 @@ def hang_timeout_from_env(explicit: float | None) -> float:
         try:
             return max(0.0, float(raw))
         except ValueError:
-            warnings.warn(
-                f"ddpdoctor: ignoring {HANG_TIMEOUT_ENV}={raw!r} (not a number of seconds)", HangWarning, stacklevel=3
-            )
+            warn(f"ddpdoctor: ignoring {HANG_TIMEOUT_ENV}={raw!r} (not a number of seconds)", HangWarning, stacklevel=3)
     return DEFAULT_HANG_TIMEOUT
 
 
@@ -293,5 +290,5 @@ class Watchdog:
                     },
                 )
             )
-            warnings.warn(f"ddpdoctor: {title}. {fix}", HangWarning, stacklevel=1)
+            warn(f"ddpdoctor: {title}. {fix}", HangWarning, stacklevel=1)
         monitor.sink.flush(timeout=2.0)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from pathlib import Path
 
-from ddpdoctor.categories import LogWriteWarning
+from ddpdoctor.categories import LogWriteWarning, warn
 from ddpdoctor.events import Record, encode_into
 from ddpdoctor.events.layout import LOG_MODE_ENV
 from ddpdoctor.events.schedule import DEFAULT_EVERY
@@ -131,6 +130,4 @@ class FileSink(BackgroundSink):
     def _report(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(
-                f"ddpdoctor: {message}; training goes on, the log may be incomplete", LogWriteWarning, stacklevel=1
-            )
+            warn(f"ddpdoctor: {message}; training goes on, the log may be incomplete", LogWriteWarning, stacklevel=1)

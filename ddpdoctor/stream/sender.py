@@ -13,10 +13,9 @@ import os
 import socket
 import threading
 import time
-import warnings
 from collections.abc import Callable
 
-from ddpdoctor.categories import LogWriteWarning
+from ddpdoctor.categories import LogWriteWarning, warn
 from ddpdoctor.events import Record, StreamDrops, encode_into
 from ddpdoctor.events.layout import TOKEN_ENV
 from ddpdoctor.events.wire import Hello, encode_hello, encode_stats, parse_endpoint
@@ -209,9 +208,7 @@ class TcpSink(BackgroundSink):
     def _warn(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(
-                f"ddpdoctor: {message}; training goes on, the local log is complete", LogWriteWarning, stacklevel=1
-            )
+            warn(f"ddpdoctor: {message}; training goes on, the local log is complete", LogWriteWarning, stacklevel=1)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the sender within ``timeout``: a send already blocked is cut off at the deadline.
@@ -336,9 +333,7 @@ def stream_tee(
     try:
         host, port = parse_endpoint(endpoint)
     except ValueError as exc:
-        warnings.warn(
-            f"ddpdoctor: not streaming ({exc}); the local log is written as usual", LogWriteWarning, stacklevel=3
-        )
+        warn(f"ddpdoctor: not streaming ({exc}); the local log is written as usual", LogWriteWarning, stacklevel=3)
         return primary
     drops = _DropLog(primary, rank, ddp, f"{host}:{port}")
     sink = TcpSink(endpoint, rank=rank, ddp=ddp, run=run, attempt=attempt, token=token, on_drops=drops)

@@ -61,12 +61,14 @@ class _Finder(importlib.abc.MetaPathFinder):
 def _warn(exc: BaseException) -> None:
     import warnings
 
-    warnings.warn(
+    message = (
         f"ddpdoctor run: could not hook DistributedDataParallel ({type(exc).__name__}: {exc}); "
-        "training goes on unmonitored",
-        RuntimeWarning,
-        stacklevel=2,
+        "training goes on unmonitored"
     )
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    except Warning:  # a filter made warnings errors (-W error): this runs inside torch's import
+        sys.stderr.write(f"RuntimeWarning: {message}\n")
 
 
 def _chain() -> None:
