@@ -20,7 +20,16 @@ from pathlib import Path
 
 from ddpdoctor.autoload import SITE_DIR
 from ddpdoctor.cli import torchrun_args
-from ddpdoctor.events.layout import DEFAULT_ROOT, ENDPOINT_ENV, HANG_TIMEOUT_ENV, RUN_DIR_ENV, new_run_name
+from ddpdoctor.events.layout import (
+    ATTEMPT_PREFIX,
+    DEFAULT_ROOT,
+    ENDPOINT_ENV,
+    HANG_TIMEOUT_ENV,
+    RANK_FILE_PREFIX,
+    RANK_FILE_SUFFIX,
+    RUN_DIR_ENV,
+    new_run_name,
+)
 from ddpdoctor.events.wire import parse_endpoint
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
@@ -150,7 +159,8 @@ def _default_run_dir(torchrun: torchrun_args.TorchrunArgs | None) -> Path:
 def _recorded(run_dir: Path) -> bool:
     """Whether some rank wrote a file in ``run_dir`` (or in an elastic attempt's folder of it)."""
     try:
-        return any(run_dir.glob("rank-*.jsonl")) or any(run_dir.glob("attempt-*/rank-*.jsonl"))
+        rank_files = f"{RANK_FILE_PREFIX}*{RANK_FILE_SUFFIX}"
+        return any(run_dir.glob(rank_files)) or any(run_dir.glob(f"{ATTEMPT_PREFIX}*/{rank_files}"))
     except OSError:
         return True  # unreadable here (another node's filesystem): say where the report is, as before
 
