@@ -126,6 +126,34 @@ ORDER_SCRIPT = """
         print("group destroyed", flush=True)
     """
 
+#: Gradual unfreezing done by hand: a new DDP over the same module after unfreezing its first
+#: layer, as DDP requires (and a second model, a module of its own, beside it).
+REWRAP_SCRIPT = """
+        import torch, torch.distributed as dist
+        from torch import nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        dist.init_process_group("gloo")
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        net[0].weight.requires_grad_(False)
+        ddp = DDP(net)
+        other = DDP(nn.Linear(2, 2))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        losses = []
+        for stage in range(2):
+            for _ in range(4):
+                loss = other(ddp(torch.randn(4, 8, generator=g))).pow(2).mean()
+                opt.zero_grad(); loss.backward(); opt.step()
+                losses.append(loss.item())
+            net[0].weight.requires_grad_(True)
+            ddp = DDP(net)
+        if dist.get_rank() == 0:
+            print("losses", losses, flush=True)
+        dist.destroy_process_group()
+    """
+
 
 def _scripted(name: str, text: str, nproc: int) -> Callable[[Path], list[str]]:
     def cmd(tmp_path: Path) -> list[str]:
@@ -159,6 +187,7 @@ JOBS: dict[str, tuple[Callable[[Path], list[str]], tuple[str, ...], float]] = {
     "both": (_scripted("both.py", BOTH_SCRIPT, 2), ("--run-dir", "run"), 180),
     "broken": (_scripted("broken.py", BROKEN_SCRIPT, 1), ("--run-dir", "run"), 180),
     "order": (_scripted("order.py", ORDER_SCRIPT, 1), ("--run-dir", "run"), 180),
+    "rewrapped": (_scripted("rewrapped.py", REWRAP_SCRIPT, 2), ("--run-dir", "run"), 180),
 }
 
 
@@ -236,6 +265,32 @@ def test_never_instrumented_twice(jobs: dict[str, tuple[Path, Future[Any]]]) -> 
     assert names == ["rank-00000.ddp1.jsonl", "rank-00000.jsonl", "rank-00001.ddp1.jsonl", "rank-00001.jsonl"]
     for name in names:
         assert len(_headers(tmp_path / "run" / name)) == 1
+
+
+def test_a_model_rewrapped_by_hand_goes_on_in_its_log(jobs: dict[str, tuple[Path, Future[Any]]]) -> None:
+    """A new DDP over the module an earlier one wraps (after unfreezing, as DDP requires) is the
+    same model: its steps go on in the same file, in a header segment of their own (it used to
+    open a second model's file, which the report does not read by default)."""
+    tmp_path, proc = _job(jobs, "rewrapped")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = sorted(p.name for p in (tmp_path / "run").iterdir())
+    # the other model (a module of its own) keeps its own file
+    assert names == ["rank-00000.ddp1.jsonl", "rank-00000.jsonl", "rank-00001.ddp1.jsonl", "rank-00001.jsonl"]
+    run = ddpdoctor.load_run(tmp_path / "run")
+    for log in run.ranks.values():
+        reasons = [h.reason for h in _headers(tmp_path / "run" / f"rank-{log.rank:05d}.jsonl")]
+        assert reasons == ["attach", "rewrap", "rewrap"]  # wrapped after each of the 2 stages
+        assert [s.step for s in log.steps] == list(range(8)) and log.end is not None
+        rewrapped = [header for header, _, _ in log.segments()][-1]  # the latest DDP's
+        assert all(p.requires_grad for p in rewrapped.params)
+        assert log.header is not None and not log.header.params[0].requires_grad  # the first's
+    # and training is what it is without ddpdoctor
+    plain = subprocess.run(
+        torchrun_cmd(str(tmp_path / "rewrapped.py"), nproc=2), capture_output=True, text=True, timeout=180, env=_env()
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    losses = [line for line in proc.stdout.splitlines() if line.startswith("losses")]
+    assert losses and losses == [line for line in plain.stdout.splitlines() if line.startswith("losses")]
 
 
 def test_exit_code_is_cmds_and_a_missing_command_is_127(tmp_path: Path) -> None:

@@ -110,9 +110,25 @@ def _after_init(ddp: Any, caller: Any) -> None:
 
     if monitor_of(ddp) is not None:
         return
+    previous = _watching(ddp.module)
+    if previous is not None:
+        # the script built a new DDP over the model it trained (after unfreezing a layer, as DDP
+        # requires): the same log goes on, in a new header segment, as ``ddpdoctor.rewrap`` does;
+        # the old instance is left as the script left it (its reducer goes when the script drops it)
+        previous.reattach(ddp)
+        return
     monitor = instrument(ddp)  # settings from the environment; never raises (a failure warns and detaches)
     if hasattr(monitor, "ddp"):  # a real monitor (not the do-nothing one)
         _attached.add(monitor)
+
+
+def _watching(module: Any) -> Any:
+    """The open monitor this hook attached to a DDP over ``module`` that is still alive, if any."""
+    for monitor in list(_attached):
+        old = monitor.ddp
+        if old is not None and not monitor.closed and getattr(old, "module", None) is module:
+            return monitor
+    return None
 
 
 def warn_once(exc: BaseException) -> None:
