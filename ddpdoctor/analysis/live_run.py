@@ -502,7 +502,7 @@ class LiveRun:
         h0 = min(headers, key=lambda h: h.rank) if headers else None
         findings = self._shown_findings()
         latest = max((st.steps[-1].step for st in self._ranks.values() if st.steps), default=None)
-        groups = self._groups if not self._groups_stale else ddp_groups({r: st.header for r, st in self._ranks.items()})
+        groups = self._ddp_groups()
         return LiveSnapshot(
             label=self.label,
             run_id=h0.run_id if h0 else "",

@@ -122,7 +122,7 @@ def _where(c: Comparison) -> list[str]:
     ]
 
 
-def ranks_text(facts: dict[str, Any]) -> str:
+def run_ranks_text(facts: dict[str, Any]) -> str:
     """One run's ranks, and its DDP groups where DDP runs over subgroups of the world."""
     groups = groups_text(facts.get("ddp_groups") or [])
     return f"{facts['world_size']} ranks {groups}" if groups else f"{facts['world_size']} ranks"
@@ -132,7 +132,8 @@ def render_compare(c: Comparison) -> str:
     """The comparison as plain text."""
     lines = [
         f"ddpdoctor compare: {c.base['dir']} (base) -> {c.new['dir']} (new)",
-        f"  base: {ranks_text(c.base)}, {c.base['steps']} steps; new: {ranks_text(c.new)}, {c.new['steps']} steps",
+        f"  base: {run_ranks_text(c.base)}, {c.base['steps']} steps; "
+        f"new: {run_ranks_text(c.new)}, {c.new['steps']} steps",
         "",
         _headline(c),
     ]

@@ -18,7 +18,7 @@ from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
 from ddpdoctor.analysis.plot_data import PlotData
 from ddpdoctor.analysis.report import REPORTED
 from ddpdoctor.analysis.sizes import human_bytes
-from ddpdoctor.cli.render_compare import ranks_text, render_compare
+from ddpdoctor.cli.render_compare import render_compare, run_ranks_text
 from ddpdoctor.cli.render_text import render, world_text
 
 #: Stacked per rank, in timeline order: together they make up the step.
@@ -319,8 +319,8 @@ def render_compare_html(c: Comparison) -> str:
     page = _Page(f"ddpdoctor compare: {c.base['dir']} -> {c.new['dir']}")
     page.add(
         f'<h1>ddpdoctor compare</h1><p class="facts">base <code>{_esc(c.base["dir"])}</code> '
-        f"({_esc(ranks_text(c.base))}, {_esc(c.base['steps'])} steps) → new "
-        f"<code>{_esc(c.new['dir'])}</code> ({_esc(ranks_text(c.new))}, {_esc(c.new['steps'])} steps)</p>"
+        f"({_esc(run_ranks_text(c.base))}, {_esc(c.base['steps'])} steps) → new "
+        f"<code>{_esc(c.new['dir'])}</code> ({_esc(run_ranks_text(c.new))}, {_esc(c.new['steps'])} steps)</p>"
     )
     page.add(
         '<h2>Phases</h2><p class="facts">Median over steps of the slowest rank\'s time; confidence that '

@@ -172,12 +172,9 @@ def render_markdown(report: Report) -> str:
     ]
     if run["missing_ranks"]:
         lines.append(f"Missing rank files: {run['missing_ranks']}.")
-    if bare := bare_text(stats):
-        lines.append(bare[0].upper() + bare[1:] + ".")
-    if models := models_text(run):
-        lines.append(models + ".")
-    if stream := _stream_note(report):
-        lines.append(stream[0].upper() + stream[1:] + ".")
+    for note in (bare_text(stats), models_text(run), _stream_note(report)):
+        if note:
+            lines.append(note[0].upper() + note[1:] + ".")
     if run["corrupt_lines"] or run["unknown_lines"]:
         lines.append(f"Skipped {run['corrupt_lines']} corrupt and {run['unknown_lines']} unknown log lines.")
     lines += [
