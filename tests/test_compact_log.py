@@ -225,7 +225,14 @@ def test_a_real_run_gives_the_same_findings_from_its_compact_log(tmp_path: Path)
         assert compact.ranks[rank].windows > 0 and len(kept) < STEPS / 2
         assert set(range(SLOW_STEP - 2, SLOW_STEP + 3)) <= kept  # both ranks: the slow step, in full, and around it
         assert [s.step for s in compact.ranks[rank].steps] == [s.step for s in full.ranks[rank].steps]
-        assert path.stat().st_size < (tmp_path / "full" / rank_file_name(rank)).stat().st_size / 2
+        # the steps kept as window rows cost a fraction of their full records; how many steps are
+        # kept in full depends on the host's jitter (a loaded host's slow steps are incidents too),
+        # so the file's size is weighed against the full records of the steps it did not keep
+        full_lines = [(line, json.loads(line)) for line in (tmp_path / "full" / rank_file_name(rank)).read_bytes().splitlines()]
+        dropped = sum(len(line) + 1 for line, r in full_lines if r["kind"] == "step" and r["step"] not in kept)
+        rows = sum(len(line) + 1 for line in path.read_bytes().splitlines() if json.loads(line)["kind"] == "window")
+        assert rows < dropped / 3, (rows, dropped)
+        assert path.stat().st_size < 0.75 * sum(len(line) + 1 for line, _ in full_lines), len(kept)
     ra, rb = ddpdoctor.analyze(full), ddpdoctor.analyze(compact)
     assert ("straggler", [1]) in [(f.code, f.ranks) for f in ra.findings]
     assert [(f.code, f.severity, f.ranks) for f in ra.findings] == [(f.code, f.severity, f.ranks) for f in rb.findings]

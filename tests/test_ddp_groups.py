@@ -171,7 +171,9 @@ def test_the_plots_show_lateness_within_each_group(grouped: Any) -> None:
     assert ranks == [0, 1, 2, 3]
     row = {r: max(v) for r, v in zip(ranks, late, strict=True)}
     # behind the earliest rank of their own group, the others are about on time; the worst step is rank 3's
-    assert all(row[r] < SLOW_S * 1000 / 4 for r in (0, 1, 2)), (step, row)
+    # (the worst step's other ranks: at most half rank 3's lateness, as jitter on a loaded host
+    # goes; compared across groups, ranks 0 and 1 would sit at the other group's clock skew)
+    assert all(row[r] < min(row[3], SLOW_S * 1000) / 2 for r in (0, 1, 2)), (step, row)
     assert row[3] == max(row.values()) and row[3] >= SLOW_S * 1000 * 0.7, (step, row)
 
 

@@ -246,7 +246,14 @@ def test_steps_between_samples_keep_their_phases_and_the_straggler_from_two_buck
     steps_by_rank = {r: log.steps for r, log in run.ranks.items()}
     got = arrivals(steps_by_rank, estimate_offsets(steps_by_rank))
     assert [sa.step for sa in got] == list(range(12)) and sum(not sa.per_bucket for sa in got) == 6
-    assert all(sa.wait_us[0] >= 0.7 * 0.12e6 for sa in got if sa.step > 0), [sa.wait_us for sa in got]
+    # the fast rank waits for the slow one at every step, the slow one for no one. One step may
+    # fall short on a loaded host (the fast rank descheduled for tens of ms inside its own
+    # backward is late to the all-reduce itself, and really waits less): all steps but one
+    seen = [(sa.step, sa.per_bucket, sa.wait_us) for sa in got]
+    short = [sa.step for sa in got if sa.step > 0 and sa.wait_us[0] < 0.7 * 0.12e6]
+    assert len(short) <= 1, seen
+    assert sorted(sa.wait_us[0] for sa in got)[len(got) // 2] >= 0.9 * 0.12e6, seen
+    assert all(sa.wait_us[1] < 0.3 * 0.12e6 for sa in got), seen
     found = ddpdoctor.analyze(run).findings
     straggler = [f for f in found if f.code == "straggler"]
     assert straggler and straggler[0].ranks == [1], found
