@@ -107,3 +107,45 @@ def test_the_report_names_every_ddp_model_and_reports_each(
     assert f"the others: ddpdoctor report {run_dir} --ddp 1" in capsys.readouterr().out
     assert main(["report", str(run_dir), "--ddp", "2"]) == 2
     assert "no rank files of DDP model 2 here (models with files: 0, 1)" in capsys.readouterr().err
+
+
+def test_every_view_reads_the_model_asked_for(gan: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ddp K`` in trace and compare, and the live view's model, as in the report: the
+    discriminator's three all-reduces an iteration, never the generator's one mixed in."""
+    from ddpdoctor.analysis.live_run import LiveRun
+    from ddpdoctor.runlog.source import DirSource
+
+    _, run_dir = gan
+    for model, steps in ((0, STEPS), (1, 3 * STEPS)):
+        out = tmp_path / f"trace-{model}.json"
+        assert main(["trace", str(run_dir), "--ddp", str(model), "-o", str(out)]) == 0
+        events = json.loads(out.read_text())["traceEvents"]
+        assert len({e["args"]["step"] for e in events if e.get("name") == "forward"}) == steps, model
+        compared = tmp_path / f"compare-{model}.json"
+        assert main(["compare", str(run_dir), str(run_dir), "--ddp", str(model), "--format", "json", "-o", str(compared)]) == 0
+        assert json.loads(compared.read_text())["base"]["steps"] == steps, model
+        live = LiveRun(ddp=model)
+        source = DirSource(run_dir)
+        try:
+            live.feed(source.poll())
+        finally:
+            source.close()
+        snap = live.snapshot()
+        assert (snap.ddp, snap.ddp_models) == (model, (0, 1))
+        assert snap.latest_step == steps - 1 and snap.finished, model
+    assert main(["trace", str(run_dir), "--ddp", "2", "-o", str(tmp_path / "none.json")]) == 2
+    assert "no rank files of DDP model 2 here" in capsys.readouterr().err
+
+
+async def test_the_watch_header_says_which_model_it_shows(gan: Any) -> None:
+    from ddpdoctor_tui import WatchApp
+    from ddpdoctor_tui.run_header import RunHeader
+    from ddpdoctor.runlog.source import DirSource
+    from tests.test_tui_watch import SIZE, wait_for, widget_text
+
+    _, run_dir = gan
+    app = WatchApp(DirSource(run_dir), interval=0.05, ddp=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.view_step == 3 * STEPS - 1)
+        header = widget_text(app.query_one(RunHeader))
+        assert "DDP model 1 (others: 0; watch --ddp K)" in header, header

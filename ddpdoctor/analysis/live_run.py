@@ -112,10 +112,19 @@ class LiveRun:
     """
 
     def __init__(
-        self, label: str = "", history: int = HISTORY, window: int = WINDOW, attempt: int | None = None
+        self,
+        label: str = "",
+        history: int = HISTORY,
+        window: int = WINDOW,
+        attempt: int | None = None,
+        ddp: int = 0,
     ) -> None:
         self.label = label
         self.attempt = attempt  # one elastic attempt per LiveRun: a restart starts a new one
+        # where each process wrapped several DDP models (a GAN's two), the one followed: the
+        # others' steps are their own and never mix with its (``load_run(ddp=K)`` alike)
+        self.ddp = ddp
+        self._models: set[int] = set()
         self.history = max(history, SHORT_WINDOW + 1)
         self.window = min(window, self.history - 1)  # the blame reads only steps still kept
         self._ranks: dict[int, _RankState] = {}
@@ -150,9 +159,11 @@ class LiveRun:
 
     def feed(self, records: Iterable[RankRecord]) -> None:
         """Take a batch of records (any ranks, arrival order per rank)."""
+        followed, models = self.ddp, self._models
         for rr in records:
-            if rr.ddp != 0:
-                continue  # a second DDP model in a process: the live view follows the first
+            if rr.ddp != followed:
+                models.add(rr.ddp)  # another DDP model in the processes: said, not mixed in
+                continue
             self._records += 1
             self._add(rr.rank, rr.record)
         self._check_stragglers()
@@ -525,6 +536,8 @@ class LiveRun:
             source=self._source,
             records=self._records,
             attempt=self.attempt,
+            ddp=self.ddp,
+            ddp_models=tuple(sorted(self._models | {self.ddp})),
         )
 
     def _shown_findings(self) -> tuple[Finding, ...]:
@@ -554,7 +567,9 @@ def poll_source(live: LiveRun, source: RecordSource) -> tuple[LiveRun, list[Rank
     """
     records = source.poll()
     if source.attempt != live.attempt or source.label != live.label:
-        live = LiveRun(label=source.label, history=live.history, window=live.window, attempt=source.attempt)
+        live = LiveRun(
+            label=source.label, history=live.history, window=live.window, attempt=source.attempt, ddp=live.ddp
+        )
     if records:
         live.feed(records)
     return live, records

@@ -111,6 +111,10 @@ class LiveSnapshot:
     #: the ranks of each DDP group where DDP runs over subgroups of the world (``groups.ddp_groups``);
     #: empty for one group. Lateness, waits and blame are each rank's within its group
     ddp_groups: tuple[tuple[int, ...], ...] = ()
+    #: the DDP model shown (``--ddp``) where each process wrapped several, and the models whose
+    #: records the source held so far (``(0,)``: one model, the usual case)
+    ddp: int = 0
+    ddp_models: tuple[int, ...] = (0,)
 
 
 def _ms(v: float | None) -> float | None:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ddpdoctor.analysis import analyze, at_least
+from ddpdoctor.cli.model_option import add_ddp_argument
 from ddpdoctor.cli.render_text import render, render_markdown
 from ddpdoctor.runlog import load_run
 
@@ -22,13 +23,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="html: one self-contained page with plots, readable offline (use with -o)",
     )
     p.add_argument("-o", "--output", type=Path, help="write the report to this file instead of stdout")
-    p.add_argument(
-        "--ddp",
-        type=int,
-        default=0,
-        metavar="K",
-        help="where each process wrapped several DDP models (a GAN's two): report the K-th (default 0, the first)",
-    )
+    add_ddp_argument(p)
     p.add_argument("--fail-on", choices=["warning", "error"], help="exit 1 if a finding this severe or worse exists")
     p.set_defaults(func=run)
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ddpdoctor.analysis.live_run import HISTORY
+from ddpdoctor.cli.model_option import add_ddp_argument
 from ddpdoctor.events.wire import parse_endpoint
 from ddpdoctor.runlog.source import DirSource, RecordSource
 
@@ -31,6 +32,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="HOST:PORT",
         help="also serve the live state for Prometheus on http://HOST:PORT/metrics",
     )
+    add_ddp_argument(p)
     p.set_defaults(func=run)
 
 
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from ddpdoctor_tui import WatchApp  # textual only when the UI is actually wanted
 
-    app = WatchApp(source, history=max(args.history, 20))
+    app = WatchApp(source, history=max(args.history, 20), ddp=args.ddp)
     metrics = None
     if args.metrics is not None:
         from ddpdoctor.cli.metrics_server import MetricsServer

@@ -22,6 +22,9 @@ class RunHeader(Static):
         line.append(f" ranks {len(snap.ranks)}/{snap.world_size}")
         if snap.ddp_groups:  # lateness and blame are within each group: say which ranks those are
             line.append(f" {groups_text(snap.ddp_groups)}")
+        if len(snap.ddp_models) > 1 or snap.ddp:  # each process wrapped several models: which one this is
+            others = ", ".join(str(m) for m in snap.ddp_models if m != snap.ddp)
+            line.append(f"  DDP model {snap.ddp} (others: {others or 'none'}; watch --ddp K)", style="bold")
         if snap.backend:
             line.append(f"  {snap.backend}/{snap.device}")
         if snap.attempt:  # torchrun restarted the workers: this view is the newest attempt only

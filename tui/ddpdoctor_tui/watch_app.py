@@ -48,6 +48,7 @@ class WatchApp(App[None]):
         *,
         interval: float = 0.2,
         history: int = HISTORY,
+        ddp: int = 0,
     ) -> None:
         super().__init__()
         if isinstance(source, (str, os.PathLike)):
@@ -55,6 +56,7 @@ class WatchApp(App[None]):
         self.source: RecordSource | None = source
         self.interval = interval
         self.history = history
+        self.ddp = ddp  # the DDP model followed, where each process wrapped several
         self.snapshot: LiveSnapshot | None = None  # what the screen shows now
         self.paused = False
         self.view_step: int | None = None  # the step asked for (None: follow); snapshots catch up
@@ -79,7 +81,7 @@ class WatchApp(App[None]):
         self.query_one(FindingsPanel).border_title = "findings"
         self.query_one(RunHeader).update("waiting for records..." if self.source else "nothing to watch")
         if self.source is not None:
-            self._watcher = Watcher(self.source, self, interval=self.interval, history=self.history)
+            self._watcher = Watcher(self.source, self, interval=self.interval, history=self.history, ddp=self.ddp)
             self._watcher.start()
 
     def on_unmount(self) -> None:

@@ -40,13 +40,18 @@ class Watcher(threading.Thread):
     """
 
     def __init__(
-        self, source: RecordSource, target: MessagePump, interval: float = 0.2, history: int = HISTORY
+        self,
+        source: RecordSource,
+        target: MessagePump,
+        interval: float = 0.2,
+        history: int = HISTORY,
+        ddp: int = 0,
     ) -> None:
         super().__init__(name="ddpdoctor-watch", daemon=True)
         self.source = source
         self.target = target
         self.interval = interval
-        self.live = LiveRun(label=source.label, history=history, attempt=source.attempt)
+        self.live = LiveRun(label=source.label, history=history, attempt=source.attempt, ddp=ddp)
         self.view_step: int | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
