@@ -228,7 +228,9 @@ def test_a_real_run_gives_the_same_findings_from_its_compact_log(tmp_path: Path)
         # the steps kept as window rows cost a fraction of their full records; how many steps are
         # kept in full depends on the host's jitter (a loaded host's slow steps are incidents too),
         # so the file's size is weighed against the full records of the steps it did not keep
-        full_lines = [(line, json.loads(line)) for line in (tmp_path / "full" / rank_file_name(rank)).read_bytes().splitlines()]
+        full_lines = [
+            (line, json.loads(line)) for line in (tmp_path / "full" / rank_file_name(rank)).read_bytes().splitlines()
+        ]
         dropped = sum(len(line) + 1 for line, r in full_lines if r["kind"] == "step" and r["step"] not in kept)
         rows = sum(len(line) + 1 for line in path.read_bytes().splitlines() if json.loads(line)["kind"] == "window")
         assert rows < dropped / 3, (rows, dropped)

@@ -122,7 +122,10 @@ def test_every_view_reads_the_model_asked_for(gan: Any, tmp_path: Path, capsys: 
         events = json.loads(out.read_text())["traceEvents"]
         assert len({e["args"]["step"] for e in events if e.get("name") == "forward"}) == steps, model
         compared = tmp_path / f"compare-{model}.json"
-        assert main(["compare", str(run_dir), str(run_dir), "--ddp", str(model), "--format", "json", "-o", str(compared)]) == 0
+        assert (
+            main(["compare", str(run_dir), str(run_dir), "--ddp", str(model), "--format", "json", "-o", str(compared)])
+            == 0
+        )
         assert json.loads(compared.read_text())["base"]["steps"] == steps, model
         live = LiveRun(ddp=model)
         source = DirSource(run_dir)
@@ -138,9 +141,9 @@ def test_every_view_reads_the_model_asked_for(gan: Any, tmp_path: Path, capsys: 
 
 
 async def test_the_watch_header_says_which_model_it_shows(gan: Any) -> None:
+    from ddpdoctor.runlog.source import DirSource
     from ddpdoctor_tui import WatchApp
     from ddpdoctor_tui.run_header import RunHeader
-    from ddpdoctor.runlog.source import DirSource
     from tests.test_tui_watch import SIZE, wait_for, widget_text
 
     _, run_dir = gan
