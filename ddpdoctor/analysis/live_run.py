@@ -50,6 +50,10 @@ WINDOW = 64
 #: named within ~``SHORT_WINDOW`` steps of starting (over 64 steps a 10%-late rank of a 1 s step
 #: would need ~20).
 SHORT_WINDOW = 10
+#: The ranks of one job attach within the DDP constructor's collectives, so their headers' wall
+#: times are close (clock skew between hosts included); one this much older than the last job's
+#: first header seen is an earlier job's.
+JOB_GAP_NS = 1_000_000_000
 #: Steps the clock offsets are estimated from (the median is stable long before).
 CLOCK_STEPS = 10
 #: Complete steps between two re-estimates of the clock offsets (they drift slowly).
@@ -125,6 +129,11 @@ class LiveRun:
         # others' steps are their own and never mix with its (``load_run(ddp=K)`` alike)
         self.ddp = ddp
         self._models: set[int] = set()
+        # jobs launched one after another into one run dir (``RankLog.earlier_jobs``): the view
+        # follows the last; the ranks whose latest header is an earlier job's are left out
+        self.earlier_jobs = 0
+        self._job_began: int | None = None  # wall ns of the last job's first header seen
+        self._earlier_job_ranks: set[int] = set()
         self.history = max(history, SHORT_WINDOW + 1)
         self.window = min(window, self.history - 1)  # the blame reads only steps still kept
         self._ranks: dict[int, _RankState] = {}
@@ -164,6 +173,11 @@ class LiveRun:
             if rr.ddp != followed:
                 models.add(rr.ddp)  # another DDP model in the processes: said, not mixed in
                 continue
+            if isinstance(rr.record, Header):
+                if not self._take_job(rr.rank, rr.record):
+                    continue
+            elif self._earlier_job_ranks and rr.rank in self._earlier_job_ranks:
+                continue  # an earlier job's record (the file is read from its start)
             self._records += 1
             self._add(rr.rank, rr.record)
         self._check_stragglers()
@@ -245,6 +259,38 @@ class LiveRun:
                 )
             elif ranks != old.ranks:
                 self._findings[key] = dataclasses.replace(old, ranks=ranks)
+
+    def _take_job(self, rank: int, header: Header) -> bool:
+        """Whether ``header`` belongs to the job followed. Another process's attach header on a
+        rank that already logged is a later job launched into the same run dir: the view starts
+        over on it (as on a new elastic attempt). A header from before the last job began is an
+        earlier job's: that rank's records are skipped until a header of the last job comes."""
+        began = self._job_began
+        if began is not None and header.t_wall_ns < began - JOB_GAP_NS:
+            self._earlier_job_ranks.add(rank)
+            return False
+        self._earlier_job_ranks.discard(rank)
+        st = self._ranks.get(rank)
+        if (
+            st is not None
+            and st.header is not None
+            and header.reason == "attach"
+            and header.pid != st.header.pid
+            and (st.steps or st.end)
+        ):
+            self._start_over(header.t_wall_ns)
+            self._earlier_job_ranks.discard(rank)
+        return True
+
+    def _start_over(self, began: int) -> None:
+        """A later job began (``_take_job``): every rank, step and finding of the earlier one goes."""
+        kept = (self._models, self._source, self._records, self.earlier_jobs + 1, set(self._ranks))
+        self.__init__(  # type: ignore[misc]  # the same LiveRun object, as new: the watcher holds it
+            label=self.label, history=self.history, window=self.window, attempt=self.attempt, ddp=self.ddp
+        )
+        self._models, self._source, self._records, self.earlier_jobs, earlier = kept
+        self._job_began = began
+        self._earlier_job_ranks = earlier  # until their last job's header comes
 
     def _reset_rank(self, rank: int) -> None:
         del self._ranks[rank]
@@ -538,6 +584,7 @@ class LiveRun:
             attempt=self.attempt,
             ddp=self.ddp,
             ddp_models=tuple(sorted(self._models | {self.ddp})),
+            earlier_jobs=self.earlier_jobs,
         )
 
     def _shown_findings(self) -> tuple[Finding, ...]:

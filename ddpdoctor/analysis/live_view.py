@@ -115,6 +115,8 @@ class LiveSnapshot:
     #: records the source held so far (``(0,)``: one model, the usual case)
     ddp: int = 0
     ddp_models: tuple[int, ...] = (0,)
+    #: jobs launched into the same run dir before the one shown (left out of the view)
+    earlier_jobs: int = 0
 
 
 def _ms(v: float | None) -> float | None:

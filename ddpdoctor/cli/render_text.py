@@ -88,6 +88,17 @@ def models_text(run: dict[str, Any]) -> str | None:
     )
 
 
+def jobs_text(run: dict[str, Any]) -> str | None:
+    """That the run dir held earlier jobs, left out (None: one job)."""
+    jobs = run.get("earlier_jobs") or 0
+    if not jobs:
+        return None
+    return (
+        f"the last of {jobs + 1} jobs that wrote this run dir one after another (each launch's ranks restart at "
+        "step 0); the earlier ones are left out: give each launch its own --run-dir to keep them apart"
+    )
+
+
 def bare_text(stats: dict[str, Any]) -> str | None:
     """The steps without a backward of their own, when there are any (None: none)."""
     bare = stats.get("forwards_without_backward") or 0
@@ -112,6 +123,7 @@ def render(report: Report) -> str:
         f"{'finished' if run['finished'] else 'not finished (still running, or a rank died)'}",
         *([f"  {bare}"] if (bare := bare_text(stats)) else []),
         *([f"  {models}"] if (models := models_text(run)) else []),
+        *([f"  {jobs}"] if (jobs := jobs_text(run)) else []),
         *(
             [f"  step statistics from every {run['steps_sampled_every']}th step of each rank and its last 128 steps"]
             if run.get("steps_sampled_every", 1) > 1
@@ -172,7 +184,7 @@ def render_markdown(report: Report) -> str:
     ]
     if run["missing_ranks"]:
         lines.append(f"Missing rank files: {run['missing_ranks']}.")
-    for note in (bare_text(stats), models_text(run), _stream_note(report)):
+    for note in (bare_text(stats), models_text(run), jobs_text(run), _stream_note(report)):
         if note:
             lines.append(note[0].upper() + note[1:] + ".")
     if run["corrupt_lines"] or run["unknown_lines"]:

@@ -67,6 +67,9 @@ class RankLog:
     stream_dropped: int = 0  # records the live stream lost (this file has them): the latest total
     windows: int = 0  # window records read (a compact log: most steps are window rows, ``Step.summary``)
     full_steps: int = 0  # full step records read
+    #: processes that wrote this file before the one read (a run dir reused by jobs launched one
+    #: after another: each rank's file holds each job's process in turn, steps from 0 in each)
+    earlier_jobs: int = 0
 
     def add(self, record: Record) -> None:
         if isinstance(record, Step):
@@ -81,6 +84,8 @@ class RankLog:
         elif isinstance(record, Layout):
             self.layouts.append(record)
         elif isinstance(record, Header):
+            if self.headers and record.pid != self.headers[-1].pid:
+                self._next_job()
             if self.header is None:
                 self.header = record
             self.headers.append(record)
@@ -100,6 +105,16 @@ class RankLog:
             self.hangs.append(record)
         elif isinstance(record, StreamDrops):
             self.stream_dropped = max(self.stream_dropped, record.dropped)
+
+    def _next_job(self) -> None:
+        """Another process's header: a later job wrote on after the one read so far (within one
+        process a new header is a rewrap, the same job). What the earlier job logged is dropped:
+        its steps are numbered from 0 as the new job's are, and mixing them would compare
+        unrelated steps. The file-level counts (corrupt lines, a torn tail) stay."""
+        kept = (self.corrupt_lines, self.unknown_lines, self.torn_tail, self.earlier_jobs + 1)
+        fresh = RankLog(rank=self.rank, ddp=self.ddp, path=self.path)
+        self.__dict__.update(fresh.__dict__)
+        self.corrupt_lines, self.unknown_lines, self.torn_tail, self.earlier_jobs = kept
 
     def _add_step(self, s: Step) -> None:
         steps = self.steps
@@ -248,6 +263,23 @@ def _power_of_two_stride(count: int, budget: int) -> int:
     return stride
 
 
+def _last_job(lines: list[bytes], log: RankLog) -> tuple[int, int]:
+    """(the first line of the last job's process, how many processes wrote before it): a header
+    whose process differs from the header before it starts a later job (``RankLog._next_job``).
+    Only the header lines are decoded."""
+    at = [i for i, line in enumerate(lines) if line[9:14] == b"heade"]
+    if len(at) < 2:
+        return 0, 0
+    cut, jobs, pid = 0, 0, None
+    for i in at:
+        record = decode_counted(lines[i], RankLog(rank=log.rank, ddp=log.ddp, path=log.path))  # (counted once, later)
+        if isinstance(record, Header):
+            if pid is not None and record.pid != pid:
+                cut, jobs = i, jobs + 1
+            pid = record.pid
+    return cut, jobs
+
+
 def _decode_many(lines: list[bytes], log: RankLog) -> list[Record]:
     """Lines decoded in one C pass (one bad line: each line on its own, bad ones counted)."""
     if not lines:
@@ -288,6 +320,8 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
             log.corrupt_lines += 1
         data = data[:cut]
     lines = data.split(b"\n")
+    cut, log.earlier_jobs = _last_job(lines, log)
+    lines = lines[cut:]
     # lines by the start of their kind (``{"kind":"`` is 9 bytes): one cheap pass, no decoding
     by_kind: dict[bytes, list[int]] = {}
     for i, tag in enumerate([line[9:14] for line in lines]):

@@ -27,6 +27,8 @@ class Run:
     ddp: int = 0  # which DDP model of each process ``ranks`` holds (0: the first one wrapped)
     attempt: int | None = None  # the elastic attempt read (``dir`` is then its ``attempt-N`` folder)
     attempts: list[int] = field(default_factory=list)  # every attempt the run dir holds
+    #: jobs that wrote this run dir before the one read (``RankLog.earlier_jobs``; 0: one job)
+    earlier_jobs: int = 0
 
     @property
     def corrupt_lines(self) -> int:
@@ -170,4 +172,30 @@ def load_run(
     finally:
         if collecting:
             gc.enable()
+    _last_job_only(run)
     return run
+
+
+def _last_job(logs: list[RankLog]) -> list[RankLog]:
+    """The logs of the last job, where several jobs wrote the run dir one after another (a
+    ``ddpdoctor run`` of two launches in turn, a script that spawns its ranks twice): each file
+    is read from its last process on (``RankLog.earlier_jobs``), and a file whose last process
+    ended before the last job began (a rank the last job did not have) is left out. The last job
+    began when the first of the files that went on past an earlier job was opened again."""
+    starts = [log.header.t_wall_ns for log in logs if log.header is not None and log.earlier_jobs]
+    if not starts:
+        return logs
+    began = min(starts)
+    return [log for log in logs if log.end is None or log.end.t_wall_ns >= began]
+
+
+def _last_job_only(run: Run) -> None:
+    """Keep the last job's logs in ``run`` where the run dir holds several (else nothing changes)."""
+    logs = [*run.ranks.values(), *run.other_models]
+    jobs = max((log.earlier_jobs for log in logs), default=0)
+    if not jobs:
+        return
+    kept = {id(log) for log in _last_job(logs)}
+    run.earlier_jobs = jobs
+    run.ranks = {r: log for r, log in run.ranks.items() if id(log) in kept}
+    run.other_models = [log for log in run.other_models if id(log) in kept]

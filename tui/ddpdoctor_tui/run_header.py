@@ -27,6 +27,8 @@ class RunHeader(Static):
             line.append(f"  DDP model {snap.ddp} (others: {others or 'none'}; watch --ddp K)", style="bold")
         if snap.backend:
             line.append(f"  {snap.backend}/{snap.device}")
+        if snap.earlier_jobs:  # launches one after another into one run dir: the last one shown
+            line.append(f"  last of {snap.earlier_jobs + 1} jobs in this dir", style="bold yellow")
         if snap.attempt:  # torchrun restarted the workers: this view is the newest attempt only
             line.append(f"  attempt {snap.attempt} (restarted)", style="bold yellow")
         rate = "-" if snap.steps_per_s is None else f"{snap.steps_per_s:.1f}"
