@@ -431,14 +431,19 @@ def straggler_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
 
 def whatif_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    """A stack of 12 small layers with 10 KB buckets (one per weight): a poor bucket_cap_mb."""
+    """A stack of 12 small layers with 10 KB buckets (about one per weight): a poor bucket_cap_mb.
+
+    Widths 64, 64, 32, 64, 64, 32, ...: the buckets come in two sizes (16 and 8 KB weights), so
+    the all-reduce cost model can tell its fixed part from its per-byte part. With one size it
+    takes a tenth as fixed, and whether merging buckets pays then depends on the host's timing."""
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
-    for _ in range(12):
-        layers += [torch.nn.Linear(64, 64), torch.nn.ReLU()]
+    widths = [64, 64, 32] * 4 + [64]
+    for i in range(12):
+        layers += [torch.nn.Linear(widths[i], widths[i + 1]), torch.nn.ReLU()]
     ddp = DDP(torch.nn.Sequential(*layers), bucket_cap_mb=BUCKET_CAP_MB)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    x = torch.randn(32, 64)
+    x = torch.randn(32, widths[0])
     with ddpdoctor.instrument(ddp, run_dir=Path(tmp) / "whatif", check_every=2):
         for _ in range(14):
             loss = ddp(x).square().mean()
