@@ -176,7 +176,7 @@ def load_run(
     return run
 
 
-def _last_job(logs: list[RankLog]) -> list[RankLog]:
+def _last_job_logs(logs: list[RankLog]) -> list[RankLog]:
     """The logs of the last job, where several jobs wrote the run dir one after another (a
     ``ddpdoctor run`` of two launches in turn, a script that spawns its ranks twice): each file
     is read from its last process on (``RankLog.earlier_jobs``), and a file whose last process
@@ -195,7 +195,7 @@ def _last_job_only(run: Run) -> None:
     jobs = max((log.earlier_jobs for log in logs), default=0)
     if not jobs:
         return
-    kept = {id(log) for log in _last_job(logs)}
+    kept = {id(log) for log in _last_job_logs(logs)}
     run.earlier_jobs = jobs
     run.ranks = {r: log for r, log in run.ranks.items() if id(log) in kept}
     run.other_models = [log for log in run.other_models if id(log) in kept]
