@@ -143,10 +143,14 @@ def write_run(directory: Path, world: int = 4, steps: int = 30, **kwargs: Any) -
 
 
 def feed_all(directory: Path, **kwargs: Any) -> tuple[LiveRun, LiveSnapshot]:
+    """A run dir replayed into a fresh ``LiveRun`` (``kwargs``: its options), and its snapshot."""
     source = DirSource(directory)
-    live = LiveRun(label=str(directory), **kwargs)
-    live.feed(source.poll())
-    live.set_source_health(source.health())
+    try:
+        live = LiveRun(label=str(directory), **kwargs)
+        live.feed(source.poll())
+        live.set_source_health(source.health())
+    finally:
+        source.close()
     return live, live.snapshot()
 
 

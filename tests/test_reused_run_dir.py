@@ -61,16 +61,9 @@ def test_the_report_says_the_earlier_jobs(reused: Path, capsys: pytest.CaptureFi
 
 def test_the_live_view_follows_the_last_job(reused: Path) -> None:
     """Replayed file by file (rank 0's two jobs, then rank 1's, then rank 2's first job only)."""
-    from ddpdoctor.analysis.live_run import LiveRun
-    from ddpdoctor.runlog.source import DirSource
+    from tests.test_live_run import feed_all
 
-    live = LiveRun()
-    source = DirSource(reused)
-    try:
-        live.feed(source.poll())
-    finally:
-        source.close()
-    snap = live.snapshot()
+    _, snap = feed_all(reused)
     assert snap.earlier_jobs == 1 and snap.world_size == 2 and [r.rank for r in snap.ranks] == [0, 1]
     assert snap.latest_step == JOBS[1][1] - 1 and snap.view_step == JOBS[1][1] - 1 and snap.finished
 

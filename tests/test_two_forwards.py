@@ -112,8 +112,7 @@ def test_the_report_names_every_ddp_model_and_reports_each(
 def test_every_view_reads_the_model_asked_for(gan: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--ddp K`` in trace and compare, and the live view's model, as in the report: the
     discriminator's three all-reduces an iteration, never the generator's one mixed in."""
-    from ddpdoctor.analysis.live_run import LiveRun
-    from ddpdoctor.runlog.source import DirSource
+    from tests.test_live_run import feed_all
 
     _, run_dir = gan
     for model, steps in ((0, STEPS), (1, 3 * STEPS)):
@@ -127,13 +126,7 @@ def test_every_view_reads_the_model_asked_for(gan: Any, tmp_path: Path, capsys: 
             == 0
         )
         assert json.loads(compared.read_text())["base"]["steps"] == steps, model
-        live = LiveRun(ddp=model)
-        source = DirSource(run_dir)
-        try:
-            live.feed(source.poll())
-        finally:
-            source.close()
-        snap = live.snapshot()
+        _, snap = feed_all(run_dir, ddp=model)
         assert (snap.ddp, snap.ddp_models) == (model, (0, 1))
         assert snap.latest_step == steps - 1 and snap.finished, model
     assert main(["trace", str(run_dir), "--ddp", "2", "-o", str(tmp_path / "none.json")]) == 2

@@ -136,6 +136,12 @@ class LiveRun:
         self._earlier_job_ranks: set[int] = set()
         self.history = max(history, SHORT_WINDOW + 1)
         self.window = min(window, self.history - 1)  # the blame reads only steps still kept
+        self._source = EMPTY_HEALTH
+        self._records = 0
+        self._clear_job()
+
+    def _clear_job(self) -> None:
+        """The state of the job followed: its ranks, steps, blame and findings (none yet)."""
         self._ranks: dict[int, _RankState] = {}
         self._world_size = 0
         self._pending: dict[int, set[int]] = {}  # step -> ranks that logged it, until complete
@@ -159,8 +165,6 @@ class LiveRun:
         self._lost: set[int] = set()  # ranks lost, as of the last feed
         self._hung: set[int] = set()  # ranks waiting in a hang, as of the last feed
         self._checked_upto: int | None = None
-        self._source = EMPTY_HEALTH
-        self._records = 0
         self._whatif_at: int | None = None  # complete step of the last bucket what-if
         self._whatif_final = False
 
@@ -220,10 +224,7 @@ class LiveRun:
             st.proc = rec
             st.last_wall_ns = max(st.last_wall_ns, rec.t_wall_ns)
         elif isinstance(rec, Header):
-            if rec.reason == "attach" and st.header is not None and (st.steps or st.end):
-                self._reset_rank(rank)  # the file was replaced: a new run under the same name
-                st = self._state(rank)
-            st.header = rec
+            st.header = rec  # (a header that starts over was taken by ``_take_job`` first)
             self._groups_stale = True
             # DDP over a subgroup: the header's world size is its group's; the run has more ranks
             self._world_size = max(self._world_size, rec.whole_world_size())
@@ -261,36 +262,32 @@ class LiveRun:
                 self._findings[key] = dataclasses.replace(old, ranks=ranks)
 
     def _take_job(self, rank: int, header: Header) -> bool:
-        """Whether ``header`` belongs to the job followed. Another process's attach header on a
-        rank that already logged is a later job launched into the same run dir: the view starts
-        over on it (as on a new elastic attempt). A header from before the last job began is an
-        earlier job's: that rank's records are skipped until a header of the last job comes."""
+        """Whether ``header`` belongs to the job followed. An attach header on a rank that
+        already logged starts over: from another process it is a later job launched into the same
+        run dir, and the whole view starts over on it (as on a new elastic attempt); from the same
+        process, the file was replaced, and that rank starts over. A header from before the last
+        job began is an earlier job's: that rank's records are skipped until a header of the last
+        job comes."""
         began = self._job_began
         if began is not None and header.t_wall_ns < began - JOB_GAP_NS:
             self._earlier_job_ranks.add(rank)
             return False
-        self._earlier_job_ranks.discard(rank)
         st = self._ranks.get(rank)
-        if (
-            st is not None
-            and st.header is not None
-            and header.reason == "attach"
-            and header.pid != st.header.pid
-            and (st.steps or st.end)
-        ):
-            self._start_over(header.t_wall_ns)
-            self._earlier_job_ranks.discard(rank)
+        if st is not None and st.header is not None and header.reason == "attach" and (st.steps or st.end):
+            if header.pid != st.header.pid:
+                self._start_over(header.t_wall_ns)
+            else:
+                self._reset_rank(rank)  # the file was replaced: a new run under the same name
+        self._earlier_job_ranks.discard(rank)
         return True
 
     def _start_over(self, began: int) -> None:
-        """A later job began (``_take_job``): every rank, step and finding of the earlier one goes."""
-        kept = (self._models, self._source, self._records, self.earlier_jobs + 1, set(self._ranks))
-        self.__init__(  # type: ignore[misc]  # the same LiveRun object, as new: the watcher holds it
-            label=self.label, history=self.history, window=self.window, attempt=self.attempt, ddp=self.ddp
-        )
-        self._models, self._source, self._records, self.earlier_jobs, earlier = kept
+        """A later job began (``_take_job``): every rank, step and finding of the earlier one goes;
+        its ranks' records are skipped until their last job's header comes."""
+        self._earlier_job_ranks |= set(self._ranks)
+        self._clear_job()
+        self.earlier_jobs += 1
         self._job_began = began
-        self._earlier_job_ranks = earlier  # until their last job's header comes
 
     def _reset_rank(self, rank: int) -> None:
         del self._ranks[rank]

@@ -263,11 +263,22 @@ def _power_of_two_stride(count: int, budget: int) -> int:
     return stride
 
 
-def _last_job(lines: list[bytes], log: RankLog) -> tuple[int, int]:
-    """(the first line of the last job's process, how many processes wrote before it): a header
-    whose process differs from the header before it starts a later job (``RankLog._next_job``).
-    Only the header lines are decoded."""
-    at = [i for i, line in enumerate(lines) if line[9:14] == b"heade"]
+def _lines_by_kind(lines: list[bytes]) -> dict[bytes, list[int]]:
+    """Line indices by the start of their kind (``{"kind":"`` is 9 bytes): one cheap pass, no decoding."""
+    by_kind: dict[bytes, list[int]] = {}
+    for i, tag in enumerate([line[9:14] for line in lines]):
+        got = by_kind.get(tag)
+        if got is None:
+            by_kind[tag] = [i]
+        else:
+            got.append(i)
+    return by_kind
+
+
+def _last_job(lines: list[bytes], at: list[int], log: RankLog) -> tuple[int, int]:
+    """(the first line of the last job's process, how many processes wrote before it), from the
+    header lines ``at``: a header whose process differs from the header before it starts a later
+    job (``RankLog._next_job``). Only the header lines are decoded."""
     if len(at) < 2:
         return 0, 0
     cut, jobs, pid = 0, 0, None
@@ -320,16 +331,11 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
             log.corrupt_lines += 1
         data = data[:cut]
     lines = data.split(b"\n")
-    cut, log.earlier_jobs = _last_job(lines, log)
-    lines = lines[cut:]
-    # lines by the start of their kind (``{"kind":"`` is 9 bytes): one cheap pass, no decoding
-    by_kind: dict[bytes, list[int]] = {}
-    for i, tag in enumerate([line[9:14] for line in lines]):
-        got = by_kind.get(tag)
-        if got is None:
-            by_kind[tag] = [i]
-        else:
-            got.append(i)
+    by_kind = _lines_by_kind(lines)
+    cut, log.earlier_jobs = _last_job(lines, by_kind.get(b"heade", []), log)
+    if cut:  # (rare: a run dir that several jobs wrote) read from the last job's first line
+        lines = lines[cut:]
+        by_kind = _lines_by_kind(lines)
     full: list[tuple[int, int]] = []  # (step, line)
     windows: list[tuple[int, int, int]] = []  # (first step, rows, line)
     others: list[int] = []  # every other record, and any step line not as the writer puts it
