@@ -253,7 +253,7 @@ def test_steps_between_samples_keep_their_phases_and_the_straggler_from_two_buck
     short = [sa.step for sa in got if sa.step > 0 and sa.wait_us[0] < 0.7 * 0.12e6]
     assert len(short) <= 1, seen
     assert sorted(sa.wait_us[0] for sa in got)[len(got) // 2] >= 0.9 * 0.12e6, seen
-    assert all(sa.wait_us[1] < 0.3 * 0.12e6 for sa in got), seen
+    assert all(sa.wait_us[1] < 0.3 * 0.12e6 for sa in got if sa.step > 0), seen  # (step 0: start-up skew)
     found = ddpdoctor.analyze(run).findings
     straggler = [f for f in found if f.code == "straggler"]
     assert straggler and straggler[0].ranks == [1], found
