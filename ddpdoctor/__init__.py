@@ -28,13 +28,8 @@ if TYPE_CHECKING:
     from ddpdoctor.analysis.findings import Finding
     from ddpdoctor.analysis.report import Report, analyze
     from ddpdoctor.runlog import Run, RunDirError, load_run
-    from ddpdoctor.runtime import (
-        DistributedDataParallel,
-        Monitor,
-        check_replicas,
-        instrument,
-        rewrap,
-    )
+    from ddpdoctor.runtime import DistributedDataParallel, Monitor, check_replicas, instrument
+    from ddpdoctor.runtime.rewrap import rewrap
 
 __version__ = "0.1.0"
 

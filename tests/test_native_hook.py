@@ -9,6 +9,8 @@ applied and timed. The extension is built once per session (cached in torch's ex
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpdoctor
+from ddpdoctor import native_cache
 from ddpdoctor.events import Header, Layout, Step
 from ddpdoctor.runtime import native_hook
 from ddpdoctor.sinks.memory import MemorySink
@@ -432,6 +435,22 @@ def test_build_is_cached(native_built: Path) -> None:
     name = native_hook.extension_name()
     assert torch.__version__.split("+")[0].replace(".", "_") in name
     assert not dist.is_initialized()
+
+
+def test_the_launcher_finds_the_cached_build_without_importing_torch(
+    native_built: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ddpdoctor run`` looks the build up by the name the ranks will load, from torch's version
+    file: a launch with a cached build imports no torch (a child process importing it took 2.5 s)."""
+    code = (
+        "import sys; from ddpdoctor import native_cache; p = native_cache.cached_build(); "
+        "print(p); print('torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != native_hook.FAULT_ENV}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == [str(native_built), "False"]
+    monkeypatch.setenv(native_hook.FAULT_ENV, "compile")  # another source: another name, not built
+    assert native_cache.cached_build() is None
 
 
 def test_run_launcher_builds_first_and_tells_the_ranks_when_it_cannot(

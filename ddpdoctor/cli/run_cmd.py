@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import ddpdoctor.native_cache as native_cache
 from ddpdoctor.autoload import SITE_DIR
 from ddpdoctor.cli import torchrun_args
 from ddpdoctor.events.layout import (
@@ -93,11 +94,14 @@ def prepare_native(env: dict[str, str], prefix: str) -> None:
     """Build ddpdoctor's native comm hook before any rank starts, so the ranks only load it.
 
     The build (~30 s, once per torch version, then cached) runs in a child process of this
-    launcher, which has no torch imported. When it cannot be built, ``env`` gets
+    launcher, which has no torch imported. A cached build is found without that child (whose
+    torch import took 2.5 s of every launch). When it cannot be built, ``env`` gets
     ``DDPDOCTOR_NATIVE=0``: the ranks take the Python comm hook at once instead of each trying
     to build. Says so in one line; never fails the run.
     """
     if env.get(NATIVE_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return
+    if native_cache.cached_build() is not None:
         return
     started = time.monotonic()
     why = ""

@@ -34,7 +34,6 @@ builds and loads; otherwise the Python comm hook does (``comm_hook.timed_hook``)
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import subprocess
@@ -48,6 +47,7 @@ from typing import Any
 
 import torch
 
+import ddpdoctor.native_cache as native_cache
 from ddpdoctor.categories import CommHookWarning, warn
 from ddpdoctor.runtime import clocks, torch_compat
 from ddpdoctor.runtime.torch_compat import compiled_autograd_asked, compiled_autograd_enabled
@@ -55,8 +55,7 @@ from ddpdoctor.runtime.torch_compat import compiled_autograd_asked, compiled_aut
 #: ``0`` (or ``off``/``false``/``no``) forces the Python comm hook.
 ENV = "DDPDOCTOR_NATIVE"
 #: Test-only: ``compile`` builds a source that does not compile (the fallback path).
-FAULT_ENV = "DDPDOCTOR_TEST_NATIVE_FAULT"
-SOURCE = Path(__file__).parent / "native" / "timed_hook.cpp"
+FAULT_ENV = native_cache.FAULT_ENV
 #: Ring entries: a step drains it, so this only has to exceed the buckets of one step; a rank
 #: that stops draining (closed monitor) overwrites the oldest and memory stays at ~48 bytes each.
 RING_CAPACITY = 4096
@@ -70,7 +69,6 @@ OUTPUT_LIMIT = 8
 #: start, and a read walks torch's config module: per step it was most of this side's forward
 #: cost. Whether compiled autograd is on is read at every forward.
 CONFIG_EVERY = 16
-_OK_MARK = "ddpdoctor-built"
 _perf_ns = time.perf_counter_ns  # one lookup less per call on the hot path
 
 
@@ -84,35 +82,27 @@ def enabled_by_env() -> bool:
 
 
 def _source_text() -> str:
-    text = SOURCE.read_text()
-    if os.environ.get(FAULT_ENV) == "compile":
-        text = '#include "ddpdoctor_test_missing_header.h"  // a source that does not compile\n' + text
-    return text
+    return native_cache.source_text()
 
 
 def _torch_tag() -> str:
-    git = str(getattr(torch.version, "git_version", "") or "")[:8]
-    tag = f"py{sys.version_info[0]}{sys.version_info[1]}_{torch.__version__}_{git}"
-    return "".join(c if c.isalnum() else "_" for c in tag)
+    return native_cache.torch_tag(torch.__version__, getattr(torch.version, "git_version", None))
 
 
 def extension_name(text: str | None = None) -> str:
-    """The extension's name: torch version and source hash, so another torch or another source
-    never loads a stale build (torch's extension directory is shared by every torch of a Python)."""
-    digest = hashlib.sha256((text if text is not None else _source_text()).encode()).hexdigest()[:12]
-    return f"ddpdoctor_timed_hook_{_torch_tag()}_{digest}"
+    """The extension's name: torch version and source hash (``native_cache.extension_name``)."""
+    return native_cache.extension_name(text if text is not None else _source_text(), _torch_tag())
 
 
 def build_directory(name: str) -> Path:
-    """Where torch builds and caches ``name`` (``$TORCH_EXTENSIONS_DIR`` or torch's default)."""
+    """Where ``name`` is built and cached: under torch's default extension directory
+    (``get_default_build_root``: ``$XDG_CACHE_HOME`` or ``~/.cache``, then ``torch_extensions``)."""
     from torch.utils.cpp_extension import get_default_build_root
 
     return Path(get_default_build_root()) / name
 
 
-def _built(directory: Path, name: str) -> Path | None:
-    so = directory / f"{name}.so"
-    return so if (directory / _OK_MARK).exists() and so.exists() else None
+_built = native_cache.built
 
 
 def _tool_path() -> str:
@@ -150,9 +140,9 @@ def _build_here(name: str, directory: Path, text: str, verbose: bool = False) ->
             extra_cflags=["-O2"],
             verbose=verbose,
         )
-        tmp = directory / f"{_OK_MARK}.{os.getpid()}"
+        tmp = directory / f"{native_cache.OK_MARK}.{os.getpid()}"
         tmp.write_text(f"{name}\n")
-        tmp.replace(directory / _OK_MARK)
+        tmp.replace(directory / native_cache.OK_MARK)
 
 
 def build(timeout: float = BUILD_TIMEOUT_S, verbose: bool = False) -> Path:

@@ -1,0 +1,86 @@
+"""The native comm hook's build: its name and where it is cached, known without importing torch.
+
+The name holds the Python and torch versions and the source's hash, so another torch or another
+source never loads a stale build (torch's extension directory is shared by every torch of a
+Python). The ranks compute it from the imported torch (``runtime.native_hook``). ``ddpdoctor
+run`` and ``ddpdoctor demo`` compute the same name from torch's version file, without importing
+torch (seconds), so that a cached build costs a launch nothing; when anything here differs from
+what the ranks will compute, the lookup finds nothing and the launcher asks a child process that
+imports torch, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+#: The C++ source of the native comm hook.
+SOURCE = Path(__file__).parent / "runtime" / "native" / "timed_hook.cpp"
+#: Written into the build directory once a build is complete (a killed build leaves none).
+OK_MARK = "ddpdoctor-built"
+#: Tests: ``compile`` makes the source fail to compile (a build failure, for real).
+FAULT_ENV = "DDPDOCTOR_TEST_NATIVE_FAULT"
+
+
+def source_text() -> str:
+    """The source to build (with the test fault applied, when asked)."""
+    text = SOURCE.read_text()
+    if os.environ.get(FAULT_ENV) == "compile":
+        text = '#include "ddpdoctor_test_missing_header.h"  // a source that does not compile\n' + text
+    return text
+
+
+def torch_tag(version: str, git_version: str | None) -> str:
+    """The Python and torch versions, as the extension's name carries them."""
+    tag = f"py{sys.version_info[0]}{sys.version_info[1]}_{version}_{str(git_version or '')[:8]}"
+    return "".join(c if c.isalnum() else "_" for c in tag)
+
+
+def extension_name(text: str, tag: str) -> str:
+    """The extension's name for source ``text`` built against the torch of ``tag``."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    return f"ddpdoctor_timed_hook_{tag}_{digest}"
+
+
+def built(directory: Path, name: str) -> Path | None:
+    """The shared object of a complete build of ``name`` in ``directory``, or None."""
+    so = directory / f"{name}.so"
+    return so if (directory / OK_MARK).exists() and so.exists() else None
+
+
+def _torch_version_file() -> tuple[str, str | None] | None:
+    """torch's ``__version__`` and ``git_version``, read from its ``version.py`` alone."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    values: dict[str, object] = {}
+    # a generated file of plain assignments (its only import is ``typing``)
+    exec(compile(path.read_text(), str(path), "exec"), values)
+    version = values.get("__version__")
+    git = values.get("git_version")
+    return (version, git if isinstance(git, str) else None) if isinstance(version, str) else None
+
+
+def _default_build_root() -> Path:
+    """torch's default extension directory on Linux (``get_default_build_root``)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(os.path.realpath(os.path.join(cache, "torch_extensions")))
+
+
+def cached_build() -> Path | None:
+    """The cached build the ranks would load, found without importing torch; None when there is
+    none, or when this cannot tell (not Linux, no torch, an unreadable version file)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        found = _torch_version_file()
+        if found is None:
+            return None
+        name = extension_name(source_text(), torch_tag(*found))
+        return built(_default_build_root() / name, name)
+    except Exception:  # noqa: BLE001 - any doubt: the launcher asks a process that imports torch
+        return None
