@@ -130,6 +130,8 @@ def test_buffers_identical_outside_the_broadcast_make_it_redundant() -> None:
     f = advise_broadcast(COST, verdict)
     assert f.evidence["broadcast_redundant"] is True and f.evidence["predicted_saving_ms"] == 2.0
     assert "redundant" in f.detail and "broadcast_buffers=False" in f.fix
+    # a model wrapped by a framework: its own switch for the same thing (the user never calls DDP)
+    assert "TrainingArguments(ddp_broadcast_buffers=False)" in f.fix and "DDPStrategy(broadcast_buffers=False)" in f.fix
 
 
 def test_buffers_that_differ_outside_the_broadcast_make_turning_it_off_unsafe() -> None:

@@ -106,6 +106,12 @@ def test_constant_buffers_need_both_version_and_values_unchanged() -> None:
     ]
     (f,) = constant_buffers(HEADER, prints, [_step(i, bcast=500.0) for i in range(6)], 0)
     assert f.evidence["names"] == ["table"]  # "stat" kept its version but its values moved
+    assert "_set_params_and_buffers_to_ignore_for_model" in f.fix and "TrainingArguments" not in f.fix
+    still = [msgspec.structs.replace(p, buffer_norms=[1.0, 0.0], buffer_sums=[2.0, 0.0]) for p in prints]
+    (every,) = constant_buffers(HEADER, still, [_step(i, bcast=500.0) for i in range(6)], 0)
+    assert every.evidence["names"] == ["table", "stat"] and "broadcast_buffers=False" in every.fix
+    # where a framework wraps the model, the user never calls DDP: its own switch is named too
+    assert "TrainingArguments(ddp_broadcast_buffers=False)" in every.fix
 
 
 def test_replica_comparison_names_the_odd_rank_out() -> None:

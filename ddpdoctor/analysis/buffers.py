@@ -64,6 +64,15 @@ def _bcast_stats(steps: list[Step]) -> tuple[float | None, float | None, int, bo
     return (bound if capped else floor, median(total) / 1000.0 if total else None, nbytes, capped)
 
 
+#: Where a framework builds the DDP (the user never calls its constructor), its own switch for
+#: ``broadcast_buffers=False``: every fix that turns the broadcast off names them.
+FRAMEWORK_SWITCHES = (
+    "\n    # where a framework wraps the model: transformers TrainingArguments(ddp_broadcast_buffers=False),"
+    "\n    # Lightning DDPStrategy(broadcast_buffers=False),"
+    "\n    # Accelerate Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])"
+)
+
+
 def constant_buffers(
     header: Header, prints: Sequence[Fingerprint] | BufferEvidence, steps: list[Step], rank: int
 ) -> list[Finding]:
@@ -92,7 +101,7 @@ def constant_buffers(
         fix = (
             "No buffer changes during training: stop broadcasting them at every forward:\n"
             "    model = DistributedDataParallel(net, broadcast_buffers=False)"
-            "  # torch>=2.13: forward_sync_buffers=False"
+            "  # torch>=2.13: forward_sync_buffers=False" + FRAMEWORK_SWITCHES
         )
     else:
         listed = ", ".join(repr(n) for n in names[:20])
@@ -177,7 +186,7 @@ def buffer_broadcast_cost(header: Header, steps: list[Step], rank: int, cost_ms:
             fix=(
                 "If the buffers need not match on every rank during training (BatchNorm statistics matter at eval "
                 "and checkpoint time), stop the per-forward broadcast and sync them once when needed:\n"
-                "    model = DistributedDataParallel(net, broadcast_buffers=False)\n"
+                "    model = DistributedDataParallel(net, broadcast_buffers=False)" + FRAMEWORK_SWITCHES + "\n"
                 "    # before eval / checkpoint:\n"
                 "    for b in model.module.buffers(): torch.distributed.broadcast(b, src=0)"
             ),
@@ -265,7 +274,7 @@ def advise_broadcast(cost: Finding, verdict: dict[str, Any] | None) -> Finding:
         fix = (
             "Every rank updates its buffers identically: stop the per-forward broadcast:\n"
             "    model = DistributedDataParallel(net, broadcast_buffers=False)"
-            "  # torch>=2.13: forward_sync_buffers=False\n"
+            "  # torch>=2.13: forward_sync_buffers=False" + FRAMEWORK_SWITCHES + "\n"
             "ddpdoctor's final fingerprint will tell if they ever drift apart (buffer-divergence)."
         )
     else:
