@@ -8,6 +8,7 @@ import time
 import warnings
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -257,3 +258,42 @@ def test_native_marks_in_order_or_not_give_the_same_step() -> None:
     assert marks(drain, peek[:1]) == expected  # a late leftover overwrites only its own bucket
     assert marks([drain[0], drain[2]]) == ([10, None, 14], [11, None, 15], [20, None, None], [400, None, 96])
     assert marks([]) == ([], [], [], [])
+
+
+def _bcast_steps(first: int, n: int, bcast_us: float) -> list[Step]:
+    return [msgspec.structs.replace(_step(first + i, opt=True, bcast=bcast_us), bcast_bytes=2048) for i in range(n)]
+
+
+def _bcast_warnings(feed: list[Step], finish: bool) -> tuple[list[str], list[Record]]:
+    out: list[Record] = []
+    live = LiveFindings(0, 0, out.append, lambda: None)
+    live.observe(HEADER)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in feed:
+            live.observe(s)
+        if finish:
+            live.finish()
+    return [str(w.message) for w in caught], out
+
+
+def test_a_broadcast_slow_only_at_start_up_is_not_warned_live() -> None:
+    """The first check's window is the start-up: its slow broadcasts (a loaded host, the first
+    collectives) would say 20% of the step where the run says 3%; the warning waits for the next
+    check, which finds the run's own figure (info, logged, not said)."""
+    slow = _bcast_steps(0, live_findings.WARMUP, 200.0)  # 20% of the 1 ms step
+    said, out = _bcast_warnings([*slow, *_bcast_steps(100, live_findings.EVERY, 40.0)], finish=True)
+    assert said == []
+    assert [(r.code, r.severity) for r in out if hasattr(r, "severity")] == [("buffer-broadcast-cost", "info")]
+
+
+def test_a_broadcast_that_stays_slow_is_warned_at_the_second_check_or_at_close() -> None:
+    steady = _bcast_steps(0, live_findings.WARMUP + live_findings.EVERY, 200.0)
+    said, out = _bcast_warnings(steady, finish=False)
+    assert len(said) == 1 and "buffer-broadcast-cost" in said[0]
+    assert [getattr(r, "step", None) for r in out] == [0]
+    # a job shorter than two checks: held at the first, said at the clean close, over every step
+    said, out = _bcast_warnings(_bcast_steps(0, live_findings.WARMUP + 6, 200.0), finish=False)
+    assert said == [] and out == []
+    said, _ = _bcast_warnings(_bcast_steps(0, live_findings.WARMUP + 6, 200.0), finish=True)
+    assert len(said) == 1 and "26 steps" in said[0]

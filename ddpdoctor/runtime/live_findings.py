@@ -43,6 +43,11 @@ WINDOW = 100
 WARMUP = 20
 #: Findings kept in ``raised`` (the most recent; each is also in the log).
 RAISED_KEPT = 256
+#: Cost findings whose warning waits for a second check (EVERY steps later, or the monitor's
+#: clean close) to find it again: the first check's window is the job's start-up, whose first
+#: collectives (and a loaded host) made a 2 KiB broadcast look like 19% of the step on a real job
+#: where the whole run said 6%. Until confirmed, such a warning is neither logged nor said.
+CONFIRMED_CODES = frozenset({"buffer-broadcast-cost"})
 
 
 #: Frames a warning is not attributed to: ddpdoctor's own and torch's (a forward hook runs
@@ -102,6 +107,8 @@ class LiveFindings:
         self.error: Warning | None = None
         self._since_check = 0
         self._checked = False
+        #: codes of CONFIRMED_CODES that the last check found as a warning, not yet raised
+        self._held: set[str] = set()
         # Step records observed, and the last of them (by that count; 0: none) with a buffer
         # broadcast, and with synchronized buckets but no optimizer step
         self._observed = 0
@@ -138,6 +145,7 @@ class LiveFindings:
             # a new DDP instance (rewrap): what was stale about the old one no longer applies
             self.header = record
             self.flags, self.unused, self.prints = FlagEvidence(), UnusedEvidence(), BufferEvidence(record)
+            self._held = set()
             self.steps.clear()  # the last-seen counts now fall before the window: nothing to reset
 
     def _check_steps(self) -> None:
@@ -154,9 +162,24 @@ class LiveFindings:
             return
         steps = list(self.steps)
         if bcast and self.header is not None:
-            self.raise_findings(buffer_broadcast_cost(self.header, steps, self.rank))
+            self.raise_findings(self._confirmed(buffer_broadcast_cost(self.header, steps, self.rank)))
         if accumulating:
             self.raise_findings(sync_during_accumulation(steps, self.rank))
+
+    def _confirmed(self, findings: list[Finding]) -> list[Finding]:
+        """What of ``findings`` to raise now: a warning of CONFIRMED_CODES only when the check
+        before found it as a warning too (else it is held); anything else at once."""
+        now = {f.code for f in findings if f.code in CONFIRMED_CODES and f.severity == "warning"}
+        out = [f for f in findings if f.code not in now or f.code in self._held]
+        self._held = now
+        return out
+
+    def finish(self) -> None:
+        """At a clean close: a held warning is checked once more over the window, which now holds
+        every step since (a job shorter than two checks still hears it, from the whole run)."""
+        if "buffer-broadcast-cost" in self._held and self.header is not None:
+            self.raise_findings(buffer_broadcast_cost(self.header, list(self.steps), self.rank))
+        self._held = set()
 
     def raise_findings(self, findings: list[Finding]) -> None:
         """Log and warn each finding not raised before."""

@@ -612,6 +612,11 @@ class Monitor:
                 checks.fingerprinter.poll()
             except Exception as exc:  # noqa: BLE001 - closing must never break training
                 self.probes.failed("checks", exc)
+        if final and self.probes.on["live"]:
+            try:
+                self.live.finish()  # a warning held for confirmation: checked over the whole window
+            except Exception as exc:  # noqa: BLE001 - closing must never break training
+                self.probes.failed("live", exc)
         try:
             self._detach()
         except Exception as exc:  # noqa: BLE001 - closing must never break training
