@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from ddpdoctor.cli.torchrun_args import SHARE_STORE_ENV, TorchrunArgs, parse, restart_advice, shared_run_name
+from ddpdoctor.cli.torchrun_args import (
+    SHARE_STORE_ENV,
+    TorchrunArgs,
+    parse,
+    port_advice,
+    restart_advice,
+    shared_run_name,
+)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -53,6 +60,20 @@ def test_restart_advice_names_what_breaks_restarts() -> None:
     assert restart_advice(TorchrunArgs(max_restarts=1, rdzv_backend="c10d"), env={SHARE_STORE_ENV: "1"}) is None
 
 
+def test_master_port_0_is_said_to_hang() -> None:
+    # (torchrun --master-port 0 hangs in init_process_group, with or without ddpdoctor)
+    for spelling in (["--master-port", "0"], ["--master_port=0"]):
+        args = parse([*TORCHRUN, "--nproc-per-node", "2", *spelling, "t.py"], env={})
+        assert args is not None and args.master_port == "0"
+        advice = port_advice(args)
+        assert advice is not None and "--standalone" in advice
+    from_env = parse([*TORCHRUN, "t.py"], env={"PET_MASTER_PORT": "0"})
+    assert from_env is not None and port_advice(from_env) is not None
+    assert port_advice(parse([*TORCHRUN, "--master-port", "29511", "t.py"], env={}) or TorchrunArgs()) is None
+    assert port_advice(TorchrunArgs(master_port="0", standalone=True)) is None  # the c10d rendezvous picks one
+    assert port_advice(TorchrunArgs()) is None
+
+
 def test_a_multi_node_job_gets_a_run_dir_named_by_its_rdzv_id() -> None:
     assert shared_run_name(TorchrunArgs(nnodes="2", rdzv_id="slurm/4711")) == "rdzv-slurm_4711"
     assert shared_run_name(TorchrunArgs(nnodes="1", rdzv_id="job")) is None  # one node: a fresh name
@@ -80,6 +101,8 @@ def test_run_prints_restart_advice_and_the_shared_run_dir(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"run dir {tmp_path / 'ddpdoctor-runs' / 'rdzv-job7'}" in proc.stdout
     assert "ddpdoctor run: note: torchrun's static rendezvous" in proc.stderr
+    proc = _run(tmp_path, ["--master-port", "0"], env)
+    assert proc.returncode == 0 and "ddpdoctor run: note: torchrun --master-port 0" in proc.stderr
 
     # an earlier job with the same id left files: a fresh dir and a warning, never an append
     (tmp_path / "ddpdoctor-runs" / "rdzv-job7").mkdir(parents=True)

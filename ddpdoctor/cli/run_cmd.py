@@ -192,9 +192,9 @@ def run(args: argparse.Namespace) -> int:
     run_dir = run_dir.absolute()  # absolute: CMD may change directory
     env = child_env(run_dir, args.endpoint, args.hang_timeout)
     print(f"ddpdoctor run: run dir {run_dir}", flush=True)
-    advice = torchrun_args.restart_advice(torchrun) if torchrun else None
-    if advice:
-        print(f"ddpdoctor run: note: {advice}", file=sys.stderr, flush=True)
+    for advice in (torchrun_args.restart_advice(torchrun), torchrun_args.port_advice(torchrun)) if torchrun else ():
+        if advice:
+            print(f"ddpdoctor run: note: {advice}", file=sys.stderr, flush=True)
     if args.endpoint:
         print(f"ddpdoctor run: streaming to {args.endpoint}", flush=True)
     prepare_native(env, "ddpdoctor run")

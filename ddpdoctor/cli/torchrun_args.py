@@ -41,6 +41,7 @@ class TorchrunArgs:
     rdzv_id: str = "none"
     nnodes: str = "1:1"
     standalone: bool = False
+    master_port: str = ""  # as given ("": not given, torchrun's default)
 
     @property
     def max_nodes(self) -> int:
@@ -104,6 +105,7 @@ def parse(cmd: list[str], env: Mapping[str, str] | None = None) -> TorchrunArgs 
         rdzv_id=get("rdzv_id", "none"),
         nnodes=get("nnodes", "1:1"),
         standalone="standalone" in values or environ.get("PET_STANDALONE", "") not in ("", "0"),
+        master_port=get("master_port", ""),
     )
 
 
@@ -134,6 +136,19 @@ def restart_advice(args: TorchrunArgs, env: Mapping[str, str] | None = None) -> 
             f"init_process_group. Set {SHARE_STORE_ENV}=1 for --max-restarts to work."
         )
     return None
+
+
+def port_advice(args: TorchrunArgs) -> str | None:
+    """Why this torchrun will hang before training starts, when it will: ``--master-port 0`` with
+    the static rendezvous (torch 2.13 and 2.8 alike: every worker waits in
+    ``init_process_group`` for a store on port 0 until torchrun's timeout). None otherwise."""
+    if args.backend != "static" or args.master_port.strip() != "0":
+        return None
+    return (
+        "torchrun --master-port 0 does not pick a free port for the workers: each one looks for the store on "
+        "port 0 and the job hangs in init_process_group. Give a free port, or use --standalone (one node), "
+        "which picks one."
+    )
 
 
 def shared_run_name(args: TorchrunArgs) -> str | None:
