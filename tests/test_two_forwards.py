@@ -7,6 +7,7 @@ Real 2-rank gloo, instrumented and plain."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import warnings
 from pathlib import Path
@@ -131,6 +132,42 @@ def test_every_view_reads_the_model_asked_for(gan: Any, tmp_path: Path, capsys: 
         assert snap.latest_step == steps - 1 and snap.finished, model
     assert main(["trace", str(run_dir), "--ddp", "2", "-o", str(tmp_path / "none.json")]) == 2
     assert "no rank files of DDP model 2 here" in capsys.readouterr().err
+
+
+def test_collect_metrics_follow_the_model_asked_for(gan: Any) -> None:
+    """``collect --metrics --ddp K``: the live state behind the metrics follows model K of the
+    streams it receives (here: the run's real records, as a listener hands them over)."""
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+
+    from ddpdoctor.cli.collect_cmd import add_parser
+    from ddpdoctor.cli.metrics_server import LiveFeed, SnapshotCollector
+    from ddpdoctor.runlog import DirSource
+    from ddpdoctor.stream.listener import Peer, StreamLine, StreamListener
+
+    _, run_dir = gan
+    source = DirSource(run_dir)
+    polled = source.poll()
+    source.close()
+    listener = StreamListener("127.0.0.1", 0, None)
+    try:
+        for model, steps in ((0, STEPS), (1, 3 * STEPS)):
+            feed = LiveFeed(listener, ddp=model)
+            feed.feed([StreamLine(Peer("gan", None, rr.rank, rr.ddp), b"", rr.record) for rr in polled])
+            snap = feed.snapshot()
+            assert snap is not None and (snap.ddp, snap.ddp_models) == (model, (0, 1))
+            assert snap.latest_step == steps - 1 and snap.finished, model
+            registry = CollectorRegistry()
+            registry.register(SnapshotCollector(feed.snapshot, run="gan"))
+            text = generate_latest(registry).decode()
+            assert f'ddpdoctor_ddp_model{{run="gan"}} {float(model)}' in text
+            assert f'ddpdoctor_latest_step{{run="gan"}} {float(steps - 1)}' in text
+    finally:
+        listener.close()
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["collect", "--listen", "127.0.0.1:0", "--run-dir", "d", "--ddp", "1"])
+    assert args.ddp == 1
 
 
 async def test_the_watch_header_says_which_model_it_shows(gan: Any) -> None:

@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ddpdoctor.cli.model_option import add_ddp_argument
 from ddpdoctor.events.layout import TOKEN_ENV, rank_file_path
 from ddpdoctor.events.wire import parse_endpoint
 from ddpdoctor.stream.listener import Peer, StreamLine, StreamListener
@@ -42,6 +43,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--metrics", metavar="HOST:PORT", help="serve the live state for Prometheus on http://HOST:PORT/metrics"
     )
+    add_ddp_argument(p)  # which model --metrics follows (every model's stream is written)
     p.set_defaults(func=run)
 
 
@@ -91,13 +93,14 @@ class Collector:
         self._files.clear()
 
 
-def _metrics(address: str | None, listener: StreamListener) -> tuple[Any, Any]:
-    """``--metrics``: a live state fed beside the files, served for Prometheus (None, None without it)."""
+def _metrics(address: str | None, listener: StreamListener, ddp: int = 0) -> tuple[Any, Any]:
+    """``--metrics``: a live state of DDP model ``ddp`` fed beside the files, served for
+    Prometheus (None, None without it)."""
     if address is None:
         return None, None
     from ddpdoctor.cli.metrics_server import LiveFeed, MetricsServer
 
-    feed = LiveFeed(listener)
+    feed = LiveFeed(listener, ddp=ddp)
     return feed, MetricsServer(address, feed.snapshot)
 
 
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     collector = Collector(args.run_dir)
     try:
-        feed, metrics = _metrics(args.metrics, listener)
+        feed, metrics = _metrics(args.metrics, listener, args.ddp)
     except (ValueError, OSError) as exc:
         listener.close()
         print(f"ddpdoctor collect: {exc}", file=sys.stderr)

@@ -101,6 +101,9 @@ class SnapshotCollector(Collector):
             rate = g("ddpdoctor_steps_per_second", "training steps per second (recent)", labels=["run"])
             rate.add_metric([run], snap.steps_per_s)
             yield rate
+        model = g("ddpdoctor_ddp_model", "the DDP model of each process these metrics follow (--ddp K)", labels=["run"])
+        model.add_metric([run], snap.ddp)
+        yield model
         finished = g("ddpdoctor_run_finished", "1 when every rank closed its log", labels=["run"])
         finished.add_metric([run], 1.0 if snap.finished else 0.0)
         yield finished
@@ -217,13 +220,15 @@ class LiveFeed:
     ``feed`` is called by the collector's loop with the lines it just wrote; ``snapshot`` by the
     metrics server's thread at scrape time. A lock keeps the two apart (``LiveRun`` is not
     thread-safe); a snapshot is only computed when Prometheus asks for one. Only the latest
-    elastic attempt of the first run seen is followed, as the collector writes it.
+    elastic attempt of the first run seen is followed, as the collector writes it, and of its
+    DDP models the one ``ddp`` names (``collect --ddp K``; the others are named in the snapshot).
     """
 
-    def __init__(self, listener: StreamListener) -> None:
+    def __init__(self, listener: StreamListener, ddp: int = 0) -> None:
         self._listener = listener
         self._lock = threading.Lock()
-        self._live = LiveRun()
+        self._ddp = ddp
+        self._live = LiveRun(ddp=ddp)
         self._run: str | None = None
         self._attempt = -1
 
@@ -241,7 +246,7 @@ class LiveFeed:
                     continue
                 if attempt > self._attempt:  # torchrun restarted the workers: a fresh live state
                     self._attempt = attempt
-                    self._live = LiveRun(label=self._live.label, attempt=peer.attempt)
+                    self._live = LiveRun(label=self._live.label, attempt=peer.attempt, ddp=self._ddp)
                     records = []
                 records.append(RankRecord(peer.rank, peer.ddp, line.record))
             lis = self._listener
