@@ -1,4 +1,4 @@
-"""constant-buffers: a fixed lookup table registered as a buffer, broadcast at every forward.
+"""constant-buffers: a fixed lookup table (1 MB) registered as a buffer, broadcast at every forward.
 
 ``--fixed`` applies the fix (``broadcast_buffers=False``); ``--forward-sleep-ms N`` adds N ms to
 every forward (a planted slowdown, for ``ddpdoctor compare``).
@@ -23,14 +23,14 @@ FORWARD_SLEEP_S = float(os.environ.get("ZOO_FORWARD_SLEEP_MS", "0")) / 1000.0
 class TableNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("table", torch.linspace(-1, 1, 256 * 64).reshape(256, 64))  # never changes
+        self.register_buffer("table", torch.linspace(-1, 1, 1024 * 256).reshape(1024, 256))  # never changes
         self.proj = nn.Linear(32, 64)
         self.head = nn.Linear(64, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if FORWARD_SLEEP_S:
             time.sleep(FORWARD_SLEEP_S)
-        h = torch.relu(self.proj(x)) + self.table[:1]
+        h = torch.relu(self.proj(x)) + self.table[:1, :64]
         return self.head(h)
 
 
