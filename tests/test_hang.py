@@ -164,3 +164,45 @@ def test_a_hang_in_one_ddp_group_names_only_that_groups_missing_rank() -> None:
     # the same records read as one group (what was said before): ranks 0 and 1 named missing too
     [whole] = hang_findings_in_groups(latest, last, 4, [[0, 1, 2, 3]], bare_steps=bare)
     assert whole.ranks == [0, 1, 3]
+
+
+def test_every_rank_waiting_in_one_all_reduce_is_named_as_such(tmp_path: Path) -> None:
+    """A comm hook whose future never completes: both ranks wait in the same all-reduce, none is
+    missing. The report says so and points at the hook, the backend or the network, not at a
+    missing rank (it said "missing: rank " with nobody named)."""
+    script = Path(__file__).parent / "scripts" / "hook_never_completes.py"
+    run_dir = tmp_path / "run"
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(run_dir), str(HANG_TIMEOUT)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port)),
+        )
+        for r in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        finding = None
+        while finding is None:
+            assert time.monotonic() < deadline, "no hang finding naming both ranks within 120 s"
+            assert all(p.poll() is None for p in procs), "a rank exited before the hang"
+            if all((run_dir / f"rank-{r}-stuck").exists() for r in range(2)):
+                report = ddpdoctor.analyze(ddpdoctor.load_run(run_dir))
+                finding = next(
+                    (f for f in report.findings if f.code == "hang" and f.severity == "error" and len(f.ranks) == 2),
+                    None,
+                )
+            if finding is None:
+                time.sleep(0.2)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+        stderr_of_rank0 = procs[0].stderr.read() if procs[0].stderr else b""
+    assert finding.title.startswith("every rank waits in the all-reduce of bucket ")
+    assert finding.title.endswith(" of step 2: no rank is missing, the collective does not complete")
+    assert finding.ranks == [0, 1] and finding.evidence["missing"] == {} and "missing: rank" not in finding.title
+    assert "comm hook" in finding.fix and "PowerSGD" in finding.fix
+    assert b"or the collective does not complete" in stderr_of_rank0  # the rank's own warning says both

@@ -126,6 +126,9 @@ def hang_findings(
         lines.append(text)
         missing_info[r] = info
     first = stuck.step
+    if not missing:
+        out.append(_nobody_missing(waiting, waiters, at, first))
+        return out
     if any(skipped.get(r) for r in missing):
         fix = (
             "Every rank must run the same collectives in the same order: the missing rank skipped a backward "
@@ -165,6 +168,36 @@ def hang_findings(
         )
     )
     return out
+
+
+def _nobody_missing(waiting: dict[int, Hang], waiters: list[int], at: str, step: int) -> Finding:
+    """Every rank waits in the same collective: none is missing, the collective does not finish."""
+    return Finding(
+        code="hang",
+        severity="error",
+        ranks=waiters,
+        step=step,
+        title=f"every rank waits in {at}: no rank is missing, the collective does not complete",
+        detail=(
+            f"Ranks {', '.join(map(str, waiters))} all wait in {at} "
+            f"(no progress for {max(h.waited_s for h in waiting.values()):.0f} s), so none of them skipped or "
+            "added a collective: the all-reduce they all entered never finishes."
+        ),
+        evidence={
+            "waiting": {
+                r: {"phase": waiting[r].phase, "step": waiting[r].step, "waited_s": waiting[r].waited_s}
+                for r in waiters
+            },
+            "missing": {},
+        },
+        fix=(
+            "Suspect what runs the collective: a comm hook (yours, or a library's such as PowerSGD: check that it "
+            "completes its future, and that it issues the same collectives on every rank), the process group "
+            "(a backend that cannot run this collective on these tensors or devices), or the network between "
+            "the hosts (NCCL_DEBUG=INFO, a firewall, a wrong interface: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME). "
+            "Run once without the hook to tell which."
+        ),
+    )
 
 
 def steps_without_allreduce(

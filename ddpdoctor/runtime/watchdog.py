@@ -265,10 +265,11 @@ class Watchdog:
             )
             title = (
                 f"rank {monitor.rank} has waited {waited:.0f} s in {what} of step {record.step}: "
-                "another rank is not there"
+                "another rank is not there, or the collective does not complete"
             )
             fix = (
-                "Run `ddpdoctor report` on the run dir: it names the missing rank and shows its stack. "
+                "Run `ddpdoctor report` on the run dir: it names the missing rank and shows its stack, or says "
+                "that every rank is there (then suspect the comm hook, the backend or the network). "
                 "Look for a collective that one rank skips or adds (a backward skipped on one rank, "
                 "data-dependent control flow, an uneven last batch, an exception swallowed on one rank)."
             )
