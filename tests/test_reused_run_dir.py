@@ -79,3 +79,35 @@ async def test_the_watch_header_says_it_shows_the_last_job(reused: Path) -> None
         await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.finished)
         header = widget_text(app.query_one(RunHeader))
         assert "ranks 2/2" in header and "last of 2 jobs in this dir" in header, header
+
+
+@pytest.mark.parametrize("max_steps", [None, "auto"])
+def test_each_job_is_read_on_request(reused: Path, max_steps: Any) -> None:
+    """``load_run(job=K)``: the earlier job, all three of its ranks (rank 2's file holds it alone);
+    -1 is the last; a job that is not there is a clear error."""
+    first = load_run(reused, max_steps=max_steps, job=0)
+    assert sorted(first.ranks) == [0, 1, 2] and (first.earlier_jobs, first.later_jobs) == (0, 1)
+    for log in first.ranks.values():
+        assert [s.step for s in log.steps] == list(range(JOBS[0][1])) and log.steps_total == JOBS[0][1]
+        assert len(log.headers) == 1 and log.header is not None and log.header.world_size == 3
+        assert log.end is not None and log.end.steps == JOBS[0][1]
+    assert len({log.header.pid for log in first.ranks.values() if log.header}) == 3
+    last = load_run(reused, max_steps=max_steps, job=-1)
+    assert sorted(last.ranks) == [0, 1] and (last.earlier_jobs, last.later_jobs) == (1, 0)
+    assert [s.step for s in last.ranks[0].steps] == list(range(JOBS[1][1]))
+    # the same processes as the default read of the last job
+    default = load_run(reused, max_steps=max_steps)
+    assert {r: log.header.pid for r, log in last.ranks.items() if log.header} == {
+        r: log.header.pid for r, log in default.ranks.items() if log.header
+    }
+    with pytest.raises(ddpdoctor.RunDirError, match="no job 2 here"):
+        load_run(reused, max_steps=max_steps, job=2)
+
+
+def test_the_report_reads_an_earlier_job_with_job_k(reused: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(reused), "--job", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "world size 3," in out and f"{JOBS[0][1]} steps, finished" in out
+    assert "job 0 (from 0) of the 2 jobs that wrote this run dir" in out and "--job K" in out
+    assert main(["report", str(reused), "--job", "5"]) == 2
+    assert "no job 5 here (2 job(s) wrote it" in capsys.readouterr().err

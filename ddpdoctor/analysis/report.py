@@ -155,8 +155,9 @@ def analyze(run: Run) -> Report:
         # the DDP model reported (a process may wrap several: a GAN's two), and the others logged
         "ddp_model": run.ddp,
         "other_ddp_models": [m for m in run.models() if m != run.ddp],
-        # jobs launched one after another into this run dir before the one reported
+        # jobs launched one after another into this run dir before and after the one reported
         "earlier_jobs": run.earlier_jobs,
+        "later_jobs": run.later_jobs,
         "missing_ranks": run.missing_ranks(),
         "backend": header.backend if header else None,
         "torch": header.torch if header else None,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ddpdoctor.analysis import analyze
 from ddpdoctor.analysis.compare import COMPARED, Comparison, compare
-from ddpdoctor.cli.model_option import add_ddp_argument
+from ddpdoctor.cli.model_option import add_ddp_argument, add_job_argument
 from ddpdoctor.cli.render_compare import render_compare, render_compare_markdown
 from ddpdoctor.runlog import load_run
 
@@ -41,6 +41,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help=f"phase(s) --fail-on-regression watches (default: step); one of {', '.join(COMPARED)}",
     )
     add_ddp_argument(p)  # (the same model in both runs)
+    add_job_argument(p)
     p.set_defaults(func=run)
 
 
@@ -56,8 +57,8 @@ def gate(c: Comparison, pct: float, phases: list[str] | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    base_run = load_run(args.base, max_steps="auto", ddp=args.ddp)
-    new_run = load_run(args.new, max_steps="auto", ddp=args.ddp)
+    base_run = load_run(args.base, max_steps="auto", ddp=args.ddp, job=args.job)
+    new_run = load_run(args.new, max_steps="auto", ddp=args.ddp, job=args.job)
     c = compare(base_run, new_run, analyze(base_run), analyze(new_run))
     if args.format == "json":
         text = json.dumps(c.to_dict(), indent=2) + "\n"

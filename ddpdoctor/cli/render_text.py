@@ -89,13 +89,15 @@ def models_text(run: dict[str, Any]) -> str | None:
 
 
 def jobs_text(run: dict[str, Any]) -> str | None:
-    """That the run dir held earlier jobs, left out (None: one job)."""
-    jobs = run.get("earlier_jobs") or 0
-    if not jobs:
+    """That the run dir held other jobs, left out (None: one job)."""
+    earlier, later = run.get("earlier_jobs") or 0, run.get("later_jobs") or 0
+    if not earlier and not later:
         return None
+    jobs = earlier + later + 1
+    which = f"the last of {jobs}" if not later else f"job {earlier} (from 0) of the {jobs}"
     return (
-        f"the last of {jobs + 1} jobs that wrote this run dir one after another (each launch's ranks restart at "
-        "step 0); the earlier ones are left out: give each launch its own --run-dir to keep them apart"
+        f"{which} jobs that wrote this run dir one after another (each launch's ranks restart at step 0); "
+        "the others are left out (--job K reads the K-th): give each launch its own --run-dir to keep them apart"
     )
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ddpdoctor.analysis import analyze, at_least
-from ddpdoctor.cli.model_option import add_ddp_argument
+from ddpdoctor.cli.model_option import add_ddp_argument, add_job_argument
 from ddpdoctor.cli.render_text import render, render_markdown
 from ddpdoctor.runlog import load_run
 
@@ -24,12 +24,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("-o", "--output", type=Path, help="write the report to this file instead of stdout")
     add_ddp_argument(p)
+    add_job_argument(p)
     p.add_argument("--fail-on", choices=["warning", "error"], help="exit 1 if a finding this severe or worse exists")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    run_log = load_run(args.run_dir, max_steps="auto", ddp=args.ddp)
+    run_log = load_run(args.run_dir, max_steps="auto", ddp=args.ddp, job=args.job)
     report = analyze(run_log)
     if args.format == "html":
         from ddpdoctor.analysis.plot_data import plot_data

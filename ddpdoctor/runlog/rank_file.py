@@ -275,20 +275,76 @@ def _lines_by_kind(lines: list[bytes]) -> dict[bytes, list[int]]:
     return by_kind
 
 
-def _last_job(lines: list[bytes], at: list[int], log: RankLog) -> tuple[int, int]:
-    """(the first line of the last job's process, how many processes wrote before it), from the
-    header lines ``at``: a header whose process differs from the header before it starts a later
-    job (``RankLog._next_job``). Only the header lines are decoded."""
+def _file_lines(path: Path, log: RankLog) -> list[bytes]:
+    """A rank file's complete lines (a torn last line counted in ``log``); none when it is missing."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        if data[cut:].strip():
+            log.torn_tail = True
+            log.corrupt_lines += 1
+        data = data[:cut]
+    return data.split(b"\n")
+
+
+def job_spans(path: Path, rank: int, ddp: int) -> list[tuple[int, int | None]]:
+    """(start, end) on the wall clock (ns) of each process that wrote the file, in order: its first
+    header, and its End record (None: it has none, it crashed or runs on). Decodes only those lines."""
+    log = RankLog(rank=rank, ddp=ddp, path=path)
+    lines = _file_lines(path, log)
+    by_kind = _lines_by_kind(lines)
+    headers, ends = by_kind.get(b"heade", []), by_kind.get(b'end",', [])
+    cuts = job_cuts(lines, headers, log)
+    spans: list[tuple[int, int | None]] = []
+    for k, first in enumerate(cuts):
+        stop = cuts[k + 1] if k + 1 < len(cuts) else len(lines)
+        start = _wall_ns(lines, [i for i in headers if first <= i < stop], log)
+        end = _wall_ns(lines, [i for i in reversed(ends) if first <= i < stop], log)
+        if start is not None:
+            spans.append((start, end))
+    return spans
+
+
+def _wall_ns(lines: list[bytes], at: list[int], log: RankLog) -> int | None:
+    """The wall time of the first header or End record among lines ``at``."""
+    for i in at:
+        record = decode_counted(lines[i], log)
+        if isinstance(record, (Header, End)):
+            return record.t_wall_ns
+    return None
+
+
+def read_job(path: Path, rank: int, ddp: int, segment: int) -> RankLog:
+    """Every record of the ``segment``-th process (0 first) that wrote the file, as ``RankFileTail``
+    reads a whole file (a run dir that several jobs wrote one after another: ``load_run(job=K)``)."""
+    tail = RankFileTail(path, rank, ddp)
+    lines = _file_lines(path, tail.log)
+    cuts = job_cuts(lines, _lines_by_kind(lines).get(b"heade", []), tail.log)
+    if segment < len(cuts):
+        stop = cuts[segment + 1] if segment + 1 < len(cuts) else len(lines)
+        for line in lines[cuts[segment] : stop]:
+            tail._decode(line, [])
+    tail.log.earlier_jobs = segment
+    return tail.log
+
+
+def job_cuts(lines: list[bytes], at: list[int], log: RankLog) -> list[int]:
+    """The first line of each process that wrote the file (0 first), from the header lines ``at``:
+    a header whose process differs from the header before it starts a later job
+    (``RankLog._next_job``). Only the header lines are decoded."""
+    cuts, pid = [0], None
     if len(at) < 2:
-        return 0, 0
-    cut, jobs, pid = 0, 0, None
+        return cuts
     for i in at:
         record = decode_counted(lines[i], RankLog(rank=log.rank, ddp=log.ddp, path=log.path))  # (counted once, later)
         if isinstance(record, Header):
             if pid is not None and record.pid != pid:
-                cut, jobs = i, jobs + 1
+                cuts.append(i)
             pid = record.pid
-    return cut, jobs
+    return cuts
 
 
 def _decode_many(lines: list[bytes], log: RankLog) -> list[Record]:
@@ -306,7 +362,7 @@ def _decode_many(lines: list[bytes], log: RankLog) -> list[Record]:
         return out
 
 
-def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
+def read_sampled(path: Path, rank: int, ddp: int, max_steps: int, segment: int | None = None) -> RankLog:
     """One rank file with at most about ``max_steps`` steps decoded, whatever the file's length.
 
     Steps are kept at a power-of-two stride of their index, so ranks with similar step counts keep
@@ -318,24 +374,20 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int) -> RankLog:
     ``max_steps``, not with the file. ``steps_total`` and ``bare_steps`` still count every step.
     Every record that is not a step is kept, but the periodic ones are thinned the same way
     (``MAX_PROCS`` process samples, ``MAX_CHECKS`` fingerprints and unused-parameter checks).
+
+    A file that several jobs' processes wrote one after another is read from its last process on
+    (``earlier_jobs`` counts the others), or at its ``segment``-th process (0 first) when given.
     """
     log = RankLog(rank=rank, ddp=ddp, path=path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return log
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        if data[cut:].strip():
-            log.torn_tail = True
-            log.corrupt_lines += 1
-        data = data[:cut]
-    lines = data.split(b"\n")
+    lines = _file_lines(path, log)
     by_kind = _lines_by_kind(lines)
-    cut, log.earlier_jobs = _last_job(lines, by_kind.get(b"heade", []), log)
-    if cut:  # (rare: a run dir that several jobs wrote) read from the last job's first line
-        lines = lines[cut:]
+    cuts = job_cuts(lines, by_kind.get(b"heade", []), log)
+    part = len(cuts) - 1 if segment is None else segment
+    if len(cuts) > 1 or part:  # (rare: a run dir that several jobs wrote) read one process's lines
+        stop = cuts[part + 1] if part + 1 < len(cuts) else len(lines)
+        lines = lines[cuts[part] : stop] if part < len(cuts) else []
         by_kind = _lines_by_kind(lines)
+        log.earlier_jobs = part
     full: list[tuple[int, int]] = []  # (step, line)
     windows: list[tuple[int, int, int]] = []  # (first step, rows, line)
     others: list[int] = []  # every other record, and any step line not as the writer puts it

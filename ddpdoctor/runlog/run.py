@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from ddpdoctor.events.layout import attempt_dir_name, parse_attempt_dir_name, parse_rank_file_name
-from ddpdoctor.runlog.rank_file import RankFileTail, RankLog, read_sampled
+from ddpdoctor.runlog.rank_file import RankFileTail, RankLog, job_spans, read_job, read_sampled
 
 
 class RunDirError(ValueError):
@@ -29,6 +29,8 @@ class Run:
     attempts: list[int] = field(default_factory=list)  # every attempt the run dir holds
     #: jobs that wrote this run dir before the one read (``RankLog.earlier_jobs``; 0: one job)
     earlier_jobs: int = 0
+    #: jobs that wrote it after the one read (``load_run(job=K)`` of an earlier job; else 0)
+    later_jobs: int = 0
 
     @property
     def corrupt_lines(self) -> int:
@@ -126,6 +128,7 @@ def load_run(
     attempt: int | None = None,
     max_steps: int | Literal["auto"] | None = None,
     ddp: int = 0,
+    job: int | None = None,
 ) -> Run:
     """Read every rank file of a run dir (finished or still being written).
 
@@ -141,6 +144,11 @@ def load_run(
     are then kept at a power-of-two stride of their index, the same on every rank, plus the last
     ones; every other record is kept and ``steps_total`` still counts all steps. ``"auto"``
     shares ``STEP_BUDGET`` among the rank files (what ``ddpdoctor report`` uses).
+
+    A run dir that several jobs wrote one after another (two launches under one ``ddpdoctor
+    run``: each rank file holds each job's process in turn, steps from 0 in each) is read at its
+    last job (``earlier_jobs`` counts the others), or at job ``job`` (0 the first, -1 the last;
+    ``RunDirError`` when there is no such job).
     """
     root = check_run_dir(directory)
     path, chosen = attempt_dir(root, attempt)
@@ -155,16 +163,31 @@ def load_run(
     run = Run(dir=path, attempt=chosen, attempts=attempts(root) if chosen is not None else [], ddp=ddp)
     if max_steps == "auto":
         max_steps = min(MAX_STEPS_PER_RANK, max(MIN_STEPS_PER_RANK, STEP_BUDGET // len(files)))
+    segments: dict[int, int] | None = None  # file -> the process of the job asked for
+    if job is not None:
+        table = job_table(files)
+        chosen = job if job >= 0 else len(table) + job
+        if not 0 <= chosen < len(table):
+            raise RunDirError(f"{path}: no job {job} here ({len(table)} job(s) wrote it: --job 0 to {len(table) - 1})")
+        segments = table[chosen]
+        run.earlier_jobs, run.later_jobs = chosen, len(table) - 1 - chosen
     collecting = gc.isenabled()
     gc.disable()  # many small objects that never form cycles: the collector would only rescan them
     try:
-        for file, rank, index in files:
-            if max_steps is None:
+        for n, (file, rank, index) in enumerate(files):
+            segment = None if segments is None else segments.get(n)
+            if segments is not None and segment is None:
+                continue  # a rank file without a process of that job
+            if max_steps is None and segment is not None:
+                log = read_job(file, rank, index, segment)
+            elif max_steps is None:
                 tail = RankFileTail(file, rank, index)
                 tail.poll(final=True)
                 log = tail.log
             else:
-                log = read_sampled(file, rank, index, max_steps)
+                log = read_sampled(file, rank, index, max_steps, segment)
+            if segment is not None:
+                log.earlier_jobs = run.earlier_jobs
             if index == ddp:
                 run.ranks[rank] = log
             else:
@@ -172,8 +195,35 @@ def load_run(
     finally:
         if collecting:
             gc.enable()
-    _last_job_only(run)
+    if segments is None:
+        _last_job_only(run)
     return run
+
+
+#: Processes of one job start within this much of each other, or of the job's span (the live
+#: view's ``JOB_GAP_NS`` alike): ranks write their headers once DDP is built, a collective.
+SAME_JOB_NS = 1_000_000_000
+
+
+def job_table(files: list[tuple[Path, int, int]]) -> list[dict[int, int]]:
+    """The jobs that wrote a run dir one after another, oldest first: for each, which process
+    (0 the first) of each rank file (its index in ``files``) belongs to it. A job's processes run
+    at the same time; the next job's start after they ended. A process without an End record (it
+    crashed, or runs on) spans its start only."""
+    spans: list[tuple[int, int, int, int]] = []  # (start, end, file, process)
+    for n, (file, rank, index) in enumerate(files):
+        for k, (start, end) in enumerate(job_spans(file, rank, index)):
+            spans.append((start, end if end is not None else start, n, k))
+    spans.sort()
+    table: list[dict[int, int]] = []
+    until = 0
+    for start, end, n, k in spans:
+        if not table or start > until + SAME_JOB_NS:
+            table.append({})
+            until = end
+        table[-1].setdefault(n, k)
+        until = max(until, end)
+    return table
 
 
 def _last_job_logs(logs: list[RankLog]) -> list[RankLog]:
