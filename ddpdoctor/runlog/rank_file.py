@@ -290,21 +290,21 @@ def _file_lines(path: Path, log: RankLog) -> list[bytes]:
     return data.split(b"\n")
 
 
-def job_spans(path: Path, rank: int, ddp: int) -> list[tuple[int, int | None]]:
-    """(start, end) on the wall clock (ns) of each process that wrote the file, in order: its first
-    header, and its End record (None: it has none, it crashed or runs on). Decodes only those lines."""
+def job_spans(path: Path, rank: int, ddp: int) -> list[tuple[int | None, int | None]]:
+    """(start, end) on the wall clock (ns) of each process that wrote the file, in order (the
+    indices ``read_job`` takes): its first header (None: none readable), and its End record (None:
+    it has none, it crashed or runs on). Decodes only those lines."""
     log = RankLog(rank=rank, ddp=ddp, path=path)
     lines = _file_lines(path, log)
     by_kind = _lines_by_kind(lines)
     headers, ends = by_kind.get(b"heade", []), by_kind.get(b'end",', [])
     cuts = job_cuts(lines, headers, log)
-    spans: list[tuple[int, int | None]] = []
+    spans: list[tuple[int | None, int | None]] = []
     for k, first in enumerate(cuts):
         stop = cuts[k + 1] if k + 1 < len(cuts) else len(lines)
         start = _wall_ns(lines, [i for i in headers if first <= i < stop], log)
         end = _wall_ns(lines, [i for i in reversed(ends) if first <= i < stop], log)
-        if start is not None:
-            spans.append((start, end))
+        spans.append((start, end))
     return spans
 
 

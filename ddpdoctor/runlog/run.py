@@ -213,7 +213,8 @@ def job_table(files: list[tuple[Path, int, int]]) -> list[dict[int, int]]:
     spans: list[tuple[int, int, int, int]] = []  # (start, end, file, process)
     for n, (file, rank, index) in enumerate(files):
         for k, (start, end) in enumerate(job_spans(file, rank, index)):
-            spans.append((start, end if end is not None else start, n, k))
+            if start is not None:  # (a process whose header is unreadable cannot be placed)
+                spans.append((start, end if end is not None else start, n, k))
     spans.sort()
     table: list[dict[int, int]] = []
     until = 0
