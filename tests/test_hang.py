@@ -32,18 +32,23 @@ def _hang_finding(run_dir: Path) -> ddpdoctor.Finding | None:
     return found if found is not None and "stack" in found.evidence["missing"].get(1, {}) else None
 
 
-def test_a_skipped_backward_is_named_while_the_job_hangs(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+def _start_ranks(script: Path, run_dir: Path) -> list[subprocess.Popen[bytes]]:
+    """The two ranks of a hang script (``scripts/hang_job.py``), on a free port; the caller kills them."""
     port = free_port()
-    procs = [
+    return [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(run_dir), str(HANG_TIMEOUT)],
+            [sys.executable, str(script), str(run_dir), str(HANG_TIMEOUT)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port)),
         )
         for r in range(2)
     ]
+
+
+def test_a_skipped_backward_is_named_while_the_job_hangs(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    procs = _start_ranks(SCRIPT, run_dir)
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "rank-1-skipped").exists():
@@ -172,16 +177,7 @@ def test_every_rank_waiting_in_one_all_reduce_is_named_as_such(tmp_path: Path) -
     missing rank (it said "missing: rank " with nobody named)."""
     script = Path(__file__).parent / "scripts" / "hook_never_completes.py"
     run_dir = tmp_path / "run"
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(run_dir), str(HANG_TIMEOUT)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_PORT=str(port)),
-        )
-        for r in range(2)
-    ]
+    procs = _start_ranks(script, run_dir)
     try:
         deadline = time.monotonic() + 120
         finding = None

@@ -5,32 +5,14 @@ usage: hook_never_completes.py RUN_DIR HANG_TIMEOUT   (RANK, WORLD_SIZE=2, MASTE
 """
 
 # (no postponed annotations: DDP checks the hook's annotations as objects)
-import os
-import sys
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from hang_job import STEPS, start
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-import ddpdoctor
-from tests.models import make_model
-
-STEPS = 6
-rank = int(os.environ["RANK"])
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-torch.set_num_threads(1)
-dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=600))
-torch.manual_seed(0)
-ddp = DDP(make_model(), bucket_cap_mb=0.01)
-opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-x, y = torch.randn(16, 32), torch.randn(16, 4)
-run_dir = Path(sys.argv[1])
-monitor = ddpdoctor.instrument(ddp, run_dir=run_dir, hang_timeout=float(sys.argv[2]))
+rank, ddp, opt, x, y, run_dir = start()
 calls = {"n": 0}
 
 
