@@ -126,8 +126,18 @@ def hang_findings(
         lines.append(text)
         missing_info[r] = info
     first = stuck.step
+    waited = {
+        r: {
+            "phase": waiting[r].phase,
+            "step": waiting[r].step,
+            "pending_bucket": waiting[r].pending_bucket,
+            "waited_s": waiting[r].waited_s,
+        }
+        for r in waiters
+    }
+    longest = max(h.waited_s for h in waiting.values())
     if not missing:
-        out.append(_nobody_missing(waiting, waiters, at, first))
+        out.append(_nobody_missing(waited, longest, at, first))
         return out
     if any(skipped.get(r) for r in missing):
         fix = (
@@ -150,46 +160,29 @@ def hang_findings(
             ranks=missing,
             step=first,
             title=f"{waits}; missing: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}",
-            detail=f"{waits[0].upper()}{waits[1:]} "
-            f"(no progress for {max(h.waited_s for h in waiting.values()):.0f} s).\n" + "\n".join(lines),
-            evidence={
-                "waiting": {
-                    r: {
-                        "phase": waiting[r].phase,
-                        "step": waiting[r].step,
-                        "pending_bucket": waiting[r].pending_bucket,
-                        "waited_s": waiting[r].waited_s,
-                    }
-                    for r in waiters
-                },
-                "missing": missing_info,
-            },
+            detail=f"{waits[0].upper()}{waits[1:]} (no progress for {longest:.0f} s).\n" + "\n".join(lines),
+            evidence={"waiting": waited, "missing": missing_info},
             fix=fix,
         )
     )
     return out
 
 
-def _nobody_missing(waiting: dict[int, Hang], waiters: list[int], at: str, step: int) -> Finding:
-    """Every rank waits in the same collective: none is missing, the collective does not finish."""
+def _nobody_missing(waited: dict[int, dict[str, Any]], longest: float, at: str, step: int) -> Finding:
+    """Every rank waits in the same collective (``waited``: the finding's evidence of each):
+    none is missing, the collective does not finish."""
+    ranks = sorted(waited)
     return Finding(
         code="hang",
         severity="error",
-        ranks=waiters,
+        ranks=ranks,
         step=step,
         title=f"every rank waits in {at}: no rank is missing, the collective does not complete",
         detail=(
-            f"Ranks {', '.join(map(str, waiters))} all wait in {at} "
-            f"(no progress for {max(h.waited_s for h in waiting.values()):.0f} s), so none of them skipped or "
-            "added a collective: the all-reduce they all entered never finishes."
+            f"Ranks {', '.join(map(str, ranks))} all wait in {at} (no progress for {longest:.0f} s), so none of "
+            "them skipped or added a collective: the all-reduce they all entered never finishes."
         ),
-        evidence={
-            "waiting": {
-                r: {"phase": waiting[r].phase, "step": waiting[r].step, "waited_s": waiting[r].waited_s}
-                for r in waiters
-            },
-            "missing": {},
-        },
+        evidence={"waiting": waited, "missing": {}},
         fix=(
             "Suspect what runs the collective: a comm hook (yours, or a library's such as PowerSGD: check that it "
             "completes its future, and that it issues the same collectives on every rank), the process group "
