@@ -573,3 +573,73 @@ def test_a_backward_without_an_optimizer_step_keeps_its_marks(native_built: Path
             steps = summary["steps"]
             _check_marks(summary, len(steps[-1][0]), steps=3 if case == "close" else 4)  # the last ones too
             assert len(steps[-1][0]) >= 3, case
+
+
+def test_tensor_values_equal_the_python_fingerprint(native_built: Path) -> None:
+    """The fingerprint in one C++ call gives the values Python's gives, float for float, for every
+    kind of tensor a model holds: ranks are compared for equality, and a rank whose extension did
+    not build fingerprints in Python."""
+    from ddpdoctor.runtime.fingerprints import Fingerprinter, tensor_values
+
+    values = native_hook._import(native_built.stem, native_built).tensor_values
+    torch.manual_seed(0)
+    tensors = [
+        torch.nn.Parameter(torch.randn(64, 32)),
+        torch.randn(64, 32).t(),  # not contiguous
+        torch.randn(1000).half(),
+        torch.randn(300).bfloat16(),
+        torch.randn(77, dtype=torch.float64) * 1e6,
+        torch.arange(7),  # a BatchNorm's num_batches_tracked
+        torch.tensor([True, False, True]),
+        torch.zeros(0),
+        torch.randn(3, dtype=torch.complex64),
+        torch.eye(3).to_sparse(),
+        torch.tensor(2.5),
+    ]
+    rows = tensor_values(tensors)
+    assert values(tensors) == (rows[:, 0].tolist(), rows[:, 1].tolist())
+    assert values([]) == ([], [])
+    got: list[Any] = []
+    Fingerprinter(lambda meta, norms, sums: got.append((meta, norms, sums)), values).take(tensors, "m")
+    assert got == [("m", rows[:, 0].tolist(), rows[:, 1].tolist())]
+
+
+def test_optimizer_stamps_set_the_common_case_as_the_python_rule_does(native_built: Path) -> None:
+    """``take_into``: one start and one end on a step that has buckets and no optimizer marks are
+    set on it (what ``StepRecorder.optimizer_start``/``optimizer_end`` do with them); anything
+    else comes back as ``take`` gives it, for the Python rule."""
+    from ddpdoctor.runtime.step_recorder import OpenStep
+
+    module = native_hook._import(native_built.stem, native_built)
+    offset = 1_000
+
+    def stamped(*starts: bool) -> Any:
+        stamps = module.OptimizerStamps()
+        for start in starts:
+            (stamps.pre if start else stamps.post)(None, (), {})
+        return stamps
+
+    step = OpenStep(0, 0)
+    step.ready = [5]
+    before = module.clock_ns() + offset
+    stamps = stamped(True, False)
+    after = module.clock_ns() + offset
+    assert stamps.take_into(step, offset) is None
+    assert before <= step.opt_start <= step.opt_end <= after
+    assert stamps.take_into(step, offset) is None  # nothing left
+
+    cases: dict[str, tuple[Any, tuple[bool, ...]]] = {
+        "no buckets yet": (OpenStep(0, 0), (True, False)),
+        "no step": (None, (True, False)),
+        "an end alone (a closure)": (step, (False,)),
+        "two optimizer steps": (step, (True, False, True, False)),
+    }
+    marked = OpenStep(0, 0)
+    marked.ready, marked.opt_start = [5], 7
+    cases["optimizer marks set already"] = (marked, (True, False))
+    for case, (target, starts) in cases.items():
+        kept = (getattr(target, "opt_start", None), getattr(target, "opt_end", None))
+        events = stamped(*starts).take_into(target, offset)
+        assert [start for start, _ in events] == list(starts), case
+        assert all(isinstance(at, int) and at > offset for _, at in events), case
+        assert (getattr(target, "opt_start", None), getattr(target, "opt_end", None)) == kept, case

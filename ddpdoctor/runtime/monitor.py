@@ -195,6 +195,7 @@ class Monitor:
             self.ddp_index,
             same_flags=getattr(extension, "same_requires_grad", None),
             param_sample=getattr(extension, "ParamSample", None),
+            tensor_values=getattr(extension, "tensor_values", None),
         )
         self.emit(attachment.header)
         if not self.header_written:
@@ -251,10 +252,15 @@ class Monitor:
         if stamps is None:
             return
         try:
-            events = stamps.take(clocks._OFFSET_NS)
-            if events is None or not self.probes.on["optimizer"]:
-                return
             recorder = self.recorder
+            if not self.probes.on["optimizer"]:
+                stamps.take(clocks._OFFSET_NS)  # (dropped)
+                return
+            # one start and one end on a step with buckets are set in C++ (None back): the rule
+            # below, for the common case; the rest comes back as the events
+            events = stamps.take_into(recorder.current, clocks._OFFSET_NS)
+            if events is None:
+                return
             for start, at in events:
                 if start:
                     recorder.optimizer_start(at)

@@ -76,6 +76,7 @@ class SampledChecks:
         ddp_index: int,
         same_flags: Callable[[list[Any], bytes], bool] | None = None,
         param_sample: Callable[[list[Any]], Any] | None = None,
+        tensor_values: Callable[[list[Any]], tuple[list[float], list[float]]] | None = None,
     ) -> None:
         self._ddp: Any = weakref.ref(ddp)
         self.check_every = max(1, int(check_every))
@@ -104,7 +105,8 @@ class SampledChecks:
         self.buffers_from_broadcast = False
         #: per buffer, how much one broadcast bumps its version (None: not measured yet)
         self.broadcast_bumps: list[int] | None = None
-        self.fingerprinter = Fingerprinter(self._deliver_fingerprint)
+        # the native extension's tensor_values, when it is loaded: a fingerprint in one call
+        self.fingerprinter = Fingerprinter(self._deliver_fingerprint, tensor_values)
         self._grad_ready = torch_compat.available("grad_ready")
         self._post_forward = torch_compat.available("post_forward_timing", warn=False)
         self._join_warned = False
