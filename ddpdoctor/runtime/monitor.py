@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning, warn
 from ddpdoctor.events import End, Header, ProbeOff, ProcSample, Record, Step
+from ddpdoctor.events.schedule import is_sampled
 from ddpdoctor.runtime import clocks, native_hook, run_dir, torch_compat, watchdog
 from ddpdoctor.runtime.attach import AttachError, Attachment, monitor_of
 from ddpdoctor.runtime.clocks import CudaClock, HostClock, mono_ns, wall_ns
@@ -69,6 +70,10 @@ class Monitor:
     Takes an ``Options`` and/or its fields as keywords (``run_dir_path`` is the old name of
     ``run_dir``). Raises ``AttachError`` when it cannot attach (DDP then is as it was).
     """
+
+    #: the forward after a routine step takes ``_routine_forward`` (False: always the full path;
+    #: the tests compare the two)
+    routine_forward = True
 
     def __init__(
         self, ddp: torch.nn.parallel.DistributedDataParallel, options: Options | None = None, **overrides: Any
@@ -202,7 +207,7 @@ class Monitor:
             self.header_written = True
             self._services.sample_now()
         if attachment.timing_off is not None:
-            self.probes.on["buckets"] = False
+            self.probes.switch_off("buckets")
             warn(f"ddpdoctor: per-bucket timing is off: {attachment.timing_off}", CommHookWarning, stacklevel=5)
         elif attachment.hook_state is not None:
             self.recorder.set_comm_hook(attachment.hook_state.user_hook_name)
@@ -252,22 +257,25 @@ class Monitor:
         if stamps is None:
             return
         try:
-            recorder = self.recorder
             if not self.probes.on["optimizer"]:
                 stamps.take(clocks._OFFSET_NS)  # (dropped)
                 return
             # one start and one end on a step with buckets are set in C++ (None back): the rule
-            # below, for the common case; the rest comes back as the events
-            events = stamps.take_into(recorder.current, clocks._OFFSET_NS)
-            if events is None:
-                return
-            for start, at in events:
-                if start:
-                    recorder.optimizer_start(at)
-                else:
-                    recorder.optimizer_end(at)
+            # of apply_optimizer_events, for the common case; the rest comes back as the events
+            events = stamps.take_into(self.recorder.current, clocks._OFFSET_NS)
+            if events is not None:
+                self.apply_optimizer_events(events)
         except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("optimizer", exc)
+
+    def apply_optimizer_events(self, events: list[tuple[bool, int]]) -> None:
+        """Optimizer starts and ends stamped elsewhere (host ns), oldest first, in the open step."""
+        recorder = self.recorder
+        for start, at in events:
+            if start:
+                recorder.optimizer_start(at)
+            else:
+                recorder.optimizer_end(at)
 
     def optimizer_running(self) -> bool:
         """Whether an optimizer step stamped in C++ started and has not ended (any thread; read
@@ -421,8 +429,11 @@ class Monitor:
         """
         native = self._native_timing
         if native is not None and native.pending:
-            # the last backward's stamps (native route) belong to the step this forward closes
-            native.drain(self.recorder.current)
+            if native.routine and self.routine_forward and self._routine_forward(native, module):
+                return
+            if native.pending:  # (still: the routine path drains only what it then takes whole)
+                # the last backward's stamps (native route) belong to the step this forward closes
+                native.drain(self.recorder.current)
         t = _perf_ns()
         if self._opt_stamps is not None:
             self.take_optimizer()  # then its optimizer step's (after the buckets: the rule reads them)
@@ -451,6 +462,84 @@ class Monitor:
             # the forward's own call, once every record is taken and nothing of ours is half done
             error, self.live.error = self.live.error, None
             raise error
+
+    def _routine_forward(self, native: Any, module: Any) -> bool:
+        """The forward that follows a routine training step on the native route, in one function:
+        True when it did all ``on_forward_pre`` does, False (having done nothing) when the step
+        asks for more than this covers.
+
+        Covered: a synchronizing training forward after a synchronizing step, every probe on,
+        host marks, no layout to capture, no sample in progress (one may begin), nothing of
+        compiled autograd. That is most forwards of most jobs; the full path is the rule, this is
+        the same rule unrolled for that case (``tests/test_routine_forward.py`` runs both over
+        the same steps and compares every record). Why: the full path's dozen calls each pay for
+        caches the backward and the optimizer left cold (``bench/hot_path.py``)."""
+        recorder = self.recorder
+        step = recorder.current
+        checks = self.checks
+        if not (
+            step is not None
+            and step.synced_forward
+            and self.probes.all_on
+            and self._opt_stamps is not None
+            and native._asked_in > 1
+            and checks.sample is None
+            and checks._void == 0
+            and not checks.fingerprinter.pending
+            and checks._same_flags is not None
+            and self.live.error is None
+            and recorder.bucket_marks_every_step
+            and not recorder._pending
+            and not recorder._layout_steps
+            and not recorder._layout_wanted
+            and recorder.comm_hook == recorder._hook_asked
+            and torch.is_grad_enabled()
+            and module.require_backward_grad_sync
+            and not torch_compat.compiled_autograd_enabled()
+        ):
+            return False
+        t = _perf_ns()
+        offset = clocks._OFFSET_NS
+        try:
+            columns = native.ring.drain_into(step, offset)
+            native.pending = False
+            if columns is not None:  # out of order: the full path's drain, then the full path
+                native.apply_columns(self, step, columns)
+                return False
+            events = self._opt_stamps.take_into(step, offset)
+            if events is not None:
+                self.apply_optimizer_events(events)
+            # StepRecorder.forward_start, synchronizing, on a synchronizing step (which it closes)
+            now = _perf_ns()  # HostClock.now
+            if step.opt_start is not None and step.opt_end is None:
+                step.opt_start = None  # an optimizer step whose closure runs this forward
+            recorder._close(step, now)
+            index = recorder._next_index
+            new = recorder.current = OpenStep(index, now)
+            recorder._next_index = index + 1
+            new.fwd_start = now
+            new.synced_forward = True
+            recorder.in_forward = True
+            recorder.in_sync_forward = True
+            checks.bcast_in_forward = False
+            # NativeTiming.on_sync_forward, nothing changed since the last one
+            native._asked_in -= 1
+            native.pending = True
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
+            self.probes.failed("forward", exc)
+        else:
+            try:  # SampledChecks.on_step_start, no sample in progress
+                if not checks._same_flags(checks.params, checks._flag_bytes):
+                    checks.check_grad_flags(index)
+                if is_sampled(index, checks.check_every):
+                    checks.begin_sample(index, new.t0_mono_ns)
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
+                self.probes.failed("checks", exc)
+        self.own_ns += _perf_ns() - t
+        if self.live.error is not None:
+            error, self.live.error = self.live.error, None
+            raise error
+        return True
 
     def on_forward_post(self, module: Any, args: Any, output: Any) -> None:
         """Every forward's end (also one that raised: ``output`` None). On the native route the

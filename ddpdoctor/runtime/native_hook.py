@@ -298,6 +298,10 @@ class NativeTiming:
         #: the backward's end stamped from Python (compiled autograd may trace it): the monitor's
         #: forward post-hook hooks the output (``arm_python``)
         self.python_end = False
+        #: the last synchronizing forward asked nothing of this side but its stamps (no layout,
+        #: the backward's end stamped in C++, no hook on an output): the monitor's next forward
+        #: may take its routine path (``Monitor._routine_forward``)
+        self.routine = False
 
     @property
     def registered(self) -> bool:
@@ -323,9 +327,11 @@ class NativeTiming:
             self.drain(monitor.recorder.current)
         self.ring.delegate(state, hook)
         self.delegated = True
+        self.routine = False
 
     def stop(self) -> None:
         """Detached: the hook keeps all-reducing and stamps nothing."""
+        self.routine = False
         self._drop_leaf_hooks()
         if self.ring is not None:
             self.ring.set_enabled(False)
@@ -366,6 +372,7 @@ class NativeTiming:
             # DDP all-reduces after any forward with grad enabled outside no_sync, in eval mode
             # too (a model trained with model.eval() to freeze BatchNorm)
             self.pending = True
+            self.routine = not want and not self.python_end and not self._leaf_hooks and on["backward_end"]
         except Exception as exc:  # noqa: BLE001 - runs in DDP's forward: a failing probe is switched off, never breaks training
             monitor.probes.failed("buckets", exc)
 
@@ -448,24 +455,34 @@ class NativeTiming:
             else:
                 columns = ring.drain_columns(clocks._OFFSET_NS)
             self.pending = False
-            if columns is None:
-                return
-            indices, ready, launch, done, nbytes, in_order, backward_end = columns
-            # the parameter lists go with the marks, whether used or not: nothing accumulates
-            layout = ring.take_layout() if self._want_layout else None
-            if step is None or not step.synced_forward:
-                return
-            if backward_end is not None and on["backward_end"]:
-                monitor.recorder.backward_end(step, backward_end)
-            if not indices or not on["buckets"]:
-                return
-            monitor.recorder.add_bucket_columns(step, indices, ready, launch, done, nbytes, in_order)
-            if layout and step.layout is not None:
-                self._layout(monitor, step, dict(zip(indices, nbytes, strict=True)), layout)
+            if columns is not None:
+                self._apply_columns(monitor, step, columns)
         except Exception as exc:  # noqa: BLE001 - inside loss.backward() or forward: never breaks training
             monitor.probes.failed("buckets", exc)
         finally:
             monitor.own_ns += _perf_ns() - t
+
+    def apply_columns(self, monitor: Any, step: Any, columns: tuple[Any, ...]) -> None:
+        """The ring's columns (``drain_columns``, or ``drain_into`` out of order) into ``step``."""
+        try:
+            self._apply_columns(monitor, step, columns)
+        except Exception as exc:  # noqa: BLE001 - inside forward: never breaks training
+            monitor.probes.failed("buckets", exc)
+
+    def _apply_columns(self, monitor: Any, step: Any, columns: tuple[Any, ...]) -> None:
+        indices, ready, launch, done, nbytes, in_order, backward_end = columns
+        on = monitor.probes.on
+        # the parameter lists go with the marks, whether used or not: nothing accumulates
+        layout = self.ring.take_layout() if self._want_layout else None
+        if step is None or not step.synced_forward:
+            return
+        if backward_end is not None and on["backward_end"]:
+            monitor.recorder.backward_end(step, backward_end)
+        if not indices or not on["buckets"]:
+            return
+        monitor.recorder.add_bucket_columns(step, indices, ready, launch, done, nbytes, in_order)
+        if layout and step.layout is not None:
+            self._layout(monitor, step, dict(zip(indices, nbytes, strict=True)), layout)
 
     def _layout(
         self,

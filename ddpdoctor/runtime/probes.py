@@ -32,14 +32,22 @@ class Probes:
 
     def __init__(self, report: Callable[[str, str], None]) -> None:
         self.on: dict[str, bool] = dict.fromkeys(self.NAMES, True)
+        #: every probe on (one read for the monitor's routine forward): probes go off through
+        #: ``switch_off`` (and ``failed``), which keep it right, never by a write to ``on``
+        self.all_on = True
         self._report = report
         self._lock = threading.Lock()
+
+    def switch_off(self, name: str) -> None:
+        """Turn a probe off for good, without a warning (the caller says why)."""
+        self.all_on = False
+        self.on[name] = False
 
     def failed(self, name: str, exc: BaseException) -> None:
         with self._lock:
             if not self.on.get(name, True):
                 return
-            self.on[name] = False
+            self.switch_off(name)
         where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
         at = f" at {where[0].filename}:{where[0].lineno}" if where else ""
         detail = f"{type(exc).__name__}: {exc}{at}"

@@ -1,0 +1,157 @@
+"""The monitor's routine forward (``Monitor._routine_forward``) against its full path.
+
+The routine path is the full path's rule unrolled for the common forward (a synchronizing step
+after a synchronizing step, nothing to capture). Two real gloo ranks train the same model over
+the same steps twice, once with the routine path and once without, through every kind of step
+the full path knows: plain steps, sampled steps, ``no_sync`` micro-steps, evaluation forwards
+with and without grad, an optimizer step that runs a closure, a backward without an optimizer
+step, a parameter frozen and unfrozen. Every record must be the same in both runs, but for the
+clock's values: which fields hold a mark, the per-bucket lists' lengths, bytes, step indices,
+micro-steps, fingerprints (the same training, so the same values) and sampled-check records.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpdoctor
+from ddpdoctor.events import End, FindingRecord, Header, ProcSample, Record, Step
+from ddpdoctor.runtime import monitor as monitor_module
+from ddpdoctor.sinks.memory import MemorySink
+from tests.ddp_harness import run_ranks
+from tests.models import make_model
+from tests.runtime_workers import BUCKET_CAP_MB
+
+#: fields of a Step that hold times (compared by whether they are set, not by value)
+_TIMES = {
+    "t0_mono_ns",
+    "t0_wall_ns",
+    "fwd_start_us",
+    "fwd_us",
+    "bcast_start_us",
+    "bcast_us",
+    "fwd_end_us",
+    "bwd_end_us",
+    "sync_end_us",
+    "opt_start_us",
+    "opt_end_us",
+    "end_us",
+}
+_TIME_LISTS = {"b_ready_us", "b_launch_us", "b_done_us"}
+
+
+def _shape(record: Record) -> Any:
+    """What must not depend on the path taken: the record with its clock values left out."""
+    if isinstance(record, Step):
+        out: dict[str, Any] = {}
+        for field in record.__struct_fields__:
+            value = getattr(record, field)
+            if field in _TIMES:
+                out[field] = value is not None
+            elif field in _TIME_LISTS:
+                out[field] = [v is not None for v in value]
+            else:
+                out[field] = value
+        return ("step", out)
+    fields = {f: getattr(record, f) for f in record.__struct_fields__}
+    if "post_forward_us" in fields:  # (an Unused record's times)
+        fields["post_forward_us"] = fields["post_forward_us"] is not None
+        fields["param_ready_us"] = [v is not None for v in fields["param_ready_us"]]
+    return (type(record).__name__, fields)
+
+
+def _train(rank: int, world_size: int, routine: bool) -> tuple[list[Any], int, int]:
+    monitor_module.Monitor.routine_forward = routine
+    taken = [0, 0]  # routine forwards done, forwards in all
+    full = monitor_module.Monitor._routine_forward
+
+    def counted(self: Any, native: Any, module: Any) -> bool:
+        done = bool(full(self, native, module))
+        taken[0] += done
+        return done
+
+    monitor_module.Monitor._routine_forward = counted  # type: ignore[method-assign]
+    torch.manual_seed(1)
+    data = [(torch.randn(8, 32), torch.randn(8, 4)) for _ in range(6)]
+    sink = MemorySink()
+    # find_unused_parameters: a parameter frozen after wrapping is then left out, not waited for
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True)
+    monitor = ddpdoctor.instrument(ddp, sink=sink, check_every=8)
+    ddp.register_forward_pre_hook(lambda *_: taken.__setitem__(1, taken[1] + 1))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    step = 0
+
+    def loss(i: int) -> torch.Tensor:
+        x, y = data[i % len(data)]
+        return ((ddp(x) - y) ** 2).mean()
+
+    def train_step() -> None:
+        nonlocal step
+        opt.zero_grad()
+        loss(step).backward()
+        opt.step()
+        step += 1
+
+    for _ in range(12):
+        train_step()
+    for _ in range(2):  # gradient accumulation: two micro-steps, then the synchronizing one
+        opt.zero_grad()
+        with ddp.no_sync():
+            loss(1).backward()
+            loss(2).backward()
+        loss(3).backward()
+        opt.step()
+    with torch.no_grad():  # an evaluation forward between steps
+        ddp.eval()
+        ddp(data[0][0])
+        ddp.train()
+    train_step()
+    ddp.eval()  # a step trained in eval mode (BatchNorm frozen)
+    train_step()
+    ddp.train()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        value = loss(4)
+        value.backward()
+        return value
+
+    for _ in range(3):
+        opt.step(closure)
+    loss(5).backward()  # a backward without an optimizer step
+    for _ in range(4):
+        train_step()
+    ddp.module.head.bias.requires_grad_(False)
+    for _ in range(5):
+        train_step()
+    ddp.module.head.bias.requires_grad_(True)
+    for _ in range(12):
+        train_step()
+    monitor.close()
+    kept = [
+        _shape(r)
+        for r in sink.records
+        # a finding's wording and evidence carry measured times; a process sample is the clock's
+        if not isinstance(r, (Header, ProcSample, FindingRecord, End))
+    ]
+    return kept, taken[0], taken[1]
+
+
+def test_the_routine_forward_writes_what_the_full_path_writes() -> None:
+    full = run_ranks(_train, 2, args=(False,), timeout=240)
+    routine = run_ranks(_train, 2, args=(True,), timeout=240)
+    for rank in range(2):
+        full_records, full_taken, forwards = full[rank]
+        records, taken, _ = routine[rank]
+        assert full_taken == 0
+        # most forwards take the routine path; the rest (micro-steps, evaluation, the forward
+        # after a sample began, a closure's) take the full one
+        assert taken >= forwards // 2, (taken, forwards)
+        kinds = [kind for kind, _ in records]
+        assert kinds.count("step") >= 40 and "GradFlags" in kinds and "Fingerprint" in kinds
+        assert len(records) == len(full_records)
+        for i, (a, b) in enumerate(zip(full_records, records, strict=True)):
+            assert a == b, (rank, i, a, b)
