@@ -1,0 +1,92 @@
+"""What a sampled step's fingerprint costs the training thread: Python against the native call.
+
+A fingerprint is each parameter's and buffer's L2 norm and sum (``runtime/fingerprints.py``),
+taken at every sampled step (one in ``check_every``, 50 by default). Two routes give equal
+values: ``fingerprints.tensor_values`` (Python, the fallback and CUDA's) and the extension's
+``tensor_values`` (one C++ call, CPU tensors). Both run here on the same tensors, interleaved,
+over three models' parameters and buffers; the figure is the median of ``--rounds`` rounds of
+``--calls`` calls each, in µs per fingerprint. The values are checked equal first.
+
+    python bench/fingerprint.py [--rounds 7] [--calls 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ddpdoctor.runtime import native_hook
+from ddpdoctor.runtime.fingerprints import tensor_values
+
+
+def _mlp(layers: int, width: int, bn: bool) -> nn.Module:
+    torch.manual_seed(0)
+
+    def layer() -> nn.Module:
+        norm: list[nn.Module] = [nn.BatchNorm1d(width)] if bn else []
+        return nn.Sequential(nn.Linear(width, width), *norm, nn.ReLU())
+
+    return nn.Sequential(*[layer() for _ in range(layers)])
+
+
+def _convnet() -> nn.Module:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    channels = 3
+    for width in (32, 32, 64, 64, 128, 128, 256, 256) * 2:
+        blocks += [nn.Conv2d(channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
+        channels = width
+    return nn.Sequential(*blocks)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "MLP 9 x 64 (the hot-path bench's)": lambda: _mlp(9, 64, False),
+    "MLP 40 x 64 with BatchNorm": lambda: _mlp(40, 64, True),
+    "conv net, 16 conv + BatchNorm blocks (5.1 M params)": _convnet,
+}
+
+
+def _time(fn: Callable[[list[torch.Tensor]], Any], tensors: list[torch.Tensor], calls: int) -> float:
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        fn(tensors)
+    return (time.perf_counter_ns() - start) / calls / 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=50)
+    args = parser.parse_args()
+    native = native_hook.load().tensor_values
+
+    def python(tensors: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+        rows = tensor_values(tensors)
+        return rows[:, 0].tolist(), rows[:, 1].tolist()
+
+    print(f"torch {torch.__version__}, median of {args.rounds} rounds of {args.calls} calls, µs per fingerprint")
+    print(f"{'model':<55} {'tensors':>7} {'Python':>9} {'native':>9} {'ratio':>6}")
+    for name, build in MODELS.items():
+        model = build()
+        tensors = [*model.parameters(), *model.buffers()]
+        assert python(tensors) == native(tensors), name
+        py_us, native_us = [], []
+        for _ in range(args.rounds):
+            py_us.append(_time(python, tensors, args.calls))
+            native_us.append(_time(native, tensors, args.calls))
+        p, n = statistics.median(py_us), statistics.median(native_us)
+        print(f"{name:<55} {len(tensors):>7} {p:>9.0f} {n:>9.0f} {n / p:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
