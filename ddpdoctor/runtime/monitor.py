@@ -457,16 +457,12 @@ class Monitor:
                         self.probes.failed("checks", exc)
         self.own_ns += _perf_ns() - t
         if self.live.error is not None:
-            # a finding whose category the user's warnings filter makes an error
-            # (``filterwarnings("error", category=StaleRequiresGradWarning)``): raised here, from
-            # the forward's own call, once every record is taken and nothing of ours is half done
-            error, self.live.error = self.live.error, None
-            raise error
+            self._raise_live_error()
 
     def _routine_forward(self, native: Any, module: Any) -> bool:
         """The forward that follows a routine training step on the native route, in one function:
-        True when it did all ``on_forward_pre`` does, False (having done nothing) when the step
-        asks for more than this covers.
+        True when it did all ``on_forward_pre`` does; False when the step asks for more than this
+        covers, having done nothing (or only drained the ring, whose buckets came out of order).
 
         Covered: a synchronizing training forward after a synchronizing step, every probe on,
         host marks, no layout to capture, no sample in progress (one may begin), nothing of
@@ -537,9 +533,16 @@ class Monitor:
                 self.probes.failed("checks", exc)
         self.own_ns += _perf_ns() - t
         if self.live.error is not None:
-            error, self.live.error = self.live.error, None
-            raise error
+            self._raise_live_error()
         return True
+
+    def _raise_live_error(self) -> None:
+        """A finding whose category the user's warnings filter makes an error
+        (``filterwarnings("error", category=StaleRequiresGradWarning)``): raised from the forward's
+        own call, once every record is taken and nothing of ours is half done."""
+        error, self.live.error = self.live.error, None
+        if error is not None:
+            raise error
 
     def on_forward_post(self, module: Any, args: Any, output: Any) -> None:
         """Every forward's end (also one that raised: ``output`` None). On the native route the
