@@ -506,7 +506,7 @@ class Monitor:
             if events is not None:
                 self.apply_optimizer_events(events)
             # StepRecorder.forward_start, synchronizing, on a synchronizing step (which it closes)
-            now = _perf_ns()  # HostClock.now
+            now = recorder.clock.now()  # (host marks: a test may shift the clock, clocks.TEST_OFFSET_ENV)
             if step.opt_start is not None and step.opt_end is None:
                 step.opt_start = None  # an optimizer step whose closure runs this forward
             recorder._close(step, now)
