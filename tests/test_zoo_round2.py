@@ -5,6 +5,7 @@ advice measured from the run, short-run divergence."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,11 @@ def test_communication_bound_under_load_no_straggler(tmp_path: Path) -> None:
     # warning line here (about 0.4 of the step on a quiet machine): the finding's severity and
     # advice are the quiet test's to check
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    # one busy loop per core: both loops on the core of one rank would make that rank really late
+    # at every step (a straggler the report rightly names: CI once saw rank 0, 27 ms late in 11 steps)
+    cpus = sorted(os.sched_getaffinity(0))
+    for i, p in enumerate(load):
+        os.sched_setaffinity(p.pid, {cpus[i % len(cpus)]})
     try:
         rep = report("communication_bound", tmp_path, None)  # its own run: under load
     finally:
