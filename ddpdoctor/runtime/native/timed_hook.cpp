@@ -426,22 +426,8 @@ class OptimizerStamps {
 
   // The events since the last take, oldest first, as (start, host ns + offset); None: none.
   py::object take(int64_t offset) {
-    std::array<std::pair<bool, int64_t>, kOptEvents> events;
-    size_t n = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      n = n_;
-      std::copy(events_.begin(), events_.begin() + n, events.begin());
-      n_ = 0;
-    }
-    if (n == 0) {
-      return py::none();
-    }
-    py::list out(n);
-    for (size_t i = 0; i < n; ++i) {
-      out[i] = py::make_tuple(py::bool_(events[i].first), py::int_(events[i].second + offset));
-    }
-    return std::move(out);
+    Events events;
+    return as_list(events, take_events(events), offset);
   }
 
   // ``take``, with the common case applied to ``step`` (the open OpenStep, or None) here: one
@@ -452,17 +438,8 @@ class OptimizerStamps {
     static PyObject* const ready_name = PyUnicode_InternFromString("ready");
     static PyObject* const start_name = PyUnicode_InternFromString("opt_start");
     static PyObject* const end_name = PyUnicode_InternFromString("opt_end");
-    std::array<std::pair<bool, int64_t>, kOptEvents> events;
-    size_t n = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      n = n_;
-      std::copy(events_.begin(), events_.begin() + n, events.begin());
-      n_ = 0;
-    }
-    if (n == 0) {
-      return py::none();
-    }
+    Events events;
+    const size_t n = take_events(events);
     if (n == 2 && events[0].first && !events[1].first && !step.is_none()) {
       auto get = [&step](PyObject* name) {
         py::object value = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), name));
@@ -486,11 +463,7 @@ class OptimizerStamps {
         return py::none();
       }
     }
-    py::list out(n);
-    for (size_t i = 0; i < n; ++i) {
-      out[i] = py::make_tuple(py::bool_(events[i].first), py::int_(events[i].second + offset));
-    }
-    return std::move(out);
+    return as_list(events, n, offset);
   }
 
   bool running() {
@@ -499,8 +472,31 @@ class OptimizerStamps {
   }
 
  private:
+  using Events = std::array<std::pair<bool, int64_t>, kOptEvents>;
+
+  // Moves the events logged since the last take into ``out``; how many.
+  size_t take_events(Events& out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const size_t n = n_;
+    std::copy(events_.begin(), events_.begin() + n, out.begin());
+    n_ = 0;
+    return n;
+  }
+
+  // The first ``n`` events as (start, host ns + offset) tuples; None when there are none.
+  static py::object as_list(const Events& events, size_t n, int64_t offset) {
+    if (n == 0) {
+      return py::none();
+    }
+    py::list out(n);
+    for (size_t i = 0; i < n; ++i) {
+      out[i] = py::make_tuple(py::bool_(events[i].first), py::int_(events[i].second + offset));
+    }
+    return std::move(out);
+  }
+
   std::mutex mu_;
-  std::array<std::pair<bool, int64_t>, kOptEvents> events_{};
+  Events events_{};
   size_t n_ = 0;
   bool running_ = false;
 };
