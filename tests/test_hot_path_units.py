@@ -297,3 +297,16 @@ def test_a_broadcast_that_stays_slow_is_warned_at_the_second_check_or_at_close()
     assert said == [] and out == []
     said, _ = _bcast_warnings(_bcast_steps(0, live_findings.WARMUP + 6, 200.0), finish=True)
     assert len(said) == 1 and "26 steps" in said[0]
+
+
+def test_next_sampled_is_the_first_sampled_step_from_there() -> None:
+    """The routine forward asks the sampled checks only from ``next_sampled`` on: it must name
+    the schedule's next sampled step exactly (a step later would skip a sample)."""
+    import itertools
+
+    from ddpdoctor.events.schedule import is_sampled, next_sampled
+
+    for every in (1, 2, 3, 4, 5, 8, 50, 64):
+        for step in range(400):
+            expected = next(s for s in itertools.count(step) if is_sampled(s, every))
+            assert next_sampled(step, every) == expected, (step, every)

@@ -1,4 +1,4 @@
-"""The monitor's routine forward (``Monitor._routine_forward``) against its full path.
+"""The monitor's routine forward (in ``Monitor.on_forward_pre``) against its full path.
 
 The routine path is the full path's rule unrolled for the common forward (a synchronizing step
 after a synchronizing step, nothing to capture). Two real gloo ranks train the same model over
@@ -65,15 +65,14 @@ def _shape(record: Record) -> Any:
 
 def _train(rank: int, world_size: int, routine: bool) -> tuple[list[Any], int, int]:
     monitor_module.Monitor.routine_forward = routine
-    taken = [0, 0]  # routine forwards done, forwards in all
-    full = monitor_module.Monitor._routine_forward
+    taken = [0, 0]  # forwards that took the full path, forwards in all
+    full = monitor_module.Monitor._forward_pre
 
-    def counted(self: Any, native: Any, module: Any) -> bool:
-        done = bool(full(self, native, module))
-        taken[0] += done
-        return done
+    def counted(self: Any, module: Any, native: Any) -> None:
+        taken[0] += 1
+        full(self, module, native)
 
-    monitor_module.Monitor._routine_forward = counted  # type: ignore[method-assign]
+    monitor_module.Monitor._forward_pre = counted  # type: ignore[method-assign]
     torch.manual_seed(1)
     data = [(torch.randn(8, 32), torch.randn(8, 4)) for _ in range(6)]
     sink = MemorySink()
@@ -137,7 +136,7 @@ def _train(rank: int, world_size: int, routine: bool) -> tuple[list[Any], int, i
         # a finding's wording and evidence carry measured times; a process sample is the clock's
         if not isinstance(r, (Header, ProcSample, FindingRecord, End))
     ]
-    return kept, taken[0], taken[1]
+    return kept, taken[1] - taken[0], taken[1]  # (routine forwards, forwards in all)
 
 
 def test_the_routine_forward_writes_what_the_full_path_writes() -> None:

@@ -83,3 +83,36 @@ def test_memory_and_null_sinks() -> None:
     assert len(mem.records) == 2
     NullSink().emit(_step(1))
     assert NullSink().flush() is True
+
+
+def test_emit_many_keeps_order_bound_and_close_like_emit(tmp_path: Path) -> None:
+    """The recorder hands closed steps over in batches (``emit_many``): the file gets them in
+    order among single records, a full queue drops the newest and counts them, and a closed
+    sink drops without an error."""
+    path = tmp_path / "rank-00003.jsonl"
+    sink = FileSink(path, flush_interval=3600.0, mode="full")  # the writer waits for flush
+    try:
+        sink.emit_many([_step(0), _step(1)])
+        sink.emit(End(rank=3, t_mono_ns=0, t_wall_ns=0, steps=2, reason="close"))
+        sink.max_pending = 6  # 3 queued: room for 3 of the next 5
+        sink.emit_many([_step(i) for i in range(2, 7)])
+        assert sink.dropped == 2
+        assert sink.flush(timeout=10.0)
+        records = [decode(line) for line in _lines(path)]
+        assert [type(r).__name__ for r in records] == ["Step", "Step", "End", "Step", "Step", "Step"]
+        assert [_step_no(r) for r in records if isinstance(r, Step)] == [0, 1, 2, 3, 4]
+    finally:
+        sink.close()
+    sink.emit_many([_step(9)])  # after close: dropped, no error
+    assert len(_lines(path)) == 6
+
+
+def test_emit_many_of_the_memory_and_null_sinks() -> None:
+    memory = MemorySink()
+    memory.emit(_step(0))
+    memory.emit_many([_step(1), _step(2)])
+    assert [_step_no(r) for r in memory.records] == [0, 1, 2]
+    memory.close()
+    memory.emit_many([_step(3)])
+    assert len(memory.records) == 3
+    NullSink().emit_many([_step(0)])

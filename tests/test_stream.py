@@ -488,3 +488,19 @@ def test_out_of_file_descriptors_the_listener_pauses_instead_of_spinning() -> No
         if child.poll() is None:
             child.kill()
             child.wait(10)
+
+
+def test_tee_emit_many_reaches_the_primary_whatever_the_copy_does() -> None:
+    """The batched emission through a tee: the primary (the local file's place) gets every
+    record in order; a copy that raises costs it nothing."""
+
+    class Broken(MemorySink):
+        def emit_many(self, records: Any) -> None:
+            raise OSError("the stream is gone")
+
+    primary, copy = MemorySink(), MemorySink()
+    TeeSink(primary, copy).emit_many([_bulky(0), _bulky(1)])
+    assert [r.title for r in primary.records] == ["0", "1"] and len(copy.records) == 2
+    failing = MemorySink()
+    TeeSink(failing, Broken()).emit_many([_bulky(2)])
+    assert [r.title for r in failing.records] == ["2"]

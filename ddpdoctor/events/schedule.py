@@ -24,3 +24,10 @@ def is_sampled(step: int, every: int) -> bool:
     if step % every == 0:
         return True
     return step < max(every, DENSE_AT_LEAST) and (step + 1) & step == 0
+
+
+def next_sampled(step: int, every: int) -> int:
+    """The first sampled step (``is_sampled``) at or after ``step`` (>= 0)."""
+    found = -(-step // every) * every  # the next multiple of ``every``
+    dense = (1 << step.bit_length()) - 1  # the next 2**k - 1
+    return dense if dense < min(found, max(every, DENSE_AT_LEAST)) else found

@@ -115,9 +115,12 @@ class LiveFindings:
         self._last_bcast = 0
         self._last_unstepped = 0
 
-    def observe(self, record: Record) -> None:
-        if isinstance(record, Step):
-            self.steps.append(record)
+    def observe_steps(self, records: list[Step] | tuple[Step, ...]) -> None:
+        """Step records, oldest first (the batched emission's): each checked as ``observe``
+        would, the window as of that step."""
+        window = self.steps
+        for record in records:
+            window.append(record)
             self._observed += 1
             # what the step-based checks look for: without either in the window they find nothing
             if record.bcast_us is not None:
@@ -130,6 +133,11 @@ class LiveFindings:
                 self._checked = True
                 self._since_check = 0
                 self._check_steps()
+
+    def observe(self, record: Record) -> None:
+        """One record the monitor emitted."""
+        if isinstance(record, Step):
+            self.observe_steps((record,))
         elif isinstance(record, GradFlags) and self.header is not None:
             self.flags.add(record)
             self.raise_findings(stale_requires_grad(self.header, self.flags, self.rank))

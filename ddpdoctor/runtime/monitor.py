@@ -10,6 +10,7 @@ process shares (exit flush, optimizer hooks, sampler and watchdog threads) is
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import weakref
@@ -22,7 +23,6 @@ import torch.distributed as dist
 
 from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning, warn
 from ddpdoctor.events import End, Header, ProbeOff, ProcSample, Record, Step
-from ddpdoctor.events.schedule import is_sampled
 from ddpdoctor.runtime import clocks, native_hook, run_dir, torch_compat, watchdog
 from ddpdoctor.runtime.attach import AttachError, Attachment, monitor_of
 from ddpdoctor.runtime.clocks import CudaClock, HostClock, mono_ns, wall_ns
@@ -38,6 +38,7 @@ from ddpdoctor.sinks.file import log_mode
 from ddpdoctor.sinks.tcp import ENDPOINT_ENV, stream_tee
 
 _perf_ns = time.perf_counter_ns  # own_ns accounting: one lookup less per call on the hot path
+_SYS_MODULES = sys.modules
 
 #: How often the buffer byte count is recomputed (buffers are rarely replaced).
 _BUFFER_BYTES_EVERY = 100
@@ -114,7 +115,7 @@ class Monitor:
                     attempt=run_dir.elastic_attempt(),
                 )
             self.recorder = StepRecorder(
-                self.rank, self.ddp_index, self.emit, CudaClock() if self._cuda else HostClock()
+                self.rank, self.ddp_index, self.emit, CudaClock() if self._cuda else HostClock(), self.emit_steps
             )
             self._backward_end_ok = torch_compat.available("backward_end")
             if log_mode(opts.log) == "full" or not self._backward_end_ok:
@@ -386,6 +387,21 @@ class Monitor:
             except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("live", exc)
 
+    def emit_steps(self, records: list[Step]) -> None:
+        """Hand closed steps' records, oldest first, to the sink and to the live checks, each in
+        one call (the recorder's batched emission; never raises). ``emit`` of each in turn would
+        do the same, a call or two more per step."""
+        if self.probes.on["emit"]:
+            try:
+                self.sink.emit_many(records)
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
+                self.probes.failed("emit", exc)
+        if self.probes.on["live"]:
+            try:
+                self.live.observe_steps(records)
+            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
+                self.probes.failed("live", exc)
+
     def _flush_now(self) -> None:
         self.sink.flush(timeout=2.0)
 
@@ -424,16 +440,96 @@ class Monitor:
     def on_forward_pre(self, module: Any, args: Any) -> None:
         """Every forward: close the step before (emitting it), open this one, run the checks.
 
-        One function, not a timing wrapper around another: a call costs more than most of what
-        it does, and this runs at every forward (``bench/hot_path.py``).
+        The forward after a routine step is done here in one frame (below); any other takes
+        ``_forward_pre``, the full path. Why one frame: after the backward and the optimizer step
+        every function entered is cold, and each costs a microsecond or two whatever it does
+        (``bench/hot_path.py``).
+
+        Routine: a synchronizing training forward after a synchronizing step on the native route,
+        every probe on, host marks, no layout to capture, no sample in progress (one may begin),
+        nothing of compiled autograd. That is most forwards of most jobs; the full path is the
+        rule, this is the same rule unrolled for that case (``tests/test_routine_forward.py`` runs
+        both over the same steps and compares every record). Where the ring's buckets came out of
+        order it drains them the full path's way and hands over to the full path.
         """
         native = self._native_timing
+        if native is not None and native.routine and native.pending and self.routine_forward:
+            recorder = self.recorder
+            step = recorder.current
+            checks = self.checks
+            compiled = _SYS_MODULES.get(torch_compat.COMPILED_AUTOGRAD_MODULE)
+            if (
+                step is not None
+                and step.synced_forward
+                and self.probes.all_on
+                and self._opt_stamps is not None
+                and native._asked_in > 1
+                and checks.sample is None
+                and checks._void == 0
+                and not checks.fingerprinter.pending
+                and checks._same_flags is not None
+                and self.live.error is None
+                and recorder.bucket_marks_every_step
+                and not recorder._pending
+                and not recorder._layout_steps
+                and not recorder._layout_wanted
+                and recorder.comm_hook == recorder._hook_asked
+                and torch.is_grad_enabled()
+                and module.require_backward_grad_sync
+                and (compiled is None or not getattr(compiled, "compiled_autograd_enabled", False))
+            ):
+                t = _perf_ns()
+                offset = clocks._OFFSET_NS
+                routine = True
+                try:
+                    columns = native.ring.drain_into(step, offset)
+                    native.pending = False
+                    if columns is not None:  # out of order: the full path's drain, then the full path
+                        native.apply_columns(self, step, columns)
+                        routine = False
+                    else:
+                        events = self._opt_stamps.take_into(step, offset)
+                        if events is not None:
+                            self.apply_optimizer_events(events)
+                        # StepRecorder.forward_start, synchronizing, on a synchronizing step (which it closes)
+                        now = recorder.clock.now()  # (a test may shift the host clock: clocks.TEST_OFFSET_ENV)
+                        if step.opt_start is not None and step.opt_end is None:
+                            step.opt_start = None  # an optimizer step whose closure runs this forward
+                        recorder._close(step, now)
+                        index = recorder._next_index
+                        new = recorder.current = OpenStep(index, now)
+                        recorder._next_index = index + 1
+                        new.fwd_start = now
+                        new.synced_forward = True
+                        recorder.in_forward = True
+                        recorder.in_sync_forward = True
+                        checks.bcast_in_forward = False
+                        # NativeTiming.on_sync_forward, nothing changed since the last one
+                        native._asked_in -= 1
+                        native.pending = True
+                except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
+                    self.probes.failed("forward", exc)
+                else:
+                    if routine:
+                        try:  # SampledChecks.on_step_start, no sample in progress
+                            if not checks._same_flags(checks.params, checks._flag_bytes):
+                                checks.check_grad_flags(index)
+                            if index >= checks.next_sample:  # (the schedule's next step, not a call a step)
+                                checks.sample_if_due(index, new.t0_mono_ns)
+                        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
+                            self.probes.failed("checks", exc)
+                self.own_ns += _perf_ns() - t
+                if routine:
+                    if self.live.error is not None:
+                        self._raise_live_error()
+                    return
+        self._forward_pre(module, native)
+
+    def _forward_pre(self, module: Any, native: Any) -> None:
+        """``on_forward_pre``'s full path: every forward that is not routine."""
         if native is not None and native.pending:
-            if native.routine and self.routine_forward and self._routine_forward(native, module):
-                return
-            if native.pending:  # (still: the routine path drains only what it then takes whole)
-                # the last backward's stamps (native route) belong to the step this forward closes
-                native.drain(self.recorder.current)
+            # the last backward's stamps (native route) belong to the step this forward closes
+            native.drain(self.recorder.current)
         t = _perf_ns()
         if self._opt_stamps is not None:
             self.take_optimizer()  # then its optimizer step's (after the buckets: the rule reads them)
@@ -458,83 +554,6 @@ class Monitor:
         self.own_ns += _perf_ns() - t
         if self.live.error is not None:
             self._raise_live_error()
-
-    def _routine_forward(self, native: Any, module: Any) -> bool:
-        """The forward that follows a routine training step on the native route, in one function:
-        True when it did all ``on_forward_pre`` does; False when the step asks for more than this
-        covers, having done nothing (or only drained the ring, whose buckets came out of order).
-
-        Covered: a synchronizing training forward after a synchronizing step, every probe on,
-        host marks, no layout to capture, no sample in progress (one may begin), nothing of
-        compiled autograd. That is most forwards of most jobs; the full path is the rule, this is
-        the same rule unrolled for that case (``tests/test_routine_forward.py`` runs both over
-        the same steps and compares every record). Why: the full path's dozen calls each pay for
-        caches the backward and the optimizer left cold (``bench/hot_path.py``)."""
-        recorder = self.recorder
-        step = recorder.current
-        checks = self.checks
-        if not (
-            step is not None
-            and step.synced_forward
-            and self.probes.all_on
-            and self._opt_stamps is not None
-            and native._asked_in > 1
-            and checks.sample is None
-            and checks._void == 0
-            and not checks.fingerprinter.pending
-            and checks._same_flags is not None
-            and self.live.error is None
-            and recorder.bucket_marks_every_step
-            and not recorder._pending
-            and not recorder._layout_steps
-            and not recorder._layout_wanted
-            and recorder.comm_hook == recorder._hook_asked
-            and torch.is_grad_enabled()
-            and module.require_backward_grad_sync
-            and not torch_compat.compiled_autograd_enabled()
-        ):
-            return False
-        t = _perf_ns()
-        offset = clocks._OFFSET_NS
-        try:
-            columns = native.ring.drain_into(step, offset)
-            native.pending = False
-            if columns is not None:  # out of order: the full path's drain, then the full path
-                native.apply_columns(self, step, columns)
-                return False
-            events = self._opt_stamps.take_into(step, offset)
-            if events is not None:
-                self.apply_optimizer_events(events)
-            # StepRecorder.forward_start, synchronizing, on a synchronizing step (which it closes)
-            now = recorder.clock.now()  # (host marks: a test may shift the clock, clocks.TEST_OFFSET_ENV)
-            if step.opt_start is not None and step.opt_end is None:
-                step.opt_start = None  # an optimizer step whose closure runs this forward
-            recorder._close(step, now)
-            index = recorder._next_index
-            new = recorder.current = OpenStep(index, now)
-            recorder._next_index = index + 1
-            new.fwd_start = now
-            new.synced_forward = True
-            recorder.in_forward = True
-            recorder.in_sync_forward = True
-            checks.bcast_in_forward = False
-            # NativeTiming.on_sync_forward, nothing changed since the last one
-            native._asked_in -= 1
-            native.pending = True
-        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
-            self.probes.failed("forward", exc)
-        else:
-            try:  # SampledChecks.on_step_start, no sample in progress
-                if not checks._same_flags(checks.params, checks._flag_bytes):
-                    checks.check_grad_flags(index)
-                if is_sampled(index, checks.check_every):
-                    checks.begin_sample(index, new.t0_mono_ns)
-            except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
-                self.probes.failed("checks", exc)
-        self.own_ns += _perf_ns() - t
-        if self.live.error is not None:
-            self._raise_live_error()
-        return True
 
     def _raise_live_error(self) -> None:
         """A finding whose category the user's warnings filter makes an error

@@ -33,7 +33,7 @@ from typing import Any
 
 from ddpdoctor.categories import CommHookWarning, warn
 from ddpdoctor.events import Fingerprint, GradFlags, Header, Unused
-from ddpdoctor.events.schedule import is_sampled  # shared with the file writer (sinks.compact)
+from ddpdoctor.events.schedule import is_sampled, next_sampled  # shared with the file writer (sinks.compact)
 from ddpdoctor.runtime import clocks, torch_compat
 from ddpdoctor.runtime.clocks import HostClock
 from ddpdoctor.runtime.fingerprints import Fingerprinter
@@ -114,6 +114,9 @@ class SampledChecks:
         # own (a model called twice before one backward, a GAN's discriminator): the next
         # synchronizing forward samples instead, up to ``VOID_RESAMPLES`` times in a row
         self._void = 0
+        #: the routine forward asks ``sample_if_due`` from this step on (the schedule's next
+        #: sampled step, or one before it), not at every step
+        self.next_sample = 0
 
     @property
     def ddp(self) -> Any:
@@ -139,6 +142,13 @@ class SampledChecks:
         if sync and self.sample is None and (0 < self._void <= VOID_RESAMPLES or is_sampled(step, self.check_every)):
             self.begin_sample(step, t0_mono_ns)
 
+    def sample_if_due(self, step: int, t0_mono_ns: int) -> None:
+        """``on_step_start``'s sampling for a synchronizing forward with no sample in progress
+        and none void, at or after ``next_sample`` (the routine forward's)."""
+        self.next_sample = next_sampled(step + 1, self.check_every)
+        if is_sampled(step, self.check_every):
+            self.begin_sample(step, t0_mono_ns)
+
     def check_grad_flags(self, step: int) -> None:
         """Compare requires_grad with what DDP was built with: every forward, one C-level pass
         (``on_step_start`` asks the native extension first when it is loaded)."""
@@ -161,7 +171,9 @@ class SampledChecks:
         if not self._join_warned:
             self._check_join()
         sample = self.sample = _Sample(step, t0_mono_ns)
-        if self.broadcast_bumps is None:
+        if self.broadcast_bumps is None and getattr(self.ddp, "modules_buffers", True):
+            # (a model whose DDP has no buffers to broadcast never measures: a walk of every
+            # module at every sample, for nothing)
             sample.pre_versions = self._buffer_versions()
         seen = sample.seen
         now = time.monotonic_ns

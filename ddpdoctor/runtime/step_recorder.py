@@ -117,10 +117,20 @@ class OpenStep:
 class StepRecorder:
     """Turns probe calls into Step and Layout records for one DDP model on one rank."""
 
-    def __init__(self, rank: int, ddp_index: int, emit: Callable[[Record], None], clock: Any = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        ddp_index: int,
+        emit: Callable[[Record], None],
+        clock: Any = None,
+        emit_steps: Callable[[list[Step]], None] | None = None,
+    ) -> None:
         self.rank = rank
         self.ddp_index = ddp_index
         self.emit = emit
+        #: several step records at once, oldest first (the batched emission); default: ``emit``
+        #: each in turn
+        self.emit_steps: Callable[[list[Step]], None] = emit_steps or self._emit_each
         self.clock = clock or HostClock()
         self.current: OpenStep | None = None
         self.in_forward = False  # inside a training forward (buffer broadcasts count)
@@ -149,7 +159,7 @@ class StepRecorder:
         self._hook_asked: str | None = None  # the comm hook of the last step that captured a layout
         self._last_hook: str | None = None  # the one the last Layout record named
         #: the native extension's ``build_step`` (None: Python builds the records): a host-clock
-        #: step's record built in C++, equal to the one ``_emit_step`` builds
+        #: step's record built in C++, equal to the one ``_record`` builds
         self.build_step: Callable[..., Step] | None = None
 
     @property
@@ -366,8 +376,18 @@ class StepRecorder:
         try:
             self._emitted_at = mono_ns() if at is None else at
             closed = self._closed
-            while closed:
-                self._emit_step(closed.popleft())
+            records: list[Step] = []
+            try:
+                while closed:
+                    step = closed.popleft()
+                    record = self._record(step, True)
+                    if self._layout_due(step):
+                        self._hand_over(records)  # the steps before it, then the layout, then its step
+                        records = []
+                        self._emit_layout(step)
+                    records.append(record)
+            finally:  # (what was built goes out even if a later record failed)
+                self._hand_over(records)
         finally:
             self._emitting = 0
             self._emit_lock.release()
@@ -402,12 +422,45 @@ class StepRecorder:
             self._pending.pop(0)
             self._emit_step(step, resolved)
 
+    def _emit_each(self, records: list[Step]) -> None:
+        for record in records:
+            self.emit(record)
+
+    def _hand_over(self, records: list[Step]) -> None:
+        """Emit closed steps' records together (one call into the sink and the live checks, not
+        one a step: the batched emission's point)."""
+        if records:
+            # counted before they are handed over: a signal handler that closes the monitor
+            # (SIGTERM) can run inside the emission, and its End record must count them
+            self.steps_emitted += len(records)
+            self.emit_steps(records)
+
+    def _layout_due(self, step: OpenStep) -> bool:
+        """A layout to look at, or one that moved (most steps: neither)."""
+        return step.layout is not None or (self._last_layout is not None and step.nbytes != self._last_bytes)
+
     def _emit_step(self, step: OpenStep, resolved: bool | None = None) -> None:
         """Emit ``step``'s record. ``resolved``: whether the device has passed all its marks,
         when the caller has just asked (None: ask here; each ask queries every mark)."""
         clock = self.clock
         if resolved is None:
             resolved = clock.always_ready or clock.ready(step.marks())
+        record = self._record(step, resolved)
+        if self._layout_due(step):
+            self._emit_layout(step)
+        # counted before it is handed over: a signal handler that closes the monitor (SIGTERM)
+        # can run inside emit, after the sink took the record (the live checks come after it),
+        # and its End record must count this step
+        self.steps_emitted += 1
+        self.emit(record)
+        if resolved and not clock.always_ready:
+            # not the step's end: that event is the next step's start, still open
+            end = step.end
+            clock.recycle([m for m in step.marks() if m is not end])
+
+    def _record(self, step: OpenStep, resolved: bool) -> Step:
+        """``step``'s record (``resolved``: the device has passed all its marks)."""
+        clock = self.clock
         build = self.build_step
         if build is not None and clock.always_ready:
             record = build(step, Step, self.rank, self.ddp_index, clock.name)
@@ -479,17 +532,7 @@ class StepRecorder:
                 end_us=end_us,
                 clock=clock.name,
             )
-        if step.layout is not None or (self._last_layout is not None and step.nbytes != self._last_bytes):
-            self._emit_layout(step)  # a layout to look at, or one that moved (most steps: neither)
-        # counted before it is handed over: a signal handler that closes the monitor (SIGTERM)
-        # can run inside emit, after the sink took the record (the live checks come after it),
-        # and its End record must count this step
-        self.steps_emitted += 1
-        self.emit(record)
-        if resolved and not clock.always_ready:
-            # not the step's end: that event is the next step's start, still open
-            end = step.end
-            clock.recycle([m for m in step.marks() if m is not end])
+        return record
 
     def _emit_layout(self, step: OpenStep) -> None:
         if step.layout:

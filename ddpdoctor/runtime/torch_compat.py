@@ -276,12 +276,16 @@ def reducer_parameter_count(ddp: Any) -> tuple[int | None, int]:
 # -- compiled autograd: it traces the hooks of a graph and knows Python hooks, not C++ ones ------
 
 
+#: where compiled autograd's switch lives (the routine forward reads it without a call)
+COMPILED_AUTOGRAD_MODULE = "torch._dynamo.compiled_autograd"
+
+
 def compiled_autograd_enabled() -> bool:
     """Whether compiled autograd is on now (``compiled_autograd.enable``, or a compiled function
     asked for it running): it compiles the hooks of the graph it traces and knows Python hooks,
     not a C++ one of ours. Read from ``sys.modules``: a process that never loaded dynamo cannot
     have it on."""
-    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+    compiled = sys.modules.get(COMPILED_AUTOGRAD_MODULE)
     return compiled is not None and bool(getattr(compiled, "compiled_autograd_enabled", False))
 
 

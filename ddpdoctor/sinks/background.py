@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from ddpdoctor.events import Record
 from ddpdoctor.sinks.base import Sink
@@ -47,6 +48,15 @@ class BackgroundSink(Sink):
             self.dropped += 1
             return
         self._records.append(record)
+
+    def emit_many(self, records: Sequence[Record]) -> None:
+        if self._closed:
+            return
+        room = self.max_pending - len(self._records)
+        if room < len(records):  # the consumer cannot keep up: the newest are dropped, counted
+            self.dropped += len(records) - max(0, room)
+            records = records[: max(0, room)]
+        self._records.extend(records)  # (deque.extend: atomic as append is, for a list)
 
     def _take_requests(self) -> list[Request]:
         requests = []

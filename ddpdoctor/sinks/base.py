@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ddpdoctor.events import Record
 
 
@@ -19,6 +21,11 @@ class Sink:
 
     def emit(self, record: Record) -> None:
         raise NotImplementedError
+
+    def emit_many(self, records: Sequence[Record]) -> None:
+        """``emit`` each of ``records`` in turn (a sink may take them in one go)."""
+        for record in records:
+            self.emit(record)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Make everything emitted so far durable; True if it was done within ``timeout``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from ddpdoctor.events import Record
 from ddpdoctor.sinks.base import Sink
@@ -20,6 +21,11 @@ class MemorySink(Sink):
         with self._lock:
             if not self.closed:
                 self.records.append(record)
+
+    def emit_many(self, records: Sequence[Record]) -> None:
+        with self._lock:
+            if not self.closed:
+                self.records.extend(records)
 
     def close(self, timeout: float = 5.0) -> None:
         self.closed = True

@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ddpdoctor.categories import LogWriteWarning, warn
 from ddpdoctor.events import Record, StreamDrops, encode_into
@@ -262,6 +262,13 @@ class TeeSink(Sink):
         self.primary.emit(record)
         try:
             self.secondary.emit(record)
+        except Exception:  # noqa: BLE001, S110 - the copy must never cost the original
+            pass
+
+    def emit_many(self, records: Sequence[Record]) -> None:
+        self.primary.emit_many(records)
+        try:
+            self.secondary.emit_many(records)
         except Exception:  # noqa: BLE001, S110 - the copy must never cost the original
             pass
 
