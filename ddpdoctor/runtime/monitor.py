@@ -463,10 +463,6 @@ class Monitor:
                 and step.synced_forward
                 and self.probes.all_on
                 and self._opt_stamps is not None
-                and native._asked_in > 1
-                and checks.sample is None
-                and checks._void == 0
-                and not checks.fingerprinter.pending
                 and checks._same_flags is not None
                 and self.live.error is None
                 and recorder.bucket_marks_every_step
@@ -477,6 +473,7 @@ class Monitor:
                 and torch.is_grad_enabled()
                 and module.require_backward_grad_sync
                 and (compiled is None or not getattr(compiled, "compiled_autograd_enabled", False))
+                and (native._asked_in > 1 or native.routine_config())
             ):
                 t = _perf_ns()
                 offset = clocks._OFFSET_NS
@@ -511,11 +508,14 @@ class Monitor:
                     self.probes.failed("forward", exc)
                 else:
                     if routine:
-                        try:  # SampledChecks.on_step_start, no sample in progress
-                            if not checks._same_flags(checks.params, checks._flag_bytes):
-                                checks.check_grad_flags(index)
-                            if index >= checks.next_sample:  # (the schedule's next step, not a call a step)
-                                checks.sample_if_due(index, new.t0_mono_ns)
+                        try:
+                            if checks.sample is not None or checks._void or checks.fingerprinter.pending:
+                                checks.on_step_start(index, new.t0_mono_ns, True, True)  # a sample to end
+                            else:  # SampledChecks.on_step_start with nothing of a sample pending
+                                if not checks._same_flags(checks.params, checks._flag_bytes):
+                                    checks.check_grad_flags(index)
+                                if index >= checks.next_sample:  # (the schedule's next step, not a call a step)
+                                    checks.sample_if_due(index, new.t0_mono_ns)
                         except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                             self.probes.failed("checks", exc)
                 self.own_ns += _perf_ns() - t

@@ -376,6 +376,16 @@ class NativeTiming:
         except Exception as exc:  # noqa: BLE001 - runs in DDP's forward: a failing probe is switched off, never breaks training
             monitor.probes.failed("buckets", exc)
 
+    def routine_config(self) -> bool:
+        """``on_sync_forward``'s read of compiled autograd's config (every ``CONFIG_EVERY``
+        forwards), for the routine forward: True where it still asks for nothing (the routine
+        forward goes on, counting this forward), False where it asks (nothing changed here: the
+        full path reads it again and stamps the backward's end from Python)."""
+        if compiled_autograd_asked():
+            return False
+        self._asked, self._asked_in = False, CONFIG_EVERY + 1
+        return True
+
     def arm_python(self, step: Any, output: Any, monitor: Any) -> None:
         """After a synchronizing forward that compiled autograd may trace (``python_end``): the
         backward's start and end from Python hooks on the output (a node pre-hook, or a tensor
