@@ -21,6 +21,12 @@ from pathlib import Path
 SOURCE = Path(__file__).parent / "runtime" / "native" / "timed_hook.cpp"
 #: Written into the build directory once a build is complete (a killed build leaves none).
 OK_MARK = "ddpdoctor-built"
+#: The compiler's flags: a release build, as torch itself is. torch's extension builder defines
+#: no NDEBUG, and without it pybind11 checks the GIL at every reference count change and at
+#: every call (thread-local lookups each: a tenth of the step record's build), and torch's headers
+#: keep their debug-only assertions. (Nothing in torch's headers changes a class's layout with
+#: it.) Part of the name's hash: a build with other flags is another build.
+CFLAGS = ("-O2", "-DNDEBUG")
 #: Tests: ``compile`` makes the source fail to compile (a build failure, for real).
 FAULT_ENV = "DDPDOCTOR_TEST_NATIVE_FAULT"
 
@@ -40,8 +46,9 @@ def torch_tag(version: str, git_version: str | None) -> str:
 
 
 def extension_name(text: str, tag: str) -> str:
-    """The extension's name for source ``text`` built against the torch of ``tag``."""
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    """The extension's name for source ``text`` built against the torch of ``tag`` (with
+    ``CFLAGS``)."""
+    digest = hashlib.sha256(f"{text}\n{' '.join(CFLAGS)}".encode()).hexdigest()[:12]
     return f"ddpdoctor_timed_hook_{tag}_{digest}"
 
 

@@ -437,6 +437,16 @@ def test_build_is_cached(native_built: Path) -> None:
     assert not dist.is_initialized()
 
 
+def test_the_build_is_a_release_build_named_by_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The extension is built with NDEBUG, as torch is (without it pybind11 checks the GIL at
+    every reference count change), and its flags are part of its name: a build cached with other
+    flags is never loaded as this one."""
+    assert "-DNDEBUG" in native_cache.CFLAGS
+    name = native_hook.extension_name()
+    monkeypatch.setattr(native_cache, "CFLAGS", ("-O2",))
+    assert native_hook.extension_name() != name
+
+
 def test_the_launcher_finds_the_cached_build_without_importing_torch(
     native_built: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -137,7 +137,7 @@ def _build_here(name: str, directory: Path, text: str, verbose: bool = False) ->
             name=name,
             cpp_sources=[text],
             build_directory=str(directory),
-            extra_cflags=["-O2"],
+            extra_cflags=list(native_cache.CFLAGS),
             verbose=verbose,
         )
         tmp = directory / f"{native_cache.OK_MARK}.{os.getpid()}"
