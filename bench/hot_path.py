@@ -88,16 +88,19 @@ TOP = [
 
 #: Functions inside the entry points (pass 2 only), indented under the row they belong to.
 NESTED = [
-    (step_recorder.StepRecorder, "forward_start", "  forward_start (closes the step)", "forward pre-hook"),
-    (step_recorder.StepRecorder, "_emit_step", "    step record", "forward pre-hook"),
-    (live_findings.LiveFindings, "observe", "      live checks", "forward pre-hook"),
-    (sampled_checks.SampledChecks, "on_step_start", "  sampled checks", "forward pre-hook"),
-    (sampled_checks.SampledChecks, "check_grad_flags", "    requires_grad check", "forward pre-hook"),
+    (monitor_module.Monitor, "_forward_pre", "  full path (forwards that are not routine)", "forward pre-hook"),
+    (step_recorder.StepRecorder, "forward_start", "    forward_start (closes the step)", "forward pre-hook"),
+    (native_hook.NativeTiming, "drain", "    native: ring drained", "forward pre-hook"),
+    (monitor_module.Monitor, "take_optimizer", "    native: optimizer stamps taken", "forward pre-hook"),
+    (native_hook.NativeTiming, "on_sync_forward", "    native: stamps pending", "forward pre-hook"),
+    (step_recorder.StepRecorder, "_close", "  step closed (and the batch emitted)", "forward pre-hook"),
+    (step_recorder.StepRecorder, "_record", "    step record built", "forward pre-hook"),
+    (live_findings.LiveFindings, "observe_steps", "    live checks of the records", "forward pre-hook"),
+    (sampled_checks.SampledChecks, "on_step_start", "  sampled checks (a sample ends)", "forward pre-hook"),
+    (sampled_checks.SampledChecks, "check_grad_flags", "    requires_grad changed", "forward pre-hook"),
+    (sampled_checks.SampledChecks, "sample_if_due", "  sample due (from next_sample on)", "forward pre-hook"),
     (sampled_checks.SampledChecks, "begin_sample", "    sample begins (sampled steps only)", "forward pre-hook"),
     (sampled_checks.SampledChecks, "end_sample", "    sample ends (the step after)", "forward pre-hook"),
-    (native_hook.NativeTiming, "drain", "  native: ring drained", "forward pre-hook"),
-    (monitor_module.Monitor, "take_optimizer", "  native: optimizer stamps taken", "forward pre-hook"),
-    (native_hook.NativeTiming, "on_sync_forward", "  native: stamps pending", "forward pre-hook"),
 ]
 
 

@@ -300,7 +300,7 @@ class NativeTiming:
         self.python_end = False
         #: the last synchronizing forward asked nothing of this side but its stamps (no layout,
         #: the backward's end stamped in C++, no hook on an output): the monitor's next forward
-        #: may take its routine path (``Monitor._routine_forward``)
+        #: may take its routine path (in ``Monitor.on_forward_pre``)
         self.routine = False
 
     @property
