@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ddpdoctor.categories import AccumulationWarning
-from ddpdoctor.events import Header, ParamInfo, Record, Step
+from ddpdoctor.events import FindingRecord, Header, ParamInfo, Record, Step
 from ddpdoctor.runtime import live_findings, native_hook
 from ddpdoctor.runtime.clocks import HostClock, mono_ns
 from ddpdoctor.runtime.live_findings import LiveFindings
@@ -152,6 +152,41 @@ def test_live_accumulation_finding_still_raised_on_the_observing_thread() -> Non
     # attributed to the line that fed the step (the script's forward), not to ddpdoctor's code
     assert caught[0].filename == __file__, caught[0].filename
     assert [getattr(r, "code", None) for r in out] == ["sync-during-accumulation"]
+
+
+def test_live_checks_of_a_batch_are_those_of_its_steps_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recorder hands closed steps over in batches (``observe_steps``): the step-based
+    checks must run at the same steps over the same windows, and raise the same findings, as
+    when each step is observed alone."""
+    steps = [_step(i, opt=i % 3 != 1, bcast=5.0 if i == 40 else None) for i in range(300)]
+
+    def run(batches: list[list[Step]]) -> tuple[list[Any], list[tuple[int, int]]]:
+        out: list[Record] = []
+        live = LiveFindings(0, 0, out.append, lambda: None)
+        seen: list[tuple[int, int]] = []  # (last step in the window, window size) at each check
+        check = live._check_steps
+
+        def recorded() -> None:
+            seen.append((live.steps[-1].step, len(live.steps)))
+            check()
+
+        monkeypatch.setattr(live, "_check_steps", recorded)
+        live.observe(HEADER)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for batch in batches:
+                live.observe_steps(batch)
+        return [(r.code, r.step) for r in out if isinstance(r, FindingRecord)], seen
+
+    one_by_one = run([[s] for s in steps])
+    sizes = [1, 32, 7, 50, 3, 16, 32, 91, 68]
+    batches, at = [], 0
+    for size in sizes:
+        batches.append(steps[at : at + size])
+        at += size
+    assert at == len(steps)
+    assert run(batches) == one_by_one
+    assert one_by_one[0] and len(one_by_one[1]) >= 4  # findings raised, several checks run
 
 
 class Observer:
