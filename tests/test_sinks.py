@@ -116,3 +116,47 @@ def test_emit_many_of_the_memory_and_null_sinks() -> None:
     memory.emit_many([_step(3)])
     assert len(memory.records) == 3
     NullSink().emit_many([_step(0)])
+
+
+class _DuckSink:
+    """A sink of a user's: ``emit``, ``flush`` and ``close``, not a ``Sink`` (no ``emit_many``)."""
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+
+    def emit(self, record: Record) -> None:
+        self.records.append(record)
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        return None
+
+
+def _train_into_a_duck_sink(rank: int, world_size: int) -> tuple[list[int], list[str]]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpdoctor
+    from ddpdoctor.events import ProbeOff
+    from tests.models import make_model
+
+    sink = _DuckSink()
+    ddp = DDP(make_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    with ddpdoctor.instrument(ddp, sink=sink):  # type: ignore[arg-type]
+        for _ in range(40):  # more than a batch of closed steps
+            opt.zero_grad()
+            ddp(torch.randn(8, 32)).sum().backward()
+            opt.step()
+    steps = [r.step for r in sink.records if isinstance(r, Step)]
+    return steps, [r.probe for r in sink.records if isinstance(r, ProbeOff)]
+
+
+def test_a_sink_without_emit_many_still_gets_every_step() -> None:
+    from tests.ddp_harness import run_ranks
+
+    (result,) = run_ranks(_train_into_a_duck_sink, 1, timeout=120)
+    steps, probes_off = result
+    assert steps == list(range(40)) and probes_off == []

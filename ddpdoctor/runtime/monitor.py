@@ -393,7 +393,12 @@ class Monitor:
         do the same, a call or two more per step."""
         if self.probes.on["emit"]:
             try:
-                self.sink.emit_many(records)
+                emit_many = getattr(self.sink, "emit_many", None)
+                if emit_many is not None:
+                    emit_many(records)
+                else:  # a sink of the user's that is not a ``Sink`` (``emit``, ``flush``, ``close``)
+                    for record in records:
+                        self.sink.emit(record)
             except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("emit", exc)
         if self.probes.on["live"]:
