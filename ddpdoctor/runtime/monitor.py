@@ -396,9 +396,8 @@ class Monitor:
                 emit_many = getattr(self.sink, "emit_many", None)
                 if emit_many is not None:
                     emit_many(records)
-                else:  # a sink of the user's that is not a ``Sink`` (``emit``, ``flush``, ``close``)
-                    for record in records:
-                        self.sink.emit(record)
+                else:  # a sink of the user's that is not a ``Sink``: the base's loop over its ``emit``
+                    Sink.emit_many(self.sink, records)
             except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("emit", exc)
         if self.probes.on["live"]:
