@@ -22,6 +22,10 @@ SCRIPT = ROOT / "examples" / "zoo" / "constant_buffers.py"
 #: Every forward sleeps this long in every run, so step time is dominated by a stable sleep and
 #: the same script twice stays within the gate on a busy 2-core machine.
 BASE_SLEEP_MS = "20"
+#: The gate for runs that should not differ in step time. Two real runs minutes apart on a shared
+#: 2-core CI machine have differed by +25% (24.6 -> 30.9 ms, the fixed run of this script, with
+#: 98% confidence: the machine really was slower then). The planted slowdown is +120%.
+NOISE_GATE_PCT = "50"
 
 
 def test_mann_whitney_matches_the_textbook_values() -> None:
@@ -98,12 +102,16 @@ def _compare(base: Path, new: Path, tmp: Path, *args: str) -> tuple[int, dict[st
 
 
 def test_the_same_script_twice_is_no_regression(runs: dict[str, Path], tmp_path: Path) -> None:
-    rc, c = _compare(runs["base"], runs["same"], tmp_path, "--fail-on-regression", "25")
+    rc, c = _compare(runs["base"], runs["same"], tmp_path, "--fail-on-regression", NOISE_GATE_PCT)
     assert rc == 0, c["phases"]
     step = next(p for p in c["phases"] if p["phase"] == "step")
     assert step["base_ms"] > 20 and step["new_ms"] > 20  # the forward sleep is in there
     assert step["base_steps"] >= 6  # one sample per step, warm-up left out
-    assert not any(p["verdict"] == "slower" and p["change_pct"] > 25 for p in c["phases"] if p["phase"] == "step")
+    assert not any(
+        p["verdict"] == "slower" and p["change_pct"] > float(NOISE_GATE_PCT)
+        for p in c["phases"]
+        if p["phase"] == "step"
+    )
     codes = {f["code"]: f["status"] for f in c["findings"]}
     assert codes["constant-buffers"] == "unchanged"
     assert len(c["buckets"]) == 1 and c["buckets"][0]["base_bytes"] == c["buckets"][0]["new_bytes"]
@@ -140,8 +148,13 @@ def test_a_planted_slowdown_is_flagged_with_its_phase(
 
 
 def test_the_fix_is_an_improvement_and_resolves_the_finding(runs: dict[str, Path], tmp_path: Path) -> None:
-    rc, c = _compare(runs["base"], runs["fixed"], tmp_path, "--fail-on-regression", "25")
-    assert rc == 0
+    rc, c = _compare(runs["base"], runs["fixed"], tmp_path, "--fail-on-regression", NOISE_GATE_PCT)
+    assert rc == 0, c["phases"]
+    # the phase the fix changes is gated on its own, at the strict line: it cannot have regressed
+    assert (
+        main(["compare", str(runs["base"]), str(runs["fixed"]), "--fail-on-regression", "25", "--phase", "buffer_sync"])
+        == 0
+    )
     phases = {p["phase"]: p for p in c["phases"]}
     sync = phases["buffer_sync"]
     assert sync["base_ms"] > 0 and sync["new_ms"] == 0 and sync["change_pct"] == -100.0
