@@ -126,6 +126,7 @@ class Monitor:
             self._bwd_queued: OpenStep | None = None
             self._native_timing: Any = None
             self._opt_stamps: Any = None  # the C++ optimizer hooks' (``optimizer_stamps``)
+            self._opt_take_into: Any = None  # its ``take_into``, read once (a plain C function)
             torch_compat.skip_in_dynamo()  # a compiled DDP calls the hooks as they are
             svc = services()
             self._services = svc
@@ -249,6 +250,7 @@ class Monitor:
             extension = native_hook.choose(cuda=self._cuda)
             if extension is not None and hasattr(extension, "OptimizerStamps"):
                 self._opt_stamps = extension.OptimizerStamps()
+                self._opt_take_into = self._opt_stamps.take_into
         return self._opt_stamps
 
     def take_optimizer(self) -> None:
@@ -263,7 +265,7 @@ class Monitor:
                 return
             # one start and one end on a step with buckets are set in C++ (None back): the rule
             # of apply_optimizer_events, for the common case; the rest comes back as the events
-            events = stamps.take_into(self.recorder.current, clocks._OFFSET_NS)
+            events = self._opt_take_into(self.recorder.current, clocks._OFFSET_NS)
             if events is not None:
                 self.apply_optimizer_events(events)
         except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
@@ -483,13 +485,13 @@ class Monitor:
                 offset = clocks._OFFSET_NS
                 routine = True
                 try:
-                    columns = native.ring.drain_into(step, offset)
+                    columns = native.drain_into(step, offset)
                     native.pending = False
                     if columns is not None:  # out of order: the full path's drain, then the full path
                         native.apply_columns(self, step, columns)
                         routine = False
                     else:
-                        events = self._opt_stamps.take_into(step, offset)
+                        events = self._opt_take_into(step, offset)
                         if events is not None:
                             self.apply_optimizer_events(events)
                         # StepRecorder.forward_start, synchronizing, on a synchronizing step (which it closes)

@@ -284,6 +284,9 @@ class NativeTiming:
         self._module = module
         self._monitor = weakref.ref(monitor)
         self.ring: Any = None
+        #: the ring's ``drain_into``, read once (a plain C function bound to the ring: the call
+        #: of every step, made when caches are cold)
+        self.drain_into: Any = None
         # bucket parameters come back as TensorImpl addresses (Tensor._cdata)
         self._names = {p._cdata: (n, str(p.dtype).removeprefix("torch.")) for n, p in ddp.module.named_parameters()}
         self._want_layout = False
@@ -315,6 +318,7 @@ class NativeTiming:
     def register(self, ddp: Any) -> None:
         """Put the hook on DDP's reducer (for good: a reducer takes one hook)."""
         self.ring = self._module.register_timed_hook(ddp.reducer, ddp.process_group, RING_CAPACITY)
+        self.drain_into = self.ring.drain_into
         self.delegated = False
 
     def delegate(self, state: Any, hook: Any) -> None:
@@ -461,7 +465,7 @@ class NativeTiming:
             ):
                 # the common case in one call: C++ sets the step's lists and backward end (None
                 # back), or hands the columns over (out of order)
-                columns = ring.drain_into(step, clocks._OFFSET_NS)
+                columns = self.drain_into(step, clocks._OFFSET_NS)
             else:
                 columns = ring.drain_columns(clocks._OFFSET_NS)
             self.pending = False
