@@ -62,6 +62,9 @@ from ddpdoctor.runtime import monitor as monitor_module
 from ddpdoctor.sinks import NullSink
 
 TOTALS: dict[str, int] = {}
+#: every call's ns, per top-level row (pass 1): the medians say what a routine step costs, with
+#: none of the sampled or batched work and little of the machine's noise (A/B of a change)
+CALLS: dict[str, list[int]] = {}
 
 #: Entry points torch or gloo calls: (owner, attribute, label, where). ``where`` sorts them into
 #: the goal's sums: "step" (training thread, once a step), "bucket" (training thread, once a
@@ -118,12 +121,16 @@ def _wrap(owner: Any, name: str, label: str) -> Any:
     if original is None:  # not in this tree (an older one, compared side by side): a row of 0
         return None
 
+    calls = CALLS.setdefault(label, [])
+
     def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter_ns()
         try:
             return original(*args, **kwargs)
         finally:
-            TOTALS[label] = TOTALS.get(label, 0) + time.perf_counter_ns() - start
+            took = time.perf_counter_ns() - start
+            TOTALS[label] = TOTALS.get(label, 0) + took
+            calls.append(took)
 
     setattr(owner, name, timed)
     return original
@@ -238,6 +245,8 @@ def main() -> None:
 
     def timed_pass() -> tuple[dict[str, int], float, float]:
         TOTALS.clear()
+        for calls in CALLS.values():
+            calls.clear()
         own = monitor.own_ns
         _sync(args)
         start = time.perf_counter()
@@ -250,6 +259,7 @@ def main() -> None:
     for _ in range(100):
         step()
     top, wall_us, own_us = timed_pass()
+    medians = {label: statistics.median(calls) / 1000 for label, calls in CALLS.items() if calls}
     for owner, name, label, _ in NESTED:
         _wrap(owner, name, label)
     if args.device == "cuda":
@@ -283,6 +293,8 @@ def main() -> None:
     print(f"training thread, per bucket (ready, launched): {sums['bucket'] / buckets:.1f} µs")
     print(f"gloo's thread, per bucket (done): {gloo / buckets:.1f} µs")
     print(f"Monitor.own_us per step (its own accounting, pass 1): {own_us:.1f} µs")
+    routine = sum(medians.get(label, 0.0) for _, _, label, w in TOP if w == "step")
+    print(f"training thread, the median call of each per-step entry point, summed (a routine step): {routine:.1f} µs")
     if ab is not None:
         plain_us, added_us = ab
         print(

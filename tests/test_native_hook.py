@@ -653,3 +653,40 @@ def test_optimizer_stamps_set_the_common_case_as_the_python_rule_does(native_bui
         assert [start for start, _ in events] == list(starts), case
         assert all(isinstance(at, int) and at > offset for _, at in events), case
         assert (getattr(target, "opt_start", None), getattr(target, "opt_end", None)) == kept, case
+
+
+def test_step_opener_builds_the_step_python_builds(native_built: Path) -> None:
+    """``step_opener(OpenStep)``: every slot of its step equals OpenStep(index, t0)'s (the clocks
+    read between two reads of Python's, shifted by the offset), fresh lists each time, and
+    ``synced`` sets the synchronizing forward's start; a class it does not know is refused."""
+    from ddpdoctor.runtime.step_recorder import OpenStep
+
+    module = native_hook._import(native_built.stem, native_built)
+    opener = module.step_opener(OpenStep)
+    offset = 7_000
+    for synced in (False, True):
+        mono0, wall0 = time.perf_counter_ns(), time.time_ns()
+        step = opener(12, 345, offset, synced)
+        mono1, wall1 = time.perf_counter_ns(), time.time_ns()
+        python = OpenStep(12, 345)
+        if synced:
+            python.fwd_start, python.synced_forward = 345, True
+        assert type(step) is OpenStep
+        assert mono0 + offset <= step.t0_mono_ns <= mono1 + offset
+        assert wall0 + offset <= step.t0_wall_ns <= wall1 + offset
+        python.t0_mono_ns, python.t0_wall_ns = step.t0_mono_ns, step.t0_wall_ns
+        for name in OpenStep.__slots__:
+            assert getattr(step, name) == getattr(python, name), name
+            assert type(getattr(step, name)) is type(getattr(python, name)), name
+    other = opener(13, 346, 0, True)
+    assert other.ready is not step.ready and other.bcast is not step.bcast and other.done_seen is not step.done_seen
+    other.ready.append(1)
+    assert step.ready == [] and other.marks()[0] == 346
+    with pytest.raises(TypeError):
+        opener(1, 2, 3)
+
+    class Other:
+        __slots__ = ("index",)
+
+    with pytest.raises(TypeError):
+        module.step_opener(Other)

@@ -193,6 +193,11 @@ class Monitor:
         extension = native_hook.choose(cuda=self._cuda)  # (loaded once per process)
         if extension is not None and self.recorder.clock.always_ready:
             self.recorder.build_step = getattr(extension, "build_step", None)  # host marks
+            opener = getattr(extension, "step_opener", None)
+            try:
+                self.recorder.open_step = opener(OpenStep) if opener is not None else None
+            except TypeError:  # (an OpenStep the extension does not know: built by Python)
+                self.recorder.open_step = None
         self.checks = SampledChecks(
             ddp,
             attachment.header,
@@ -500,10 +505,14 @@ class Monitor:
                             step.opt_start = None  # an optimizer step whose closure runs this forward
                         recorder._close(step, now)
                         index = recorder._next_index
-                        new = recorder.current = OpenStep(index, now)
+                        opener = recorder.open_step
+                        if opener is not None:  # (OpenStep(index, now), synchronizing, built in C++)
+                            new = recorder.current = opener(index, now, offset, True)
+                        else:
+                            new = recorder.current = OpenStep(index, now)
+                            new.fwd_start = now
+                            new.synced_forward = True
                         recorder._next_index = index + 1
-                        new.fwd_start = now
-                        new.synced_forward = True
                         recorder.in_forward = True
                         recorder.in_sync_forward = True
                         checks.bcast_in_forward = False

@@ -20,6 +20,7 @@
 // functions there, not pybind11 ones: see "Calls without pybind11's dispatcher".
 
 #include <torch/extension.h>
+#include <structmember.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
@@ -1096,6 +1097,131 @@ PyMethodDef kTakeInto = {"take_into", reinterpret_cast<PyCFunction>(reinterpret_
                          METH_FASTCALL,
                          "take_into(step, offset): the stamps since the last take set on the step (None), or "
                          "returned as take returns them"};
+// -- a new step, built here -------------------------------------------------------------------
+//
+// ``step_opener(OpenStep)``: a function ``open(index, t0, offset, synced)`` that returns what
+// ``OpenStep(index, t0)`` does (step_recorder.py), with ``fwd_start = t0`` and
+// ``synced_forward = True`` where ``synced``: the routine forward's new step. The slots are written
+// at their offsets (read once from the class's slot descriptors), with no Python frame and no
+// attribute lookup: OpenStep.__init__ is 24 lines, run cold once a step. ``t0_mono_ns`` and
+// ``t0_wall_ns`` are read here on the same clocks (perf_counter's CLOCK_MONOTONIC, time_ns's
+// CLOCK_REALTIME), plus ``offset`` (the tests' shifted clock, as clocks.mono_ns adds it).
+// ``tests/test_native_hook.py`` compares every slot with Python's.
+
+struct StepSlots {
+  PyTypeObject* cls = nullptr;  // strong
+  Py_ssize_t index, t0, t0_mono_ns, t0_wall_ns, micro, fwd_start, fwd_end, bcast, bcast_bytes, bwd_end, ready,
+      launch, done, nbytes, opt_start, opt_end, end, synced_forward, layout, comm_hook, all_marks, arrived,
+      done_seen, sync;
+  ~StepSlots() {
+    Py_XDECREF(cls);
+  }
+};
+
+Py_ssize_t slot_offset(PyTypeObject* cls, const char* name) {
+  py::object d = py::reinterpret_steal<py::object>(PyObject_GetAttrString(reinterpret_cast<PyObject*>(cls), name));
+  if (!d) {
+    throw py::error_already_set();
+  }
+  if (!Py_IS_TYPE(d.ptr(), &PyMemberDescr_Type)) {
+    throw py::type_error(std::string("step_opener: ") + name + " is not a slot");
+  }
+  PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(d.ptr())->d_member;
+  if (member->type != T_OBJECT_EX || (member->flags & READONLY) != 0) {
+    throw py::type_error(std::string("step_opener: ") + name + " is not a plain slot");
+  }
+  return member->offset;
+}
+
+// Sets a slot that holds NULL (a fresh object) to a new reference; ``value`` NULL: the error set.
+void put(PyObject* obj, Py_ssize_t offset, PyObject* value) {
+  if (value == nullptr) {
+    throw py::error_already_set();
+  }
+  *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset) = value;
+}
+
+int64_t wall_now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+PyObject* raw_open_step(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+  return guarded([&] {
+    expect_args("open(index, t0, offset, synced)", n, 4);
+    const StepSlots& s = held<StepSlots>(self);
+    const int64_t offset = int_arg(args[2]);
+    const int synced = PyObject_IsTrue(args[3]);
+    if (synced < 0) {
+      throw py::error_already_set();
+    }
+    const int64_t mono = now_ns() + offset;
+    const int64_t wall = wall_now_ns() + offset;
+    py::object step = py::reinterpret_steal<py::object>(s.cls->tp_alloc(s.cls, 0));
+    if (!step) {
+      throw py::error_already_set();
+    }
+    PyObject* o = step.ptr();
+    put(o, s.index, Py_NewRef(args[0]));
+    put(o, s.t0, Py_NewRef(args[1]));
+    put(o, s.t0_mono_ns, PyLong_FromLongLong(mono));
+    put(o, s.t0_wall_ns, PyLong_FromLongLong(wall));
+    put(o, s.micro, PyLong_FromLong(0));
+    put(o, s.fwd_start, Py_NewRef(synced ? args[1] : Py_None));
+    put(o, s.fwd_end, Py_NewRef(Py_None));
+    put(o, s.bcast, PyList_New(0));
+    put(o, s.bcast_bytes, PyLong_FromLong(0));
+    put(o, s.bwd_end, Py_NewRef(Py_None));
+    put(o, s.ready, PyList_New(0));
+    put(o, s.launch, PyList_New(0));
+    put(o, s.done, PyList_New(0));
+    put(o, s.nbytes, PyList_New(0));
+    put(o, s.opt_start, Py_NewRef(Py_None));
+    put(o, s.opt_end, Py_NewRef(Py_None));
+    put(o, s.end, Py_NewRef(Py_None));
+    put(o, s.synced_forward, Py_NewRef(synced ? Py_True : Py_False));
+    put(o, s.layout, Py_NewRef(Py_None));
+    put(o, s.comm_hook, Py_NewRef(Py_None));
+    put(o, s.all_marks, Py_NewRef(Py_True));
+    put(o, s.arrived, PyLong_FromLong(0));
+    put(o, s.done_seen, PyList_New(0));
+    put(o, s.sync, Py_NewRef(Py_None));
+    return step;
+  });
+}
+
+PyMethodDef kOpenStep = {"open", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&raw_open_step)),
+                         METH_FASTCALL,
+                         "open(index, t0, offset, synced): a new OpenStep, as OpenStep(index, t0) builds it (with "
+                         "fwd_start = t0 and synced_forward = True where synced)"};
+
+// The opener of ``cls`` (OpenStep): its slots must be exactly these, and it has no __dict__.
+py::object step_opener(py::handle cls_handle) {
+  static const char* const kNames[] = {"index", "t0", "t0_mono_ns", "t0_wall_ns", "micro", "fwd_start", "fwd_end",
+                                       "bcast", "bcast_bytes", "bwd_end", "ready", "launch", "done", "nbytes",
+                                       "opt_start", "opt_end", "end", "synced_forward", "layout", "comm_hook",
+                                       "all_marks", "arrived", "done_seen", "sync"};
+  if (!PyType_Check(cls_handle.ptr())) {
+    throw py::type_error("step_opener: a class");
+  }
+  auto* cls = reinterpret_cast<PyTypeObject*>(cls_handle.ptr());
+  py::tuple slots = py::reinterpret_borrow<py::object>(cls_handle).attr("__slots__");
+  if (cls->tp_dictoffset != 0 || cls->tp_base != &PyBaseObject_Type ||
+      static_cast<size_t>(PyTuple_GET_SIZE(slots.ptr())) != std::size(kNames)) {
+    throw py::type_error("step_opener: not the OpenStep this extension knows");
+  }
+  auto s = std::make_shared<StepSlots>();
+  Py_ssize_t* out[] = {&s->index,     &s->t0,        &s->t0_mono_ns, &s->t0_wall_ns, &s->micro,     &s->fwd_start,
+                       &s->fwd_end,   &s->bcast,     &s->bcast_bytes, &s->bwd_end,   &s->ready,     &s->launch,
+                       &s->done,      &s->nbytes,    &s->opt_start,  &s->opt_end,    &s->end,       &s->synced_forward,
+                       &s->layout,    &s->comm_hook, &s->all_marks,  &s->arrived,    &s->done_seen, &s->sync};
+  for (size_t i = 0; i < std::size(kNames); ++i) {
+    *out[i] = slot_offset(cls, kNames[i]);
+  }
+  s->cls = reinterpret_cast<PyTypeObject*>(Py_NewRef(cls_handle.ptr()));
+  return bound(&kOpenStep, std::move(s));
+}
+
 PyMethodDef kModuleFunctions[] = {
     {"same_requires_grad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&raw_same_requires_grad)),
      METH_FASTCALL, "same_requires_grad(tensors, expected): each tensor's requires_grad is the byte given for it"},
@@ -1155,5 +1281,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (PyMethodDef* def = kModuleFunctions; def->ml_name != nullptr; ++def) {
     m.add_object(def->ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(def, nullptr, m.ptr())));
   }
+  m.def("step_opener", &step_opener, py::arg("cls"), "open(index, t0, offset, synced): new OpenSteps of cls, built in C++");
   m.def("clock_ns", &clock_ns, "now on the hook's clock (ns); compared with time.perf_counter_ns()");
 }
