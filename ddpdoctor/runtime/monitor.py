@@ -458,7 +458,10 @@ class Monitor:
 
         Routine: a synchronizing training forward after a synchronizing step on the native route,
         every probe on, host marks, no layout to capture, no sample in progress (one may begin),
-        nothing of compiled autograd. That is most forwards of most jobs; the full path is the
+        nothing of compiled autograd. What of this never changes back once it holds (the C++
+        optimizer stamps, the one-call requires_grad check, host marks for every bucket) is asked
+        once, on the full path (``_routine_possible``, into ``NativeTiming.routine``): every
+        condition read here costs a cold read of its own. That is most forwards of most jobs; the full path is the
         rule, this is the same rule unrolled for that case (``tests/test_routine_forward.py`` runs
         both over the same steps and compares every record). Where the ring's buckets came out of
         order it drains them the full path's way and hands over to the full path.
@@ -473,14 +476,8 @@ class Monitor:
                 step is not None
                 and step.synced_forward
                 and self.probes.all_on
-                and self._opt_stamps is not None
-                and checks._same_flags is not None
                 and self.live.error is None
-                and recorder.bucket_marks_every_step
-                and not recorder._pending
-                and not recorder._layout_steps
-                and not recorder._layout_wanted
-                and recorder.comm_hook == recorder._hook_asked
+                and not recorder.layout_next
                 and torch.is_grad_enabled()
                 and module.require_backward_grad_sync
                 and (compiled is None or not getattr(compiled, "compiled_autograd_enabled", False))
@@ -527,7 +524,8 @@ class Monitor:
                             if checks.sample is not None or checks._void or checks.fingerprinter.pending:
                                 checks.on_step_start(index, new.t0_mono_ns, True, True)  # a sample to end
                             else:  # SampledChecks.on_step_start with nothing of a sample pending
-                                if not checks._same_flags(checks.params, checks._flag_bytes):
+                                # (set: ``_routine_possible`` holds for a routine forward)
+                                if not checks._same_flags(checks.params, checks._flag_bytes):  # type: ignore[misc]
                                     checks.check_grad_flags(index)
                                 if index >= checks.next_sample:  # (the schedule's next step, not a call a step)
                                     checks.sample_if_due(index, new.t0_mono_ns)
@@ -561,6 +559,8 @@ class Monitor:
             else:
                 if sync and native is not None:
                     native.on_sync_forward(step, self)  # (the native route's side of it)
+                    if native.routine and not self._routine_possible():
+                        native.routine = False
                 if on["checks"]:
                     try:
                         self.checks.on_step_start(step.index, step.t0_mono_ns, sync, step is not previous)
@@ -569,6 +569,19 @@ class Monitor:
         self.own_ns += _perf_ns() - t
         if self.live.error is not None:
             self._raise_live_error()
+
+    def _routine_possible(self) -> bool:
+        """What the routine forward (``on_forward_pre``) needs besides the native side's, and
+        that never goes away once it holds: the optimizer stamped in C++, the requires_grad
+        check in one call (a rewrap's checks get it from the same extension), host marks on every
+        bucket (so no step waits for its marks: ``StepRecorder._pending`` stays empty)."""
+        recorder = self.recorder
+        return (
+            self._opt_take_into is not None
+            and self.checks._same_flags is not None
+            and recorder.clock.always_ready
+            and recorder.bucket_marks_every_step
+        )
 
     def _raise_live_error(self) -> None:
         """A finding whose category the user's warnings filter makes an error

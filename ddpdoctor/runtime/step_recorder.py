@@ -157,6 +157,9 @@ class StepRecorder:
         self._layout_steps = 2  # DDP builds its buckets, then rebuilds them once after step 0
         self.comm_hook: str | None = None  # the user's comm hook in effect (None: DDP's default)
         self._hook_asked: str | None = None  # the comm hook of the last step that captured a layout
+        #: the next step opened captures a layout (``_update_layout_next``; the monitor's routine
+        #: forward reads this one attribute)
+        self.layout_next = True
         self._last_hook: str | None = None  # the one the last Layout record named
         #: the native extension's ``build_step`` (None: Python builds the records): a host-clock
         #: step's record built in C++, equal to the one ``_record`` builds
@@ -178,12 +181,19 @@ class StepRecorder:
     def set_comm_hook(self, name: str | None) -> None:
         """A comm hook now in effect (registered after ``instrument``): the next layout names it."""
         self.comm_hook = name  # the next step opened captures the layout, naming it
+        self._update_layout_next()
 
     def reset_layout(self) -> None:
         """A new DDP instance: its buckets are new, look at them again."""
         self._last_layout = None
         self._last_bytes = []
         self._layout_steps = 1
+        self._update_layout_next()
+
+    def _update_layout_next(self) -> None:
+        """``layout_next`` from what asks for a layout: the first steps of a DDP instance, bucket
+        sizes that moved, a comm hook not named in a layout yet."""
+        self.layout_next = bool(self._layout_steps or self._layout_wanted or self.comm_hook != self._hook_asked)
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -203,12 +213,13 @@ class StepRecorder:
             self._next_index += 1
             if not self.bucket_marks_every_step:
                 step.all_marks = is_sampled(step.index, DEFAULT_EVERY)
-            if self._layout_steps or self._layout_wanted or self.comm_hook != self._hook_asked:
+            if self.layout_next:
                 step.layout = {}
                 step.comm_hook = self._hook_asked = self.comm_hook
                 self._layout_wanted = False
                 if self._layout_steps:
                     self._layout_steps -= 1
+                self._update_layout_next()
         if sync:
             step.fwd_start = now
             step.synced_forward = True
@@ -566,3 +577,4 @@ class StepRecorder:
                 self._last_bytes = [b.bytes for b in buckets]
         elif self._last_layout is not None and step.nbytes != self._last_bytes:
             self._layout_wanted = True  # bucket sizes moved: capture names on the next step
+            self.layout_next = True
