@@ -63,7 +63,7 @@ from ddpdoctor.sinks import NullSink
 
 TOTALS: dict[str, int] = {}
 #: every call's ns, per top-level row (pass 1): the medians say what a routine step costs, with
-#: none of the sampled or batched work and little of the machine's noise (A/B of a change)
+#: none of the sampled or batched work (a change to the routine path shows there undiluted)
 CALLS: dict[str, list[int]] = {}
 
 #: Entry points torch or gloo calls: (owner, attribute, label, where). ``where`` sorts them into

@@ -688,5 +688,9 @@ def test_step_opener_builds_the_step_python_builds(native_built: Path) -> None:
     class Other:
         __slots__ = ("index",)
 
-    with pytest.raises(TypeError):
-        module.step_opener(Other)
+    class Renamed:  # as many slots as OpenStep, one of another name
+        __slots__ = (*OpenStep.__slots__[:-1], "elsewhere")
+
+    for cls in (Other, Renamed):
+        with pytest.raises(TypeError):
+            module.step_opener(cls)

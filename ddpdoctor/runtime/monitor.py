@@ -458,13 +458,14 @@ class Monitor:
 
         Routine: a synchronizing training forward after a synchronizing step on the native route,
         every probe on, host marks, no layout to capture, no sample in progress (one may begin),
-        nothing of compiled autograd. What of this never changes back once it holds (the C++
-        optimizer stamps, the one-call requires_grad check, host marks for every bucket) is asked
-        once, on the full path (``_routine_possible``, into ``NativeTiming.routine``): every
-        condition read here costs a cold read of its own. That is most forwards of most jobs; the full path is the
+        nothing of compiled autograd. That is most forwards of most jobs; the full path is the
         rule, this is the same rule unrolled for that case (``tests/test_routine_forward.py`` runs
         both over the same steps and compares every record). Where the ring's buckets came out of
-        order it drains them the full path's way and hands over to the full path.
+        order it drains them the full path's way and hands over to the full path. What of the
+        rule never changes back once it holds (the C++ optimizer stamps, the one-call
+        requires_grad check, the step opened in C++, host marks for every bucket) is asked on the
+        full path (``_routine_possible``, into ``NativeTiming.routine``): every condition read
+        here costs a cold read of its own.
         """
         native = self._native_timing
         if native is not None and native.routine and native.pending and self.routine_forward:
@@ -502,13 +503,8 @@ class Monitor:
                             step.opt_start = None  # an optimizer step whose closure runs this forward
                         recorder._close(step, now)
                         index = recorder._next_index
-                        opener = recorder.open_step
-                        if opener is not None:  # (OpenStep(index, now), synchronizing, built in C++)
-                            new = recorder.current = opener(index, now, offset, True)
-                        else:
-                            new = recorder.current = OpenStep(index, now)
-                            new.fwd_start = now
-                            new.synced_forward = True
+                        # OpenStep(index, now), synchronizing, built in C++ (set: ``_routine_possible``)
+                        new = recorder.current = recorder.open_step(index, now, offset, True)  # type: ignore[misc]
                         recorder._next_index = index + 1
                         recorder.in_forward = True
                         recorder.in_sync_forward = True
@@ -573,12 +569,14 @@ class Monitor:
     def _routine_possible(self) -> bool:
         """What the routine forward (``on_forward_pre``) needs besides the native side's, and
         that never goes away once it holds: the optimizer stamped in C++, the requires_grad
-        check in one call (a rewrap's checks get it from the same extension), host marks on every
-        bucket (so no step waits for its marks: ``StepRecorder._pending`` stays empty)."""
+        check in one call (a rewrap's checks get it from the same extension), the step opened in
+        C++, host marks on every bucket (so no step waits for its marks: ``StepRecorder._pending``
+        stays empty)."""
         recorder = self.recorder
         return (
             self._opt_take_into is not None
             and self.checks._same_flags is not None
+            and recorder.open_step is not None
             and recorder.clock.always_ready
             and recorder.bucket_marks_every_step
         )

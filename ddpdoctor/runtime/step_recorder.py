@@ -166,7 +166,7 @@ class StepRecorder:
         self.build_step: Callable[..., Step] | None = None
         #: the native extension's opener of new steps (``step_opener(OpenStep)``: ``open(index, t0,
         #: offset, synced)``, OpenStep(index, t0) built in C++), for the monitor's routine forward;
-        #: None: OpenStep's own
+        #: None: no routine forward (the full path opens its steps with OpenStep itself)
         self.open_step: Callable[[int, Mark, int, bool], OpenStep] | None = None
 
     @property

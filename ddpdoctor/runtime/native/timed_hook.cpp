@@ -1046,15 +1046,19 @@ PyObject* raw_drain_into(PyObject* self, PyObject* const* args, Py_ssize_t n) {
 }
 
 // OptimizerStamps.pre / post(*args): torch calls them as hook(optimizer, args, kwargs); nothing
-// is read from the arguments. (No guard: nothing here throws.)
+// is read from the arguments. (Guarded too: a C++ exception must never leave a C function.)
 PyObject* raw_stamp_start(PyObject* self, PyObject* const*, Py_ssize_t) {
-  held<OptimizerStamps>(self).stamp(true);
-  Py_RETURN_NONE;
+  return guarded([&] {
+    held<OptimizerStamps>(self).stamp(true);
+    return py::none();
+  });
 }
 
 PyObject* raw_stamp_end(PyObject* self, PyObject* const*, Py_ssize_t) {
-  held<OptimizerStamps>(self).stamp(false);
-  Py_RETURN_NONE;
+  return guarded([&] {
+    held<OptimizerStamps>(self).stamp(false);
+    return py::none();
+  });
 }
 
 // OptimizerStamps.take_into(step, offset)
@@ -1121,7 +1125,8 @@ struct StepSlots {
 Py_ssize_t slot_offset(PyTypeObject* cls, const char* name) {
   py::object d = py::reinterpret_steal<py::object>(PyObject_GetAttrString(reinterpret_cast<PyObject*>(cls), name));
   if (!d) {
-    throw py::error_already_set();
+    PyErr_Clear();  // (a refusal is a TypeError, whatever the class lacks: Python builds its steps then)
+    throw py::type_error(std::string("step_opener: no slot ") + name);
   }
   if (!Py_IS_TYPE(d.ptr(), &PyMemberDescr_Type)) {
     throw py::type_error(std::string("step_opener: ") + name + " is not a slot");
