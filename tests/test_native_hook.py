@@ -637,6 +637,9 @@ def test_optimizer_stamps_set_the_common_case_as_the_python_rule_does(native_bui
     assert stamps.take_into(step, offset) is None
     assert before <= step.opt_start <= step.opt_end <= after
     assert stamps.take_into(step, offset) is None  # nothing left
+    packed = OpenStep(0, 0)  # its buckets' marks packed (the routine forward's drain): it has buckets
+    packed.packed = bytes(24)
+    assert stamped(True, False).take_into(packed, offset) is None and packed.opt_end is not None
 
     cases: dict[str, tuple[Any, tuple[bool, ...]]] = {
         "no buckets yet": (OpenStep(0, 0), (True, False)),

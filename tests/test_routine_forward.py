@@ -63,7 +63,7 @@ def _shape(record: Record) -> Any:
     return (type(record).__name__, fields)
 
 
-def _train(rank: int, world_size: int, routine: bool) -> tuple[list[Any], int, int]:
+def _train(rank: int, world_size: int, routine: bool) -> tuple[list[Any], int, int, int]:
     monitor_module.Monitor.routine_forward = routine
     taken = [0, 0]  # forwards that took the full path, forwards in all
     full = monitor_module.Monitor._forward_pre
@@ -79,6 +79,15 @@ def _train(rank: int, world_size: int, routine: bool) -> tuple[list[Any], int, i
     # find_unused_parameters: a parameter frozen after wrapping is then left out, not waited for
     ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB, find_unused_parameters=True)
     monitor = ddpdoctor.instrument(ddp, sink=sink, check_every=8)
+    packed = [0]  # records built from packed marks (the routine forward's drain)
+    build = monitor.recorder.build_step
+    assert build is not None
+
+    def counting(step: Any, *args: Any) -> Any:
+        packed[0] += step.packed is not None
+        return build(step, *args)
+
+    monitor.recorder.build_step = counting
     ddp.register_forward_pre_hook(lambda *_: taken.__setitem__(1, taken[1] + 1))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     step = 0
@@ -136,16 +145,19 @@ def _train(rank: int, world_size: int, routine: bool) -> tuple[list[Any], int, i
         # a finding's wording and evidence carry measured times; a process sample is the clock's
         if not isinstance(r, (Header, ProcSample, FindingRecord, End))
     ]
-    return kept, taken[1] - taken[0], taken[1]  # (routine forwards, forwards in all)
+    # (routine forwards, forwards in all, records built from packed marks)
+    return kept, taken[1] - taken[0], taken[1], packed[0]
 
 
 def test_the_routine_forward_writes_what_the_full_path_writes() -> None:
     full = run_ranks(_train, 2, args=(False,), timeout=240)
     routine = run_ranks(_train, 2, args=(True,), timeout=240)
     for rank in range(2):
-        full_records, full_taken, forwards = full[rank]
-        records, taken, _ = routine[rank]
-        assert full_taken == 0
+        full_records, full_taken, forwards, full_packed = full[rank]
+        records, taken, _, packed = routine[rank]
+        assert full_taken == full_packed == 0
+        # the routine forward's steps have their marks packed (drain_packed), none of the full path's
+        assert packed >= taken // 2, (packed, taken)
         # most forwards take the routine path; the rest (micro-steps, evaluation, the forward
         # after a sample began, a closure's) take the full one
         assert taken >= forwards // 2, (taken, forwards)

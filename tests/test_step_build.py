@@ -10,6 +10,7 @@ buckets at all.
 from __future__ import annotations
 
 import random
+import struct
 from typing import Any
 
 import msgspec
@@ -18,7 +19,7 @@ import pytest
 from ddpdoctor.events import Step
 from ddpdoctor.runtime import native_hook
 from ddpdoctor.runtime.clocks import HostClock
-from ddpdoctor.runtime.step_recorder import OpenStep, StepRecorder
+from ddpdoctor.runtime.step_recorder import PACKED_NONE, OpenStep, StepRecorder
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,44 @@ def test_build_step_equals_the_python_record(build_step: Any, seed: int) -> None
     # the shapes the steps took (so the comparison covered them)
     assert any(s.bcast_us is not None for s in got) and any(s.sync_end_us is None and s.b_done_us for s in got)
     assert any(not s.b_ready_us for s in got) and any(None in s.b_ready_us for s in got)
+
+
+def _packed(step: OpenStep) -> bool:
+    """Pack ``step``'s bucket marks as the routine forward's drain does (``OpenStep.packed``,
+    the lists left empty); False where a drain never packs them (a bucket without its ready or
+    launch mark: the ring has both for every bucket it holds)."""
+    if not step.ready or None in step.ready or None in step.launch:
+        return False
+    marks = []
+    for ready, launch, done in zip(step.ready, step.launch, step.done, strict=True):
+        marks += (ready, launch, PACKED_NONE if done is None else done)
+    step.packed = struct.pack(f"={len(marks)}q", *marks)
+    step.ready, step.launch, step.done = [], [], []
+    return True
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_packed_marks_build_the_record_their_lists_build(build_step: Any, seed: int) -> None:
+    """A step whose marks the routine forward packed gives the record its lists give: built in
+    C++ from the packed marks, and in Python (``unpack_marks`` first) where no C++ builds it."""
+    steps = [s for s in _steps(seed) if s.ready and None not in s.ready and None not in s.launch]
+    expected = _built(StepRecorder(3, 1, lambda r: None, HostClock()), steps)
+    lists = [(list(s.ready), list(s.launch), list(s.done)) for s in steps]
+    packed = [s for s in _steps(seed) if _packed(s)]
+    assert len(packed) == len(steps) >= 100 and all(s.packed is not None and not s.ready for s in packed)
+    assert any(None in s for _, _, s in lists)  # all-reduces not seen complete, packed too
+    native = StepRecorder(3, 1, lambda r: None, HostClock())
+    native.build_step = build_step
+    for a, b in zip(_built(native, packed), expected, strict=True):
+        assert msgspec.json.encode(a) == msgspec.json.encode(b), (a, b)
+    # without build_step, the lists are unpacked and Python builds the same record
+    again = [s for s in _steps(seed) if _packed(s)]
+    assert _built(StepRecorder(3, 1, lambda r: None, HostClock()), again) == expected
+    assert [(s.ready, s.launch, s.done) for s in again] == lists and all(s.packed is None for s in again)
+    broken = [s for s in _steps(seed) if _packed(s)][0]
+    broken.packed = broken.packed[:-1]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        build_step(broken, Step, 0, 0, "host")
 
 
 def test_build_step_hands_the_bytes_over_and_rejects_what_is_not_a_step(build_step: Any) -> None:

@@ -32,7 +32,7 @@ from ddpdoctor.runtime.live_findings import LiveFindings
 from ddpdoctor.runtime.probes import Probes
 from ddpdoctor.runtime.sampled_checks import SampledChecks
 from ddpdoctor.runtime.services import services
-from ddpdoctor.runtime.step_recorder import OpenStep, StepRecorder
+from ddpdoctor.runtime.step_recorder import OpenStep, StepRecorder, unpack_marks
 from ddpdoctor.sinks import FileSink, NullSink, Sink, SinkError
 from ddpdoctor.sinks.file import log_mode
 from ddpdoctor.sinks.tcp import ENDPOINT_ENV, stream_tee
@@ -488,14 +488,16 @@ class Monitor:
                 offset = clocks._OFFSET_NS
                 routine = True
                 try:
-                    columns = native.drain_into(step, offset)
+                    # the marks packed (OpenStep.packed), the bytes list the last layout's where equal
+                    columns = native.drain_packed(step, offset, recorder._last_bytes)
                     native.pending = False
                     if columns is not None:  # out of order: the full path's drain, then the full path
                         native.apply_columns(self, step, columns)
                         routine = False
                     else:
                         events = self._opt_take_into(step, offset)
-                        if events is not None:
+                        if events is not None:  # the optimizer rule reads the step's lists
+                            unpack_marks(step)
                             self.apply_optimizer_events(events)
                         # StepRecorder.forward_start, synchronizing, on a synchronizing step (which it closes)
                         now = recorder.clock.now()  # (a test may shift the host clock: clocks.TEST_OFFSET_ENV)
@@ -570,13 +572,17 @@ class Monitor:
         """What the routine forward (``on_forward_pre``) needs besides the native side's, and
         that never goes away once it holds: the optimizer stamped in C++, the requires_grad
         check in one call (a rewrap's checks get it from the same extension), the step opened in
-        C++, host marks on every bucket (so no step waits for its marks: ``StepRecorder._pending``
-        stays empty)."""
+        C++, the record built in C++ (it reads the packed marks of ``drain_packed``), host marks
+        on every bucket (so no step waits for its marks: ``StepRecorder._pending`` stays empty)."""
         recorder = self.recorder
+        native = self._native_timing
         return (
             self._opt_take_into is not None
             and self.checks._same_flags is not None
             and recorder.open_step is not None
+            and recorder.build_step is not None  # (packed marks: only build_step reads them)
+            and native is not None
+            and native.drain_packed is not None
             and recorder.clock.always_ready
             and recorder.bucket_marks_every_step
         )

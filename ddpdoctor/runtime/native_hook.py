@@ -287,6 +287,9 @@ class NativeTiming:
         #: the ring's ``drain_into``, read once (a plain C function bound to the ring: the call
         #: of every step, made when caches are cold)
         self.drain_into: Any = None
+        #: the ring's ``drain_packed`` (the same, for the routine forward: the marks packed in
+        #: ``OpenStep.packed``, not a Python int each), read once
+        self.drain_packed: Any = None
         # bucket parameters come back as TensorImpl addresses (Tensor._cdata)
         self._names = {p._cdata: (n, str(p.dtype).removeprefix("torch.")) for n, p in ddp.module.named_parameters()}
         self._want_layout = False
@@ -319,6 +322,7 @@ class NativeTiming:
         """Put the hook on DDP's reducer (for good: a reducer takes one hook)."""
         self.ring = self._module.register_timed_hook(ddp.reducer, ddp.process_group, RING_CAPACITY)
         self.drain_into = self.ring.drain_into
+        self.drain_packed = getattr(self.ring, "drain_packed", None)
         self.delegated = False
 
     def delegate(self, state: Any, hook: Any) -> None:

@@ -50,6 +50,23 @@ def _put(values: list[Any], index: int, value: Any) -> None:
     values[index] = value
 
 
+#: ``OpenStep.packed``'s done mark of an all-reduce not seen complete (None in the lists)
+PACKED_NONE = -(2**63)
+
+
+def unpack_marks(step: OpenStep) -> None:
+    """Turn a step's packed bucket marks (``OpenStep.packed``) into its ready, launch and done
+    lists, for the code that reads the lists (the optimizer rule, Python's record build)."""
+    packed = step.packed
+    if packed is None:
+        return
+    marks = memoryview(packed).cast("q").tolist()
+    step.ready = marks[0::3]
+    step.launch = marks[1::3]
+    step.done = [None if m == PACKED_NONE else m for m in marks[2::3]]
+    step.packed = None
+
+
 class OpenStep:
     """Marks of the step in progress (plain slots: this is the hot path)."""
 
@@ -78,6 +95,7 @@ class OpenStep:
         "arrived",
         "done_seen",
         "sync",
+        "packed",
     )
 
     def __init__(self, index: int, t0: Mark) -> None:
@@ -105,8 +123,14 @@ class OpenStep:
         self.arrived = 0  # buckets ready so far (counted where not all are marked)
         self.done_seen: list[bool] = []  # buckets completed without a mark (not ``all_marks``)
         self.sync: Mark = None  # DDP's wait for every bucket ended (not ``all_marks``)
+        #: the bucket marks of a step the routine forward drained and closed at once (the
+        #: extension's ``drain_packed``): int64 (ready, launch, done) per bucket, done
+        #: ``PACKED_NONE`` where not seen complete; ``ready``, ``launch`` and ``done`` stay empty
+        #: then. Only ``build_step`` and ``unpack_marks`` read it.
+        self.packed: bytes | None = None
 
     def marks(self) -> list[Mark]:
+        unpack_marks(self)
         out = [self.t0, self.fwd_start, self.fwd_end, self.bwd_end, self.opt_start, self.opt_end, self.end, self.sync]
         out += self.ready + self.launch + self.done
         for a, b, _ in self.bcast:
@@ -478,8 +502,9 @@ class StepRecorder:
         clock = self.clock
         build = self.build_step
         if build is not None and clock.always_ready:
-            record = build(step, Step, self.rank, self.ddp_index, clock.name)
-        elif not resolved:  # the GPU never passed these events in time: keep what the host knows
+            return build(step, Step, self.rank, self.ddp_index, clock.name)
+        unpack_marks(step)  # (the routine forward packs marks only where build_step builds its records)
+        if not resolved:  # the GPU never passed these events in time: keep what the host knows
             record = Step(
                 rank=self.rank,
                 ddp=self.ddp_index,

@@ -404,6 +404,83 @@ py::object drain_into(Ring& ring, py::handle step, int64_t offset) {
   return py::none();
 }
 
+// A packed mark that is not there: an all-reduce not seen complete (None in the lists).
+constexpr int64_t kPackedNone = INT64_MIN;
+// int64s per bucket in ``OpenStep.packed``: ready, launch, done.
+constexpr Py_ssize_t kPackedFields = 3;
+
+// ``drain_into`` for the routine forward (Monitor.on_forward_pre), which closes the step at once
+// and whose record ``build_step`` builds in a later batch: the marks become one bytes object of
+// int64s (``OpenStep.packed``: ready, launch, done per bucket, on the host clock plus ``offset``,
+// done kPackedNone where not seen complete), not a Python int each in three new lists. Those ints
+// were most of the drain's cost: allocated with cold caches, right after the backward, to be read
+// once in the batch. The buckets' bytes go to ``nbytes`` as a list: ``same_bytes`` itself where it
+// holds the same numbers (the recorder's last layout's list: most steps make no list, no int).
+// Where the step holds bucket marks already, or the buckets came out of order, nothing is set and
+// the columns are returned (drain_into's other case); no bucket: only the backward end is set.
+py::object drain_packed(Ring& ring, py::handle step, int64_t offset, py::handle same_bytes) {
+  static PyObject* const ready_name = PyUnicode_InternFromString("ready");
+  static PyObject* const packed_name = PyUnicode_InternFromString("packed");
+  static PyObject* const nbytes_name = PyUnicode_InternFromString("nbytes");
+  static PyObject* const bwd_end_name = PyUnicode_InternFromString("bwd_end");
+  c10::SmallVector<Entry, 32> entries;
+  const int64_t backward_end = ring.take(entries);
+  const bool in_order = in_index_order(entries);
+  py::object held = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), ready_name));
+  if (!held) {
+    throw py::error_already_set();
+  }
+  const int holds = PyObject_IsTrue(held.ptr());
+  if (holds < 0) {
+    throw py::error_already_set();
+  }
+  if (!in_order || holds) {
+    return columns_of(entries, in_order, backward_end, offset);
+  }
+  auto set = [&step](PyObject* name, PyObject* value) {
+    if (value == nullptr || PyObject_SetAttr(step.ptr(), name, value) != 0) {
+      throw py::error_already_set();
+    }
+  };
+  if (!entries.empty()) {
+    const Py_ssize_t n = static_cast<Py_ssize_t>(entries.size());
+    py::object packed = py::reinterpret_steal<py::object>(
+        PyBytes_FromStringAndSize(nullptr, n * kPackedFields * static_cast<Py_ssize_t>(sizeof(int64_t))));
+    if (!packed) {
+      throw py::error_already_set();
+    }
+    auto* out = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(packed.ptr()));
+    bool same = PyList_Check(same_bytes.ptr()) && PyList_GET_SIZE(same_bytes.ptr()) == n;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const Entry& e = entries[i];
+      out[i * kPackedFields] = e.ready + offset;
+      out[i * kPackedFields + 1] = e.launch + offset;
+      out[i * kPackedFields + 2] = e.done != 0 ? e.done + offset : kPackedNone;
+      if (same) {
+        PyObject* b = PyList_GET_ITEM(same_bytes.ptr(), i);
+        int overflow = 0;
+        same = PyLong_CheckExact(b) && PyLong_AsLongLongAndOverflow(b, &overflow) == e.bytes && overflow == 0;
+      }
+    }
+    set(packed_name, packed.ptr());
+    if (same) {
+      set(nbytes_name, same_bytes.ptr());
+    } else {
+      set(nbytes_name, int_column(entries, &Entry::bytes, 0, false).ptr());
+    }
+  }
+  if (backward_end != 0) {
+    py::object current = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), bwd_end_name));
+    if (!current) {
+      throw py::error_already_set();
+    }
+    if (current.is_none()) {
+      set(bwd_end_name, py::int_(backward_end + offset).ptr());
+    }
+  }
+  return py::none();
+}
+
 // -- the optimizer step's start and end -------------------------------------------------------
 //
 // torch's global optimizer step pre- and post-hooks, as C++ callables: each call stamps the
@@ -439,6 +516,7 @@ class OptimizerStamps {
   // None is returned. Anything else is returned as ``take`` returns it, for Python's rule.
   py::object take_into(py::handle step, int64_t offset) {
     static PyObject* const ready_name = PyUnicode_InternFromString("ready");
+    static PyObject* const packed_name = PyUnicode_InternFromString("packed");
     static PyObject* const start_name = PyUnicode_InternFromString("opt_start");
     static PyObject* const end_name = PyUnicode_InternFromString("opt_end");
     Events events;
@@ -452,9 +530,12 @@ class OptimizerStamps {
         return value;
       };
       py::object ready = get(ready_name);
-      const int truthy = PyObject_IsTrue(ready.ptr());
+      int truthy = PyObject_IsTrue(ready.ptr());
       if (truthy < 0) {
         throw py::error_already_set();
+      }
+      if (truthy == 0 && !get(packed_name).is_none()) {
+        truthy = 1;  // its buckets are packed (drain_packed)
       }
       if (truthy == 1 && get(start_name).is_none() && get(end_name).is_none()) {
         py::int_ start(events[0].second + offset);
@@ -781,6 +862,7 @@ struct StepNames {
   PyObject* opt_start;
   PyObject* opt_end;
   PyObject* end;
+  PyObject* packed;
   PyObject* kwnames;  // the Step fields passed, in the order of the arguments below
 };
 
@@ -807,6 +889,7 @@ const StepNames& step_names() {
     n.opt_start = intern("opt_start");
     n.opt_end = intern("opt_end");
     n.end = intern("end");
+    n.packed = intern("packed");
     const char* fields[kStepFields] = {
         "rank",       "ddp",        "step",       "t0_mono_ns", "t0_wall_ns",  "micro",
         "fwd_start_us", "fwd_us",   "bcast_start_us", "bcast_us", "bcast_bytes", "fwd_end_us",
@@ -865,6 +948,44 @@ py::list rel_column(int64_t t0, PyObject* marks, py::object* latest) {
   return out;
 }
 
+// ``rel_column``'s three columns (ready, launch, done) from a step's packed marks (drain_packed):
+// the same offsets from the same integers, so the record equals the one the lists give.
+void rel_packed(int64_t t0, PyObject* packed, py::list* ready, py::list* launch, py::list* done, py::object* latest) {
+  if (!PyBytes_Check(packed) ||
+      PyBytes_GET_SIZE(packed) % (kPackedFields * static_cast<Py_ssize_t>(sizeof(int64_t))) != 0) {
+    throw py::type_error("a step's packed marks must be bytes of int64 triples");
+  }
+  const Py_ssize_t n = PyBytes_GET_SIZE(packed) / (kPackedFields * static_cast<Py_ssize_t>(sizeof(int64_t)));
+  const auto* marks = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(packed));
+  *ready = py::list(n);
+  *launch = py::list(n);
+  *done = py::list(n);
+  py::list* columns[kPackedFields] = {ready, launch, done};
+  bool complete = n > 0;
+  double top = 0.0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    for (Py_ssize_t f = 0; f < kPackedFields; ++f) {
+      const int64_t mark = marks[i * kPackedFields + f];
+      PyObject* item = nullptr;
+      if (mark == kPackedNone) {
+        complete = false;
+        item = Py_NewRef(Py_None);
+      } else {
+        const double us = static_cast<double>(mark - t0) / 1000.0;
+        if (f == 2) {
+          top = (i == 0 || us > top) ? us : top;
+        }
+        item = PyFloat_FromDouble(us);
+        if (item == nullptr) {
+          throw py::error_already_set();
+        }
+      }
+      PyList_SET_ITEM(columns[f]->ptr(), i, item);
+    }
+  }
+  *latest = complete ? py::object(py::float_(top)) : py::object(py::none());
+}
+
 // The Step record of a closed OpenStep whose marks are host-clock ns: ``cls(...)`` with the
 // fields StepRecorder._emit_step gives it (its per-bucket lists: bytes handed over, not copied).
 py::object build_step(py::handle step, py::handle cls, py::handle rank, py::handle ddp, py::handle clock) {
@@ -881,7 +1002,7 @@ py::object build_step(py::handle step, py::handle cls, py::handle rank, py::hand
   py::object bwd_end = get(n.bwd_end), opt_start = get(n.opt_start), opt_end = get(n.opt_end), end = get(n.end);
   py::object bcast = get(n.bcast), ready = get(n.ready), launch = get(n.launch), done = get(n.done);
   py::object nbytes = get(n.nbytes), index = get(n.index), t0_mono = get(n.t0_mono_ns), t0_wall = get(n.t0_wall_ns);
-  py::object micro = get(n.micro), bcast_bytes = get(n.bcast_bytes);
+  py::object micro = get(n.micro), bcast_bytes = get(n.bcast_bytes), packed = get(n.packed);
   if (PyErr_Occurred()) {
     throw py::error_already_set();  // not an OpenStep
   }
@@ -926,9 +1047,14 @@ py::object build_step(py::handle step, py::handle cls, py::handle rank, py::hand
     fwd_us = py::float_(us);
   }
   py::object sync_end;
-  py::list done_us = rel_column(t0, must(done), &sync_end);
-  py::list ready_us = rel_column(t0, must(ready), nullptr);
-  py::list launch_us = rel_column(t0, must(launch), nullptr);
+  py::list done_us, ready_us, launch_us;
+  if (must(packed) != Py_None) {  // the routine forward's drain (drain_packed): its lists are empty
+    rel_packed(t0, packed.ptr(), &ready_us, &launch_us, &done_us, &sync_end);
+  } else {
+    done_us = rel_column(t0, must(done), &sync_end);
+    ready_us = rel_column(t0, must(ready), nullptr);
+    launch_us = rel_column(t0, must(launch), nullptr);
+  }
   py::object args[kStepFields] = {
       py::reinterpret_borrow<py::object>(rank),
       py::reinterpret_borrow<py::object>(ddp),
@@ -1045,6 +1171,14 @@ PyObject* raw_drain_into(PyObject* self, PyObject* const* args, Py_ssize_t n) {
   });
 }
 
+// Timing.drain_packed(step, offset, same_bytes)
+PyObject* raw_drain_packed(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+  return guarded([&] {
+    expect_args("drain_packed(step, offset, same_bytes)", n, 3);
+    return drain_packed(held<Ring>(self), args[0], int_arg(args[1]), args[2]);
+  });
+}
+
 // OptimizerStamps.pre / post(*args): torch calls them as hook(optimizer, args, kwargs); nothing
 // is read from the arguments. (Guarded too: a C++ exception must never leave a C function.)
 PyObject* raw_stamp_start(PyObject* self, PyObject* const*, Py_ssize_t) {
@@ -1089,6 +1223,10 @@ PyObject* raw_build_step(PyObject*, PyObject* const* args, Py_ssize_t n) {
   });
 }
 
+PyMethodDef kDrainPacked = {
+    "drain_packed", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&raw_drain_packed)), METH_FASTCALL,
+    "drain_packed(step, offset, same_bytes): drain_into for a step closed at once, its marks packed in "
+    "step.packed (None), or the columns (out of order, or the step holds marks already)"};
 PyMethodDef kDrainInto = {"drain_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&raw_drain_into)),
                           METH_FASTCALL,
                           "drain_into(step, offset): the ring's stamps of the last backward into the OpenStep "
@@ -1107,7 +1245,7 @@ PyMethodDef kTakeInto = {"take_into", reinterpret_cast<PyCFunction>(reinterpret_
 // ``OpenStep(index, t0)`` does (step_recorder.py), with ``fwd_start = t0`` and
 // ``synced_forward = True`` where ``synced``: the routine forward's new step. The slots are written
 // at their offsets (read once from the class's slot descriptors), with no Python frame and no
-// attribute lookup: OpenStep.__init__ is 24 lines, run cold once a step. ``t0_mono_ns`` and
+// attribute lookup: OpenStep.__init__ is 25 lines, run cold once a step. ``t0_mono_ns`` and
 // ``t0_wall_ns`` are read here on the same clocks (perf_counter's CLOCK_MONOTONIC, time_ns's
 // CLOCK_REALTIME), plus ``offset`` (the tests' shifted clock, as clocks.mono_ns adds it).
 // ``tests/test_native_hook.py`` compares every slot with Python's.
@@ -1116,7 +1254,7 @@ struct StepSlots {
   PyTypeObject* cls = nullptr;  // strong
   Py_ssize_t index, t0, t0_mono_ns, t0_wall_ns, micro, fwd_start, fwd_end, bcast, bcast_bytes, bwd_end, ready,
       launch, done, nbytes, opt_start, opt_end, end, synced_forward, layout, comm_hook, all_marks, arrived,
-      done_seen, sync;
+      done_seen, sync, packed;
   ~StepSlots() {
     Py_XDECREF(cls);
   }
@@ -1191,6 +1329,7 @@ PyObject* raw_open_step(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     put(o, s.arrived, PyLong_FromLong(0));
     put(o, s.done_seen, PyList_New(0));
     put(o, s.sync, Py_NewRef(Py_None));
+    put(o, s.packed, Py_NewRef(Py_None));
     return step;
   });
 }
@@ -1205,7 +1344,7 @@ py::object step_opener(py::handle cls_handle) {
   static const char* const kNames[] = {"index", "t0", "t0_mono_ns", "t0_wall_ns", "micro", "fwd_start", "fwd_end",
                                        "bcast", "bcast_bytes", "bwd_end", "ready", "launch", "done", "nbytes",
                                        "opt_start", "opt_end", "end", "synced_forward", "layout", "comm_hook",
-                                       "all_marks", "arrived", "done_seen", "sync"};
+                                       "all_marks", "arrived", "done_seen", "sync", "packed"};
   if (!PyType_Check(cls_handle.ptr())) {
     throw py::type_error("step_opener: a class");
   }
@@ -1219,7 +1358,8 @@ py::object step_opener(py::handle cls_handle) {
   Py_ssize_t* out[] = {&s->index,     &s->t0,        &s->t0_mono_ns, &s->t0_wall_ns, &s->micro,     &s->fwd_start,
                        &s->fwd_end,   &s->bcast,     &s->bcast_bytes, &s->bwd_end,   &s->ready,     &s->launch,
                        &s->done,      &s->nbytes,    &s->opt_start,  &s->opt_end,    &s->end,       &s->synced_forward,
-                       &s->layout,    &s->comm_hook, &s->all_marks,  &s->arrived,    &s->done_seen, &s->sync};
+                       &s->layout,    &s->comm_hook, &s->all_marks,  &s->arrived,    &s->done_seen, &s->sync,
+                       &s->packed};
   for (size_t i = 0; i < std::size(kNames); ++i) {
     *out[i] = slot_offset(cls, kNames[i]);
   }
@@ -1260,6 +1400,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("drain_columns", &drain_columns, py::arg("offset"))
       // (a plain function bound to the ring: read it once, call it every step)
       .def_property_readonly("drain_into", [](Handle& h) { return bound(&kDrainInto, h.ring); })
+      .def_property_readonly("drain_packed", [](Handle& h) { return bound(&kDrainPacked, h.ring); })
       .def("backward_end", [](Handle& h) { return h.ring->backward_end(); })
       .def("capacity", [](Handle& h) { return h.ring->capacity(); })
       .def(
