@@ -68,6 +68,8 @@ def _run(rank: int, native: bool, user_hook: bool = False) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(rank)
     left: list[list[str]] = []
     for step in range(6):
+        if step == 4:  # frozen from a sampled step on: no longer hooked, so not called unused
+            ddp.module.body.bias.requires_grad_(False)
         x = torch.randn(8, 16, generator=gen)
         ddp(x, use_head=step % 2 == 0).sum().backward()
         opt.step()
@@ -85,8 +87,45 @@ def _run(rank: int, native: bool, user_hook: bool = False) -> dict[str, Any]:
     }
 
 
+def _asked_midway(rank: int) -> list[bool]:
+    """Native route, a sample every 2 steps; ``torch._dynamo.config.compiled_autograd`` set after
+    step 5: per step, whether a parameter carries a Python hook between samples (the sample's
+    arrivals then come from Python hooks, which compiled autograd knows)."""
+    import os
+
+    import torch._dynamo.config as dynamo_config
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpdoctor
+    from ddpdoctor.sinks.memory import MemorySink
+
+    os.environ["DDPDOCTOR_NATIVE"] = "1"
+    torch.manual_seed(0)
+    ddp = DDP(_Branchy(), find_unused_parameters=True)
+    monitor = ddpdoctor.instrument(ddp, sink=MemorySink(), check_every=2)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    hooked: list[bool] = []
+    try:
+        for step in range(6 + native_hook.CONFIG_EVERY + 6):
+            if step == 6:
+                dynamo_config.compiled_autograd = True  # asked for; nothing is compiled here
+            ddp(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            hooked.append(any(p._post_accumulate_grad_hooks is not None for p in ddp.parameters()))
+    finally:
+        dynamo_config.compiled_autograd = False
+        monitor.close()
+    return hooked
+
+
 def _both_routes(rank: int, world_size: int) -> dict[str, Any]:
-    return {"native": _run(rank, True), "python": _run(rank, False), "user_hook": _run(rank, True, user_hook=True)}
+    return {
+        "native": _run(rank, True),
+        "python": _run(rank, False),
+        "user_hook": _run(rank, True, user_hook=True),
+        "asked": _asked_midway(rank),
+    }
 
 
 def test_a_sample_leaves_no_hook_and_sees_what_python_hooks_see(built: None) -> None:
@@ -112,3 +151,11 @@ def test_a_sample_leaves_no_hook_and_sees_what_python_hooks_see(built: None) -> 
         assert with_hook["unused"] == native["unused"] and with_hook["arrived"] == native["arrived"]
         assert with_hook["left"] and all(names == [] for names in with_hook["left"])
         assert not python["built_in_cpp"]  # DDPDOCTOR_NATIVE=0: no extension at all
+        # body.bias frozen at step 4: not hooked, so not unused (the hooked parameters follow
+        # requires_grad from one sample to the next), and no gradient seen
+        assert not native["arrived"][4][1] and native["arrived"][2][1]
+        # compiled autograd asked for midway: C++ arrival hooks until then, Python ones at the
+        # latest CONFIG_EVERY forwards later (the config is read that often on the routine path)
+        asked = r["asked"]
+        assert not any(asked[:6]), asked
+        assert any(asked[6 : 6 + native_hook.CONFIG_EVERY + 4]), asked

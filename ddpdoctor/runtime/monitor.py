@@ -209,6 +209,8 @@ class Monitor:
             param_sample=getattr(extension, "ParamSample", None),
             tensor_values=getattr(extension, "tensor_values", None),
         )
+        if attachment.native is not None:
+            self.checks.compiled_possible = attachment.native.compiled_possible
         self.emit(attachment.header)
         if not self.header_written:
             self.header_written = True
@@ -296,6 +298,7 @@ class Monitor:
         checks = getattr(self, "checks", None)
         if checks is not None:
             checks.end_sample()
+            checks.compiled_possible = torch_compat.compiled_autograd_possible
         attachment = getattr(self, "attachment", None)
         if attachment is not None:
             attachment.detach()

@@ -97,6 +97,12 @@ class SampledChecks:
         # stamped by C++ hooks it takes off again (Python's post-accumulate-grad hooks leave a C++
         # caller on every parameter for good, which takes the GIL at every later backward)
         self._param_sample = param_sample
+        #: whether compiled autograd may trace the sampled backward (its C++ hooks must then stay
+        #: off the graph); the monitor gives the native timing's own answer where it has one
+        self.compiled_possible: Callable[[], bool] = torch_compat.compiled_autograd_possible
+        # (flags, the reduced parameters requiring grad as (index, name), those parameters): a
+        # sample's hooked parameters, made again only when the flags change (a new ``flags`` list)
+        self._hooked: tuple[list[bool], list[tuple[int, str]], list[Any]] | None = None
         self.sample: _Sample | None = None
         self.bcast_in_forward = False  # set by the monitor when DDP broadcast buffers in this forward
         self.broadcasts = 0  # DDP's buffer broadcasts since attach (counted by the monitor)
@@ -178,15 +184,19 @@ class SampledChecks:
         seen = sample.seen
         now = time.monotonic_ns
         if self._grad_ready:
-            hooked = sample.hooked
-            for i, (p, reduced) in enumerate(zip(self.params, self.reduced, strict=False)):
-                if reduced and p.requires_grad:
-                    hooked.append((i, self.names[i]))
+            # (``flags`` is requires_grad as this forward read it: on_step_start, and the
+            # routine forward, check the flags before a sample begins)
+            if self._hooked is None or self._hooked[0] is not self.flags:
+                flags = self.flags
+                listed = [(i, self.names[i]) for i, (r, f) in enumerate(zip(self.reduced, flags, strict=False)) if r and f]
+                self._hooked = (flags, listed, [self.params[i] for i, _ in listed])
+            _, hooked, params = self._hooked
+            sample.hooked = hooked  # (read only: shared by the samples until the flags change)
             native = self._param_sample
             # compiled autograd compiles the hooks of the graph it traces and knows Python hooks,
             # not a C++ one: where it may run, Python hooks stamp the arrivals
-            if native is not None and not torch_compat.compiled_autograd_possible():
-                sample.native = native([self.params[i] for i, _ in hooked])
+            if native is not None and not self.compiled_possible():
+                sample.native = native(params)
             else:
                 for i, _ in hooked:
                     sample.handles.append(

@@ -416,11 +416,16 @@ class StepRecorder:
             self._emitted_at = mono_ns() if at is None else at
             closed = self._closed
             records: list[Step] = []
+            # host marks built in C++ (the native route) are called here, not through _record,
+            # and a step whose bytes list is the last layout's own (drain_packed's) and has no
+            # layout needs no _layout_due: no Python frame a step, most batches
+            build = self.build_step if self.clock.always_ready else None
+            rank, ddp, clock_name = self.rank, self.ddp_index, self.clock.name
             try:
                 while closed:
                     step = closed.popleft()
-                    record = self._record(step, True)
-                    if self._layout_due(step):
+                    record = self._record(step, True) if build is None else build(step, Step, rank, ddp, clock_name)
+                    if (step.layout is not None or step.nbytes is not self._last_bytes) and self._layout_due(step):
                         self._hand_over(records)  # the steps before it, then the layout, then its step
                         records = []
                         self._emit_layout(step)
