@@ -188,7 +188,9 @@ class SampledChecks:
             # routine forward, check the flags before a sample begins)
             if self._hooked is None or self._hooked[0] is not self.flags:
                 flags = self.flags
-                listed = [(i, self.names[i]) for i, (r, f) in enumerate(zip(self.reduced, flags, strict=False)) if r and f]
+                listed = [
+                    (i, self.names[i]) for i, (r, f) in enumerate(zip(self.reduced, flags, strict=False)) if r and f
+                ]
                 self._hooked = (flags, listed, [self.params[i] for i, _ in listed])
             _, hooked, params = self._hooked
             sample.hooked = hooked  # (read only: shared by the samples until the flags change)
