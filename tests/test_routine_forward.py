@@ -138,6 +138,15 @@ def _train(rank: int, world_size: int, routine: bool) -> tuple[list[Any], int, i
     ddp.module.head.bias.requires_grad_(True)
     for _ in range(12):
         train_step()
+    # the change of step was bound (the routine forward's one C call), and takes only an opener
+    native = monitor._native_timing
+    assert native is not None and native.step_change is not None
+    try:
+        native._module.step_changer(native.ring, monitor._opt_stamps, lambda *a: None)
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("step_changer took a Python function as its opener")
     monitor.close()
     kept = [
         _shape(r)
@@ -156,7 +165,7 @@ def test_the_routine_forward_writes_what_the_full_path_writes() -> None:
         full_records, full_taken, forwards, full_packed = full[rank]
         records, taken, _, packed = routine[rank]
         assert full_taken == full_packed == 0
-        # the routine forward's steps have their marks packed (drain_packed), none of the full path's
+        # the routine forward's steps have their marks packed (its change of step), none of the full path's
         assert packed >= taken // 2, (packed, taken)
         # most forwards take the routine path; the rest (micro-steps, evaluation, the forward
         # after a sample began, a closure's) take the full one

@@ -32,7 +32,7 @@ from ddpdoctor.runtime.live_findings import LiveFindings
 from ddpdoctor.runtime.probes import Probes
 from ddpdoctor.runtime.sampled_checks import SampledChecks
 from ddpdoctor.runtime.services import services
-from ddpdoctor.runtime.step_recorder import OpenStep, StepRecorder, unpack_marks
+from ddpdoctor.runtime.step_recorder import BATCH_NS, BATCH_STEPS, OpenStep, StepRecorder, unpack_marks
 from ddpdoctor.sinks import FileSink, NullSink, Sink, SinkError
 from ddpdoctor.sinks.file import log_mode
 from ddpdoctor.sinks.tcp import ENDPOINT_ENV, stream_tee
@@ -491,25 +491,36 @@ class Monitor:
                 offset = clocks._OFFSET_NS
                 routine = True
                 try:
-                    # the marks packed (OpenStep.packed), the bytes list the last layout's where equal
-                    columns = native.drain_packed(step, offset, recorder._last_bytes)
+                    index = recorder._next_index
+                    # in one C call (set: ``_routine_possible``): the ring's marks into the step, packed
+                    # (OpenStep.packed; the bytes list the last layout's where equal), the optimizer's
+                    # stamps, the step ended now, and OpenStep(index, now), synchronizing, opened
+                    new = native.step_change(step, index, offset, recorder._last_bytes)
                     native.pending = False
-                    if columns is not None:  # out of order: the full path's drain, then the full path
-                        native.apply_columns(self, step, columns)
-                        routine = False
-                    else:
-                        events = self._opt_take_into(step, offset)
-                        if events is not None:  # the optimizer rule reads the step's lists
+                    if new.__class__ is not OpenStep:  # the columns (out of order) or the optimizer's events
+                        if new.__class__ is tuple:
+                            native.apply_columns(self, step, new)
+                        else:  # (the optimizer rule reads the step's lists)
                             unpack_marks(step)
-                            self.apply_optimizer_events(events)
-                        # StepRecorder.forward_start, synchronizing, on a synchronizing step (which it closes)
-                        now = recorder.clock.now()  # (a test may shift the host clock: clocks.TEST_OFFSET_ENV)
-                        if step.opt_start is not None and step.opt_end is None:
-                            step.opt_start = None  # an optimizer step whose closure runs this forward
-                        recorder._close(step, now)
-                        index = recorder._next_index
-                        # OpenStep(index, now), synchronizing, built in C++ (set: ``_routine_possible``)
-                        new = recorder.current = recorder.open_step(index, now, offset, True)  # type: ignore[misc]
+                            self.apply_optimizer_events(new)
+                        routine = False  # the full path goes on from there
+                    else:
+                        # StepRecorder._close with host marks, none pending (set: ``_routine_possible``;
+                        # _expect_buckets serves only steps that do not mark every bucket): the step
+                        # waits for the batched emission. (A test may shift the host clock:
+                        # clocks.TEST_OFFSET_ENV; the offset is the C call's.)
+                        now = new.t0
+                        recorder.current = None
+                        closed = recorder._closed
+                        closed.append(step)
+                        if (
+                            len(closed) >= BATCH_STEPS
+                            or now - recorder._emitted_at >= BATCH_NS
+                            or not recorder.steps_emitted
+                        ):
+                            recorder.emit_closed(now)
+                        # StepRecorder.forward_start, synchronizing, on a synchronizing step
+                        recorder.current = new
                         recorder._next_index = index + 1
                         recorder.in_forward = True
                         recorder.in_sync_forward = True
@@ -575,17 +586,18 @@ class Monitor:
         """What the routine forward (``on_forward_pre``) needs besides the native side's, and
         that never goes away once it holds: the optimizer stamped in C++, the requires_grad
         check in one call (a rewrap's checks get it from the same extension), the step opened in
-        C++, the record built in C++ (it reads the packed marks of ``drain_packed``), host marks
-        on every bucket (so no step waits for its marks: ``StepRecorder._pending`` stays empty)."""
+        C++ and the change of step in one C call (``NativeTiming.step_change``), the record built
+        in C++ (it reads the packed marks of the change), host marks on every bucket (so no step
+        waits for its marks: ``StepRecorder._pending`` stays empty)."""
         recorder = self.recorder
         native = self._native_timing
         return (
-            self._opt_take_into is not None
+            native is not None
+            and self._opt_stamps is not None
             and self.checks._same_flags is not None
             and recorder.open_step is not None
             and recorder.build_step is not None  # (packed marks: only build_step reads them)
-            and native is not None
-            and native.drain_packed is not None
+            and native.bind_step_change(self._opt_stamps, recorder.open_step)
             and recorder.clock.always_ready
             and recorder.bucket_marks_every_step
         )

@@ -291,9 +291,10 @@ class NativeTiming:
         #: the ring's ``drain_into``, read once (a plain C function bound to the ring: the call
         #: of every step, made when caches are cold)
         self.drain_into: Any = None
-        #: the ring's ``drain_packed`` (the same, for the routine forward: the marks packed in
-        #: ``OpenStep.packed``, not a Python int each), read once
-        self.drain_packed: Any = None
+        #: the routine forward's change of step in one C call (the extension's ``step_changer``:
+        #: the ring's marks packed into the step, the optimizer's stamps, the step ended and the
+        #: next opened), bound by ``bind_step_change`` once the monitor has what it needs
+        self.step_change: Any = None
         # bucket parameters come back as TensorImpl addresses (Tensor._cdata)
         self._names = {p._cdata: (n, str(p.dtype).removeprefix("torch.")) for n, p in ddp.module.named_parameters()}
         self._want_layout = False
@@ -326,7 +327,7 @@ class NativeTiming:
         """Put the hook on DDP's reducer (for good: a reducer takes one hook)."""
         self.ring = self._module.register_timed_hook(ddp.reducer, ddp.process_group, RING_CAPACITY)
         self.drain_into = self.ring.drain_into
-        self.drain_packed = getattr(self.ring, "drain_packed", None)
+        self.step_change = None
         self.delegated = False
 
     def delegate(self, state: Any, hook: Any) -> None:
@@ -397,6 +398,18 @@ class NativeTiming:
             return False
         self._asked, self._asked_in = False, CONFIG_EVERY + 1
         return True
+
+    def bind_step_change(self, stamps: Any, opener: Any) -> bool:
+        """Bind ``step_change`` to this ring, the monitor's optimizer stamps and its step opener
+        (``StepRecorder.open_step``); whether it is bound (an extension without it, or arguments
+        it refuses: the routine forward stays off)."""
+        changer = getattr(self._module, "step_changer", None)
+        if self.step_change is None and changer is not None and self.ring is not None:
+            try:
+                self.step_change = changer(self.ring, stamps, opener)
+            except TypeError:
+                self.step_change = None
+        return self.step_change is not None
 
     def compiled_possible(self) -> bool:
         """``torch_compat.compiled_autograd_possible`` for the sampled checks (their C++ arrival

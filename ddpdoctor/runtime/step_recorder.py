@@ -124,7 +124,7 @@ class OpenStep:
         self.done_seen: list[bool] = []  # buckets completed without a mark (not ``all_marks``)
         self.sync: Mark = None  # DDP's wait for every bucket ended (not ``all_marks``)
         #: the bucket marks of a step the routine forward drained and closed at once (the
-        #: extension's ``drain_packed``): int64 (ready, launch, done) per bucket, done
+        #: extension's ``step_changer``): int64 (ready, launch, done) per bucket, done
         #: ``PACKED_NONE`` where not seen complete; ``ready``, ``launch`` and ``done`` stay empty
         #: then. Only ``build_step`` and ``unpack_marks`` read it.
         self.packed: bytes | None = None
@@ -417,7 +417,7 @@ class StepRecorder:
             closed = self._closed
             records: list[Step] = []
             # host marks built in C++ (the native route) are called here, not through _record,
-            # and a step whose bytes list is the last layout's own (drain_packed's) and has no
+            # and a step whose bytes list is the last layout's own (the routine forward's) and has no
             # layout needs no _layout_due: no Python frame a step, most batches
             build = self.build_step if self.clock.always_ready else None
             rank, ddp, clock_name = self.rank, self.ddp_index, self.clock.name

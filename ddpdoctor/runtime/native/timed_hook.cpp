@@ -409,8 +409,8 @@ constexpr int64_t kPackedNone = INT64_MIN;
 // int64s per bucket in ``OpenStep.packed``: ready, launch, done.
 constexpr Py_ssize_t kPackedFields = 3;
 
-// ``drain_into`` for the routine forward (Monitor.on_forward_pre), which closes the step at once
-// and whose record ``build_step`` builds in a later batch: the marks become one bytes object of
+// ``drain_into`` for the routine forward's change of step (``step_changer``), which closes the
+// step at once and whose record ``build_step`` builds in a later batch: the marks become one bytes object of
 // int64s (``OpenStep.packed``: ready, launch, done per bucket, on the host clock plus ``offset``,
 // done kPackedNone where not seen complete), not a Python int each in three new lists. Those ints
 // were most of the drain's cost: allocated with cold caches, right after the backward, to be read
@@ -1171,14 +1171,6 @@ PyObject* raw_drain_into(PyObject* self, PyObject* const* args, Py_ssize_t n) {
   });
 }
 
-// Timing.drain_packed(step, offset, same_bytes)
-PyObject* raw_drain_packed(PyObject* self, PyObject* const* args, Py_ssize_t n) {
-  return guarded([&] {
-    expect_args("drain_packed(step, offset, same_bytes)", n, 3);
-    return drain_packed(held<Ring>(self), args[0], int_arg(args[1]), args[2]);
-  });
-}
-
 // OptimizerStamps.pre / post(*args): torch calls them as hook(optimizer, args, kwargs); nothing
 // is read from the arguments. (Guarded too: a C++ exception must never leave a C function.)
 PyObject* raw_stamp_start(PyObject* self, PyObject* const*, Py_ssize_t) {
@@ -1223,10 +1215,6 @@ PyObject* raw_build_step(PyObject*, PyObject* const* args, Py_ssize_t n) {
   });
 }
 
-PyMethodDef kDrainPacked = {
-    "drain_packed", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&raw_drain_packed)), METH_FASTCALL,
-    "drain_packed(step, offset, same_bytes): drain_into for a step closed at once, its marks packed in "
-    "step.packed (None), or the columns (out of order, or the step holds marks already)"};
 PyMethodDef kDrainInto = {"drain_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&raw_drain_into)),
                           METH_FASTCALL,
                           "drain_into(step, offset): the ring's stamps of the last backward into the OpenStep "
@@ -1289,48 +1277,51 @@ int64_t wall_now_ns() {
       .count();
 }
 
+// A new OpenStep(index, t0) of the slots ``s``, its t0_mono_ns ``mono`` (the wall clock read here).
+py::object open_step(const StepSlots& s, PyObject* index, PyObject* t0, int64_t mono, int64_t offset, bool synced) {
+  const int64_t wall = wall_now_ns() + offset;
+  py::object step = py::reinterpret_steal<py::object>(s.cls->tp_alloc(s.cls, 0));
+  if (!step) {
+    throw py::error_already_set();
+  }
+  PyObject* o = step.ptr();
+  put(o, s.index, Py_NewRef(index));
+  put(o, s.t0, Py_NewRef(t0));
+  put(o, s.t0_mono_ns, PyLong_FromLongLong(mono));
+  put(o, s.t0_wall_ns, PyLong_FromLongLong(wall));
+  put(o, s.micro, PyLong_FromLong(0));
+  put(o, s.fwd_start, Py_NewRef(synced ? t0 : Py_None));
+  put(o, s.fwd_end, Py_NewRef(Py_None));
+  put(o, s.bcast, PyList_New(0));
+  put(o, s.bcast_bytes, PyLong_FromLong(0));
+  put(o, s.bwd_end, Py_NewRef(Py_None));
+  put(o, s.ready, PyList_New(0));
+  put(o, s.launch, PyList_New(0));
+  put(o, s.done, PyList_New(0));
+  put(o, s.nbytes, PyList_New(0));
+  put(o, s.opt_start, Py_NewRef(Py_None));
+  put(o, s.opt_end, Py_NewRef(Py_None));
+  put(o, s.end, Py_NewRef(Py_None));
+  put(o, s.synced_forward, Py_NewRef(synced ? Py_True : Py_False));
+  put(o, s.layout, Py_NewRef(Py_None));
+  put(o, s.comm_hook, Py_NewRef(Py_None));
+  put(o, s.all_marks, Py_NewRef(Py_True));
+  put(o, s.arrived, PyLong_FromLong(0));
+  put(o, s.done_seen, PyList_New(0));
+  put(o, s.sync, Py_NewRef(Py_None));
+  put(o, s.packed, Py_NewRef(Py_None));
+  return step;
+}
+
 PyObject* raw_open_step(PyObject* self, PyObject* const* args, Py_ssize_t n) {
   return guarded([&] {
     expect_args("open(index, t0, offset, synced)", n, 4);
-    const StepSlots& s = held<StepSlots>(self);
     const int64_t offset = int_arg(args[2]);
     const int synced = PyObject_IsTrue(args[3]);
     if (synced < 0) {
       throw py::error_already_set();
     }
-    const int64_t mono = now_ns() + offset;
-    const int64_t wall = wall_now_ns() + offset;
-    py::object step = py::reinterpret_steal<py::object>(s.cls->tp_alloc(s.cls, 0));
-    if (!step) {
-      throw py::error_already_set();
-    }
-    PyObject* o = step.ptr();
-    put(o, s.index, Py_NewRef(args[0]));
-    put(o, s.t0, Py_NewRef(args[1]));
-    put(o, s.t0_mono_ns, PyLong_FromLongLong(mono));
-    put(o, s.t0_wall_ns, PyLong_FromLongLong(wall));
-    put(o, s.micro, PyLong_FromLong(0));
-    put(o, s.fwd_start, Py_NewRef(synced ? args[1] : Py_None));
-    put(o, s.fwd_end, Py_NewRef(Py_None));
-    put(o, s.bcast, PyList_New(0));
-    put(o, s.bcast_bytes, PyLong_FromLong(0));
-    put(o, s.bwd_end, Py_NewRef(Py_None));
-    put(o, s.ready, PyList_New(0));
-    put(o, s.launch, PyList_New(0));
-    put(o, s.done, PyList_New(0));
-    put(o, s.nbytes, PyList_New(0));
-    put(o, s.opt_start, Py_NewRef(Py_None));
-    put(o, s.opt_end, Py_NewRef(Py_None));
-    put(o, s.end, Py_NewRef(Py_None));
-    put(o, s.synced_forward, Py_NewRef(synced ? Py_True : Py_False));
-    put(o, s.layout, Py_NewRef(Py_None));
-    put(o, s.comm_hook, Py_NewRef(Py_None));
-    put(o, s.all_marks, Py_NewRef(Py_True));
-    put(o, s.arrived, PyLong_FromLong(0));
-    put(o, s.done_seen, PyList_New(0));
-    put(o, s.sync, Py_NewRef(Py_None));
-    put(o, s.packed, Py_NewRef(Py_None));
-    return step;
+    return open_step(held<StepSlots>(self), args[0], args[1], now_ns() + offset, offset, synced != 0);
   });
 }
 
@@ -1367,6 +1358,84 @@ py::object step_opener(py::handle cls_handle) {
   return bound(&kOpenStep, std::move(s));
 }
 
+// -- the routine forward's change of step, in one call ---------------------------------------------
+//
+// ``step_changer(timing, stamps, open)``: a function ``change(step, index, offset, same_bytes)`` for
+// the routine forward (Monitor.on_forward_pre), doing what its calls did one after the other: the
+// ring's marks into ``step`` (drain_packed), the optimizer's stamps (take_into), ``step`` ended now
+// (an optimizer step whose closure runs this forward keeps no start: it is still running), and the
+// next step opened at the same instant (``open``'s, synchronizing, index ``index``). Returns the
+// new OpenStep. Where the drain gives columns (out of order) or the stamps their events (not the
+// common case), returns them at once (a tuple, a list), nothing ended or opened: the full path
+// goes on from there. Each call after the backward costs a cold entry; this is one.
+
+struct StepChange {
+  std::shared_ptr<Ring> ring;
+  std::shared_ptr<OptimizerStamps> stamps;
+  std::shared_ptr<StepSlots> slots;
+};
+
+PyObject* raw_change_step(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+  static PyObject* const start_name = PyUnicode_InternFromString("opt_start");
+  static PyObject* const end_name = PyUnicode_InternFromString("opt_end");
+  static PyObject* const step_end_name = PyUnicode_InternFromString("end");
+  return guarded([&] {
+    expect_args("change(step, index, offset, same_bytes)", n, 4);
+    const StepChange& c = held<StepChange>(self);
+    py::handle step = args[0];
+    const int64_t offset = int_arg(args[2]);
+    py::object columns = drain_packed(*c.ring, step, offset, args[3]);
+    if (!columns.is_none()) {
+      return columns;
+    }
+    py::object events = c.stamps->take_into(step, offset);
+    if (!events.is_none()) {
+      return events;
+    }
+    py::object start = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), start_name));
+    if (!start) {
+      throw py::error_already_set();
+    }
+    if (!start.is_none()) {
+      py::object end = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), end_name));
+      if (!end) {
+        throw py::error_already_set();
+      }
+      if (end.is_none() && PyObject_SetAttr(step.ptr(), start_name, Py_None) != 0) {
+        throw py::error_already_set();
+      }
+    }
+    const int64_t now = now_ns() + offset;
+    py::object at = py::reinterpret_steal<py::object>(PyLong_FromLongLong(now));
+    if (!at || PyObject_SetAttr(step.ptr(), step_end_name, at.ptr()) != 0) {
+      throw py::error_already_set();
+    }
+    return open_step(*c.slots, args[1], at.ptr(), now, offset, true);
+  });
+}
+
+PyMethodDef kChangeStep = {"change", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&raw_change_step)),
+                           METH_FASTCALL,
+                           "change(step, index, offset, same_bytes): the routine forward's step change (the new "
+                           "OpenStep), or the drain's columns or the optimizer's events, nothing changed"};
+
+py::object step_changer(Handle& timing, std::shared_ptr<OptimizerStamps> stamps, py::handle open) {
+  PyObject* fn = open.ptr();
+  if (!PyCFunction_Check(fn) || PyCFunction_GET_FUNCTION(fn) != reinterpret_cast<PyCFunction>(
+                                                                     reinterpret_cast<void (*)()>(&raw_open_step))) {
+    throw py::type_error("step_changer: open must be a step_opener's function");
+  }
+  if (!stamps) {
+    throw py::type_error("step_changer: no optimizer stamps");
+  }
+  PyObject* capsule = PyCFunction_GET_SELF(fn);
+  auto change = std::make_shared<StepChange>();
+  change->ring = timing.ring;
+  change->stamps = std::move(stamps);
+  change->slots = *static_cast<std::shared_ptr<StepSlots>*>(PyCapsule_GetPointer(capsule, nullptr));
+  return bound(&kChangeStep, std::move(change));
+}
+
 PyMethodDef kModuleFunctions[] = {
     {"same_requires_grad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&raw_same_requires_grad)),
      METH_FASTCALL, "same_requires_grad(tensors, expected): each tensor's requires_grad is the byte given for it"},
@@ -1400,7 +1469,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("drain_columns", &drain_columns, py::arg("offset"))
       // (a plain function bound to the ring: read it once, call it every step)
       .def_property_readonly("drain_into", [](Handle& h) { return bound(&kDrainInto, h.ring); })
-      .def_property_readonly("drain_packed", [](Handle& h) { return bound(&kDrainPacked, h.ring); })
       .def("backward_end", [](Handle& h) { return h.ring->backward_end(); })
       .def("capacity", [](Handle& h) { return h.ring->capacity(); })
       .def(
@@ -1428,5 +1496,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.add_object(def->ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(def, nullptr, m.ptr())));
   }
   m.def("step_opener", &step_opener, py::arg("cls"), "open(index, t0, offset, synced): new OpenSteps of cls, built in C++");
+  m.def("step_changer", &step_changer, py::arg("timing"), py::arg("stamps"), py::arg("open"),
+        "change(step, index, offset, same_bytes): the routine forward's change of step in one call");
   m.def("clock_ns", &clock_ns, "now on the hook's clock (ns); compared with time.perf_counter_ns()");
 }
