@@ -119,20 +119,26 @@ class LiveFindings:
         """Step records, oldest first (the batched emission's): each checked as ``observe``
         would, the window as of that step."""
         window = self.steps
-        for record in records:
-            window.append(record)
-            self._observed += 1
-            # what the step-based checks look for: without either in the window they find nothing
-            if record.bcast_us is not None:
-                self._last_bcast = self._observed
-            if record.opt_start_us is None and record.b_ready_us:
-                self._last_unstepped = self._observed
-            self._since_check += 1
-            # first at WARMUP steps (a short job still hears it), then every EVERY steps
-            if self._since_check >= (EVERY if self._checked else WARMUP):
-                self._checked = True
-                self._since_check = 0
-                self._check_steps()
+        # the counters in locals, written back for each check and at the end (this runs for
+        # every step record, on the training thread)
+        observed, since = self._observed, self._since_check
+        due = EVERY if self._checked else WARMUP  # first at WARMUP steps (a short job still hears it)
+        try:
+            for record in records:
+                window.append(record)
+                observed += 1
+                # what the step-based checks look for: without either in the window they find nothing
+                if record.bcast_us is not None:
+                    self._last_bcast = observed
+                if record.opt_start_us is None and record.b_ready_us:
+                    self._last_unstepped = observed
+                since += 1
+                if since >= due:  # then every EVERY steps
+                    self._observed, self._since_check = observed, 0
+                    self._checked, since, due = True, 0, EVERY
+                    self._check_steps()
+        finally:
+            self._observed, self._since_check = observed, since
 
     def observe(self, record: Record) -> None:
         """One record the monitor emitted."""
