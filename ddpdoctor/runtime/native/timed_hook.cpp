@@ -354,6 +354,49 @@ py::object int_column(const Entries& entries, int64_t Entry::*field, int64_t off
   return owned;
 }
 
+// The ring's entries of the last backward, taken for ``step``, with what drain_into and
+// drain_packed decide by: whether they are in index order, and the step's ready list as it is.
+struct Taken {
+  c10::SmallVector<Entry, 32> entries;
+  int64_t backward_end = 0;  // 0: not stamped
+  bool in_order = false;
+  py::object ready;  // step.ready
+};
+
+Taken take_for(Ring& ring, py::handle step) {
+  static PyObject* const ready_name = PyUnicode_InternFromString("ready");
+  Taken t;
+  t.backward_end = ring.take(t.entries);
+  t.in_order = in_index_order(t.entries);
+  t.ready = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), ready_name));
+  if (!t.ready) {
+    throw py::error_already_set();
+  }
+  return t;
+}
+
+// ``step.<name> = value`` (``value`` NULL: the error set).
+void set_attr(py::handle step, PyObject* name, PyObject* value) {
+  if (value == nullptr || PyObject_SetAttr(step.ptr(), name, value) != 0) {
+    throw py::error_already_set();
+  }
+}
+
+// The step's bwd_end, when None, set to the backward end stamped (plus ``offset``; 0: none).
+void set_backward_end(py::handle step, int64_t backward_end, int64_t offset) {
+  static PyObject* const bwd_end_name = PyUnicode_InternFromString("bwd_end");
+  if (backward_end == 0) {
+    return;
+  }
+  py::object current = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), bwd_end_name));
+  if (!current) {
+    throw py::error_already_set();
+  }
+  if (current.is_none()) {
+    set_attr(step, bwd_end_name, py::int_(backward_end + offset).ptr());
+  }
+}
+
 // ``drain_columns`` handed straight to ``step`` (an OpenStep) in the common case: every bucket
 // once, in index order, at least as many as the step holds already. Its ready, launch, done and
 // nbytes lists are then set whole (left as they are when the ring held no bucket), its bwd_end,
@@ -366,41 +409,21 @@ py::object drain_into(Ring& ring, py::handle step, int64_t offset) {
   static PyObject* const launch_name = PyUnicode_InternFromString("launch");
   static PyObject* const done_name = PyUnicode_InternFromString("done");
   static PyObject* const nbytes_name = PyUnicode_InternFromString("nbytes");
-  static PyObject* const bwd_end_name = PyUnicode_InternFromString("bwd_end");
-  c10::SmallVector<Entry, 32> entries;
-  const int64_t backward_end = ring.take(entries);
-  const bool in_order = in_index_order(entries);
-  py::object held = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), ready_name));
-  if (!held) {
-    throw py::error_already_set();
-  }
-  const Py_ssize_t n_held = PyObject_Length(held.ptr());
+  const Taken t = take_for(ring, step);
+  const Py_ssize_t n_held = PyObject_Length(t.ready.ptr());
   if (n_held < 0) {
     throw py::error_already_set();
   }
-  if (!in_order || static_cast<Py_ssize_t>(entries.size()) < n_held) {
-    return columns_of(entries, in_order, backward_end, offset);
+  if (!t.in_order || static_cast<Py_ssize_t>(t.entries.size()) < n_held) {
+    return columns_of(t.entries, t.in_order, t.backward_end, offset);
   }
-  auto set = [&step](PyObject* name, const py::object& value) {
-    if (PyObject_SetAttr(step.ptr(), name, value.ptr()) != 0) {
-      throw py::error_already_set();
-    }
-  };
-  if (!entries.empty()) {
-    set(ready_name, int_column(entries, &Entry::ready, offset, false));
-    set(launch_name, int_column(entries, &Entry::launch, offset, false));
-    set(done_name, int_column(entries, &Entry::done, offset, true));
-    set(nbytes_name, int_column(entries, &Entry::bytes, 0, false));
+  if (!t.entries.empty()) {
+    set_attr(step, ready_name, int_column(t.entries, &Entry::ready, offset, false).ptr());
+    set_attr(step, launch_name, int_column(t.entries, &Entry::launch, offset, false).ptr());
+    set_attr(step, done_name, int_column(t.entries, &Entry::done, offset, true).ptr());
+    set_attr(step, nbytes_name, int_column(t.entries, &Entry::bytes, 0, false).ptr());
   }
-  if (backward_end != 0) {
-    py::object current = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), bwd_end_name));
-    if (!current) {
-      throw py::error_already_set();
-    }
-    if (current.is_none()) {
-      set(bwd_end_name, py::int_(backward_end + offset));
-    }
-  }
+  set_backward_end(step, t.backward_end, offset);
   return py::none();
 }
 
@@ -410,40 +433,28 @@ constexpr int64_t kPackedNone = INT64_MIN;
 constexpr Py_ssize_t kPackedFields = 3;
 
 // ``drain_into`` for the routine forward's change of step (``step_changer``), which closes the
-// step at once and whose record ``build_step`` builds in a later batch: the marks become one bytes object of
-// int64s (``OpenStep.packed``: ready, launch, done per bucket, on the host clock plus ``offset``,
-// done kPackedNone where not seen complete), not a Python int each in three new lists. Those ints
-// were most of the drain's cost: allocated with cold caches, right after the backward, to be read
-// once in the batch. The buckets' bytes go to ``nbytes`` as a list: ``same_bytes`` itself where it
-// holds the same numbers (the recorder's last layout's list: most steps make no list, no int).
-// Where the step holds bucket marks already, or the buckets came out of order, nothing is set and
-// the columns are returned (drain_into's other case); no bucket: only the backward end is set.
+// step at once and whose record ``build_step`` builds in a later batch: the marks become one
+// bytes object of int64s (``OpenStep.packed``: ready, launch, done per bucket, on the host clock
+// plus ``offset``, done kPackedNone where not seen complete), not a Python int each in three new
+// lists. Those ints were most of the drain's cost: allocated with cold caches, right after the
+// backward, to be read once in the batch. The buckets' bytes go to ``nbytes`` as a list:
+// ``same_bytes`` itself where it holds the same numbers (the recorder's last layout's list: most
+// steps make no list, no int). Where the step holds bucket marks already, or the buckets came out
+// of order, nothing is set and the columns are returned (drain_into's other case); no bucket:
+// only the backward end is set.
 py::object drain_packed(Ring& ring, py::handle step, int64_t offset, py::handle same_bytes) {
-  static PyObject* const ready_name = PyUnicode_InternFromString("ready");
   static PyObject* const packed_name = PyUnicode_InternFromString("packed");
   static PyObject* const nbytes_name = PyUnicode_InternFromString("nbytes");
-  static PyObject* const bwd_end_name = PyUnicode_InternFromString("bwd_end");
-  c10::SmallVector<Entry, 32> entries;
-  const int64_t backward_end = ring.take(entries);
-  const bool in_order = in_index_order(entries);
-  py::object held = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), ready_name));
-  if (!held) {
-    throw py::error_already_set();
-  }
-  const int holds = PyObject_IsTrue(held.ptr());
+  const Taken t = take_for(ring, step);
+  const int holds = PyObject_IsTrue(t.ready.ptr());
   if (holds < 0) {
     throw py::error_already_set();
   }
-  if (!in_order || holds) {
-    return columns_of(entries, in_order, backward_end, offset);
+  if (!t.in_order || holds) {
+    return columns_of(t.entries, t.in_order, t.backward_end, offset);
   }
-  auto set = [&step](PyObject* name, PyObject* value) {
-    if (value == nullptr || PyObject_SetAttr(step.ptr(), name, value) != 0) {
-      throw py::error_already_set();
-    }
-  };
-  if (!entries.empty()) {
-    const Py_ssize_t n = static_cast<Py_ssize_t>(entries.size());
+  if (!t.entries.empty()) {
+    const Py_ssize_t n = static_cast<Py_ssize_t>(t.entries.size());
     py::object packed = py::reinterpret_steal<py::object>(
         PyBytes_FromStringAndSize(nullptr, n * kPackedFields * static_cast<Py_ssize_t>(sizeof(int64_t))));
     if (!packed) {
@@ -452,7 +463,7 @@ py::object drain_packed(Ring& ring, py::handle step, int64_t offset, py::handle 
     auto* out = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(packed.ptr()));
     bool same = PyList_Check(same_bytes.ptr()) && PyList_GET_SIZE(same_bytes.ptr()) == n;
     for (Py_ssize_t i = 0; i < n; ++i) {
-      const Entry& e = entries[i];
+      const Entry& e = t.entries[i];
       out[i * kPackedFields] = e.ready + offset;
       out[i * kPackedFields + 1] = e.launch + offset;
       out[i * kPackedFields + 2] = e.done != 0 ? e.done + offset : kPackedNone;
@@ -462,22 +473,14 @@ py::object drain_packed(Ring& ring, py::handle step, int64_t offset, py::handle 
         same = PyLong_CheckExact(b) && PyLong_AsLongLongAndOverflow(b, &overflow) == e.bytes && overflow == 0;
       }
     }
-    set(packed_name, packed.ptr());
+    set_attr(step, packed_name, packed.ptr());
     if (same) {
-      set(nbytes_name, same_bytes.ptr());
+      set_attr(step, nbytes_name, same_bytes.ptr());
     } else {
-      set(nbytes_name, int_column(entries, &Entry::bytes, 0, false).ptr());
+      set_attr(step, nbytes_name, int_column(t.entries, &Entry::bytes, 0, false).ptr());
     }
   }
-  if (backward_end != 0) {
-    py::object current = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), bwd_end_name));
-    if (!current) {
-      throw py::error_already_set();
-    }
-    if (current.is_none()) {
-      set(bwd_end_name, py::int_(backward_end + offset).ptr());
-    }
-  }
+  set_backward_end(step, t.backward_end, offset);
   return py::none();
 }
 
