@@ -227,11 +227,13 @@ def test_prometheus_scrapes_the_straggler_lateness_from_collect(tmp_path: Path) 
         assert demo.returncode == 0, demo.stderr[-3000:]
         # the run is over; its last state stays served: wait for a scrape that has it
         _until(lambda: _query(api, "ddpdoctor_run_finished == 1"), 60, "a scrape of the finished run")
-        result = _query(api, 'ddpdoctor_rank_lateness_seconds{job="ddpdoctor"} > 0.02')
-        assert [r["metric"]["rank"] for r in result] == ["1"]
-        value = float(result[0]["value"][1])
-        assert 0.02 < value < 1.0
-        assert result[0]["metric"]["host"] and result[0]["metric"]["run"]
+        # the slow rank is the latest, by more than 20 ms (the other rank's lateness at that one
+        # step is not asserted below 20 ms: on two busy cores it was above, once, in a full run)
+        result = _query(api, 'ddpdoctor_rank_lateness_seconds{job="ddpdoctor"}')
+        late = {r["metric"]["rank"]: float(r["value"][1]) for r in result}
+        assert "1" in late and late["1"] == max(late.values()), late
+        assert 0.02 < late["1"] < 1.0
+        assert all(r["metric"]["host"] and r["metric"]["run"] for r in result)
         step = _query(api, "ddpdoctor_rank_step_seconds")
         assert sorted(r["metric"]["rank"] for r in step) == ["0", "1"]
         straggler = _query(api, 'ddpdoctor_findings{code="straggler"}')
