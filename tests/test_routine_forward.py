@@ -138,9 +138,10 @@ def _train(rank: int, world_size: int, routine: bool) -> tuple[list[Any], int, i
     ddp.module.head.bias.requires_grad_(True)
     for _ in range(12):
         train_step()
-    # the change of step was bound (the routine forward's one C call), and takes only an opener
+    # the change of step was bound where the routine forward runs (its one C call), and it takes
+    # only an opener
     native = monitor._native_timing
-    assert native is not None and native.step_change is not None
+    assert native is not None and (native.step_change is not None) == routine
     try:
         native._module.step_changer(native.ring, monitor._opt_stamps, lambda *a: None)
     except TypeError:

@@ -72,7 +72,8 @@ class Monitor:
     ``run_dir``). Raises ``AttachError`` when it cannot attach (DDP then is as it was).
     """
 
-    #: the forward after a routine step takes ``_routine_forward`` (False: always the full path;
+    #: the forward after a routine step takes ``on_forward_pre``'s routine branch (False: always
+    #: the full path; read by ``_routine_possible``, so set it before the monitor's first forward;
     #: the tests compare the two)
     routine_forward = True
 
@@ -464,14 +465,14 @@ class Monitor:
         nothing of compiled autograd. That is most forwards of most jobs; the full path is the
         rule, this is the same rule unrolled for that case (``tests/test_routine_forward.py`` runs
         both over the same steps and compares every record). Where the ring's buckets came out of
-        order it drains them the full path's way and hands over to the full path. What of the
-        rule never changes back once it holds (the C++ optimizer stamps, the one-call
-        requires_grad check, the step opened in C++, host marks for every bucket) is asked on the
-        full path (``_routine_possible``, into ``NativeTiming.routine``): every condition read
-        here costs a cold read of its own.
+        order, or the optimizer's stamps are not one start and one end, it applies them the full
+        path's way and hands over to the full path. What of the rule never changes back once it
+        holds (the C++ optimizer stamps, the one-call requires_grad check, the change of step in
+        one C call, host marks for every bucket) is asked on the full path (``_routine_possible``,
+        into ``NativeTiming.routine``): every condition read here costs a cold read of its own.
         """
         native = self._native_timing
-        if native is not None and native.routine and native.pending and self.routine_forward:
+        if native is not None and native.routine and native.pending:
             recorder = self.recorder
             step = recorder.current
             checks = self.checks
@@ -592,7 +593,8 @@ class Monitor:
         recorder = self.recorder
         native = self._native_timing
         return (
-            native is not None
+            self.routine_forward
+            and native is not None
             and self._opt_stamps is not None
             and self.checks._same_flags is not None
             and recorder.open_step is not None
