@@ -254,6 +254,8 @@ class StepRecorder:
         return step
 
     def forward_end(self) -> None:
+        """The forward ended: the synchronizing forward's end is stamped (the monitor's forward
+        post-hook runs the same, unrolled)."""
         if self.in_sync_forward and self.current is not None:
             self.current.fwd_end = self.clock.now()
         self.in_forward = False
