@@ -138,16 +138,17 @@ def _train(rank: int, world_size: int, routine: bool) -> tuple[list[Any], int, i
     ddp.module.head.bias.requires_grad_(True)
     for _ in range(12):
         train_step()
-    # the change of step was bound where the routine forward runs (its one C call), and it takes
-    # only an opener
+    # the change of step was bound where the routine forward runs (its one C call), and it opens
+    # only the OpenStep it knows
     native = monitor._native_timing
     assert native is not None and (native.step_change is not None) == routine
-    try:
-        native._module.step_changer(native.ring, monitor._opt_stamps, lambda *a: None)
-    except TypeError:
-        pass
-    else:
-        raise AssertionError("step_changer took a Python function as its opener")
+    for cls in (lambda *a: None, type("Other", (), {"__slots__": ("index",)})):
+        try:
+            native._module.step_changer(native.ring, monitor._opt_stamps, cls)
+        except TypeError:
+            pass
+        else:
+            raise AssertionError(f"step_changer took {cls!r} for OpenStep")
     monitor.close()
     kept = [
         _shape(r)

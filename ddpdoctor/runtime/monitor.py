@@ -194,11 +194,6 @@ class Monitor:
         extension = native_hook.choose(cuda=self._cuda)  # (loaded once per process)
         if extension is not None and self.recorder.clock.always_ready:
             self.recorder.build_step = getattr(extension, "build_step", None)  # host marks
-            opener = getattr(extension, "step_opener", None)
-            try:
-                self.recorder.open_step = opener(OpenStep) if opener is not None else None
-            except TypeError:  # (an OpenStep the extension does not know: built by Python)
-                self.recorder.open_step = None
         self.checks = SampledChecks(
             ddp,
             attachment.header,
@@ -586,8 +581,8 @@ class Monitor:
     def _routine_possible(self) -> bool:
         """What the routine forward (``on_forward_pre``) needs besides the native side's, and
         that never goes away once it holds: the optimizer stamped in C++, the requires_grad
-        check in one call (a rewrap's checks get it from the same extension), the step opened in
-        C++ and the change of step in one C call (``NativeTiming.step_change``), the record built
+        check in one call (a rewrap's checks get it from the same extension), the change of step
+        in one C call (``NativeTiming.step_change``: it opens the next step too), the record built
         in C++ (it reads the packed marks of the change), host marks on every bucket (so no step
         waits for its marks: ``StepRecorder._pending`` stays empty)."""
         recorder = self.recorder
@@ -597,9 +592,8 @@ class Monitor:
             and native is not None
             and self._opt_stamps is not None
             and self.checks._same_flags is not None
-            and recorder.open_step is not None
             and recorder.build_step is not None  # (packed marks: only build_step reads them)
-            and native.bind_step_change(self._opt_stamps, recorder.open_step)
+            and native.bind_step_change(self._opt_stamps)
             and recorder.clock.always_ready
             and recorder.bucket_marks_every_step
         )

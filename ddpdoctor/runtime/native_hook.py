@@ -50,6 +50,7 @@ import torch
 import ddpdoctor.native_cache as native_cache
 from ddpdoctor.categories import CommHookWarning, warn
 from ddpdoctor.runtime import clocks, torch_compat
+from ddpdoctor.runtime.step_recorder import OpenStep
 from ddpdoctor.runtime.torch_compat import (
     compiled_autograd_asked,
     compiled_autograd_enabled,
@@ -399,14 +400,14 @@ class NativeTiming:
         self._asked, self._asked_in = False, CONFIG_EVERY + 1
         return True
 
-    def bind_step_change(self, stamps: Any, opener: Any) -> bool:
-        """Bind ``step_change`` to this ring, the monitor's optimizer stamps and its step opener
-        (``StepRecorder.open_step``); whether it is bound (an extension without it, or arguments
-        it refuses: the routine forward stays off)."""
+    def bind_step_change(self, stamps: Any) -> bool:
+        """Bind ``step_change`` to this ring and the monitor's optimizer stamps, its new steps
+        ``OpenStep``s; whether it is bound (an extension without it, or an OpenStep or stamps it
+        refuses: the routine forward stays off)."""
         changer = getattr(self._module, "step_changer", None)
         if self.step_change is None and changer is not None and self.ring is not None:
             try:
-                self.step_change = changer(self.ring, stamps, opener)
+                self.step_change = changer(self.ring, stamps, OpenStep)
             except TypeError:
                 self.step_change = None
         return self.step_change is not None

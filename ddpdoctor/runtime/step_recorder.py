@@ -188,10 +188,6 @@ class StepRecorder:
         #: the native extension's ``build_step`` (None: Python builds the records): a host-clock
         #: step's record built in C++, equal to the one ``_record`` builds
         self.build_step: Callable[..., Step] | None = None
-        #: the native extension's opener of new steps (``step_opener(OpenStep)``: ``open(index, t0,
-        #: offset, synced)``, OpenStep(index, t0) built in C++), for the monitor's routine forward;
-        #: None: no routine forward (the full path opens its steps with OpenStep itself)
-        self.open_step: Callable[[int, Mark, int, bool], OpenStep] | None = None
 
     @property
     def next_index(self) -> int:

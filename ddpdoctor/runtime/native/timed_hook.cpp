@@ -1333,8 +1333,9 @@ PyMethodDef kOpenStep = {"open", reinterpret_cast<PyCFunction>(reinterpret_cast<
                          "open(index, t0, offset, synced): a new OpenStep, as OpenStep(index, t0) builds it (with "
                          "fwd_start = t0 and synced_forward = True where synced)"};
 
-// The opener of ``cls`` (OpenStep): its slots must be exactly these, and it has no __dict__.
-py::object step_opener(py::handle cls_handle) {
+// The slot offsets of ``cls`` (OpenStep): its slots must be exactly these, and it has no __dict__
+// (a TypeError otherwise).
+std::shared_ptr<StepSlots> step_slots(py::handle cls_handle) {
   static const char* const kNames[] = {"index", "t0", "t0_mono_ns", "t0_wall_ns", "micro", "fwd_start", "fwd_end",
                                        "bcast", "bcast_bytes", "bwd_end", "ready", "launch", "done", "nbytes",
                                        "opt_start", "opt_end", "end", "synced_forward", "layout", "comm_hook",
@@ -1358,16 +1359,22 @@ py::object step_opener(py::handle cls_handle) {
     *out[i] = slot_offset(cls, kNames[i]);
   }
   s->cls = reinterpret_cast<PyTypeObject*>(Py_NewRef(cls_handle.ptr()));
-  return bound(&kOpenStep, std::move(s));
+  return s;
+}
+
+// ``open(index, t0, offset, synced)`` for ``cls``: the step ``step_changer`` opens, built alone (its
+// test compares every slot with OpenStep.__init__'s).
+py::object step_opener(py::handle cls_handle) {
+  return bound(&kOpenStep, step_slots(cls_handle));
 }
 
 // -- the routine forward's change of step, in one call ---------------------------------------------
 //
-// ``step_changer(timing, stamps, open)``: a function ``change(step, index, offset, same_bytes)`` for
+// ``step_changer(timing, stamps, cls)``: a function ``change(step, index, offset, same_bytes)`` for
 // the routine forward (Monitor.on_forward_pre), doing what its calls did one after the other: the
 // ring's marks into ``step`` (drain_packed), the optimizer's stamps (take_into), ``step`` ended now
 // (an optimizer step whose closure runs this forward keeps no start: it is still running), and the
-// next step opened at the same instant (``open``'s, synchronizing, index ``index``). Returns the
+// next step opened at the same instant (an OpenStep ``cls``, as step_opener's, synchronizing). Returns the
 // new OpenStep. Where the drain gives columns (out of order) or the stamps their events (not the
 // common case), returns them at once (a tuple, a list), nothing ended or opened: the full path
 // goes on from there. Each call after the backward costs a cold entry; this is one.
@@ -1399,20 +1406,18 @@ PyObject* raw_change_step(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     if (!start) {
       throw py::error_already_set();
     }
-    if (!start.is_none()) {
+    if (!start.is_none()) {  // (StepRecorder.forward_start's rule for a closure's optimizer step)
       py::object end = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), end_name));
       if (!end) {
         throw py::error_already_set();
       }
-      if (end.is_none() && PyObject_SetAttr(step.ptr(), start_name, Py_None) != 0) {
-        throw py::error_already_set();
+      if (end.is_none()) {
+        set_attr(step, start_name, Py_None);
       }
     }
     const int64_t now = now_ns() + offset;
     py::object at = py::reinterpret_steal<py::object>(PyLong_FromLongLong(now));
-    if (!at || PyObject_SetAttr(step.ptr(), step_end_name, at.ptr()) != 0) {
-      throw py::error_already_set();
-    }
+    set_attr(step, step_end_name, at.ptr());
     return open_step(*c.slots, args[1], at.ptr(), now, offset, true);
   });
 }
@@ -1422,20 +1427,14 @@ PyMethodDef kChangeStep = {"change", reinterpret_cast<PyCFunction>(reinterpret_c
                            "change(step, index, offset, same_bytes): the routine forward's step change (the new "
                            "OpenStep), or the drain's columns or the optimizer's events, nothing changed"};
 
-py::object step_changer(Handle& timing, std::shared_ptr<OptimizerStamps> stamps, py::handle open) {
-  PyObject* fn = open.ptr();
-  if (!PyCFunction_Check(fn) || PyCFunction_GET_FUNCTION(fn) != reinterpret_cast<PyCFunction>(
-                                                                     reinterpret_cast<void (*)()>(&raw_open_step))) {
-    throw py::type_error("step_changer: open must be a step_opener's function");
-  }
+py::object step_changer(Handle& timing, std::shared_ptr<OptimizerStamps> stamps, py::handle cls) {
   if (!stamps) {
     throw py::type_error("step_changer: no optimizer stamps");
   }
-  PyObject* capsule = PyCFunction_GET_SELF(fn);
   auto change = std::make_shared<StepChange>();
   change->ring = timing.ring;
   change->stamps = std::move(stamps);
-  change->slots = *static_cast<std::shared_ptr<StepSlots>*>(PyCapsule_GetPointer(capsule, nullptr));
+  change->slots = step_slots(cls);
   return bound(&kChangeStep, std::move(change));
 }
 
@@ -1499,7 +1498,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.add_object(def->ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(def, nullptr, m.ptr())));
   }
   m.def("step_opener", &step_opener, py::arg("cls"), "open(index, t0, offset, synced): new OpenSteps of cls, built in C++");
-  m.def("step_changer", &step_changer, py::arg("timing"), py::arg("stamps"), py::arg("open"),
+  m.def("step_changer", &step_changer, py::arg("timing"), py::arg("stamps"), py::arg("cls"),
         "change(step, index, offset, same_bytes): the routine forward's change of step in one call");
   m.def("clock_ns", &clock_ns, "now on the hook's clock (ns); compared with time.perf_counter_ns()");
 }
