@@ -1,5 +1,6 @@
 """Ranks on hosts whose clocks disagree: one rank's clocks shifted by 3.7 s (test-only
-``DDPDOCTOR_TEST_CLOCK_OFFSET``), the straggler is still the right rank and the trace lines up."""
+``DDPDOCTOR_TEST_CLOCK_OFFSET``), the straggler is still the right rank and the trace lines up;
+and the estimate holds where a rank stamps some of its completions late."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import ddpdoctor
+from ddpdoctor.events import Step
 from tests.ddp_harness import torchrun_cmd
 from tests.test_run_cmd import _env, ddpdoctor_run
 
@@ -79,3 +83,68 @@ def test_straggler_and_trace_line_up_despite_a_clock_offset(tmp_path: Path) -> N
     # and rank 1's forwards start after rank 0's (it is the late one), by well under a second
     late = [b - a for a, b in zip(forwards[0], forwards[1], strict=True)]
     assert sorted(late)[len(late) // 2] > 0 and max(late) < 1e6
+
+
+def _done_steps(rank: int, offset_us: float, late_us: list[float], full_every: int) -> list[Step]:
+    """40 steps of two buckets on a clock ``offset_us`` ahead; bucket 0's completion stamped
+    ``late_us[i]`` late at step i (a rank whose cores are busy), bucket 1's on time; every
+    ``full_every``-th step a full record, the others window rows (their last completion only)."""
+    steps = []
+    for i in range(40):
+        done = [10_000.0 + late_us[i], 10_300.0]
+        jitter = (i % 5) * 2.0  # (µs: the hop)
+        wall = 1_000_000_000_000 + i * 20_000_000 + int((offset_us + jitter) * 1000)
+        if i % full_every == 0:
+            steps.append(
+                Step(
+                    rank=rank,
+                    step=i,
+                    t0_mono_ns=0,
+                    t0_wall_ns=wall,
+                    b_ready_us=[100.0, 200.0],
+                    b_done_us=done,
+                    b_bytes=[64, 64],
+                    sync_end_us=max(done),
+                    end_us=20_000.0,
+                )
+            )
+        else:
+            steps.append(
+                Step(
+                    rank=rank,
+                    step=i,
+                    t0_mono_ns=0,
+                    t0_wall_ns=wall,
+                    summary=True,
+                    b_count=2,
+                    b_first_ready_us=100.0,
+                    b_last_ready_us=200.0,
+                    sync_end_us=max(done),
+                    end_us=20_000.0,
+                )
+            )
+    return steps
+
+
+@pytest.mark.parametrize("full_every", [1, 4])
+def test_a_rank_stamping_half_its_completions_late_keeps_its_offset(full_every: int) -> None:
+    """Rank 1's bucket 0 is stamped 1.1-2.2 ms late at every step (its cores busy), bucket 1 on
+    time: the offset is the on-time pairs' (3 ms), in a full log and in a compact one (full
+    records every 4th step), where the median of all pairs lands among the late ones."""
+    from statistics import median
+
+    from ddpdoctor.analysis.clock_align import estimate_offsets
+
+    late = [1_100.0 + 27.5 * ((i * 7) % 40) for i in range(40)]
+    by_rank = {0: _done_steps(0, 0.0, [0.0] * 40, full_every), 1: _done_steps(1, 3_000.0, late, full_every)}
+    clocks = estimate_offsets(by_rank)
+    assert clocks.method == {0: "collective", 1: "collective"}
+    assert abs(clocks.offset_us[1] - 3_000.0) < 20.0, clocks.offset_us
+    # (what the median gave: the test would fail with it)
+    pairs = [
+        a.t0_wall_ns / 1000 + x - b.t0_wall_ns / 1000 - y
+        for a, b in zip(by_rank[1], by_rank[0], strict=True)
+        if not a.summary
+        for x, y in zip(a.b_done_us, b.b_done_us, strict=True)
+    ]
+    assert abs(median(pairs) - 3_000.0) > 300.0
