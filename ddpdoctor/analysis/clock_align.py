@@ -70,7 +70,9 @@ def densest_median(values: list[float], share: float = DENSEST_SHARE) -> float:
     to one side: with half of them late and spread, and half tight, it is the tight half's."""
     x = sorted(values)
     k = max(1, min(len(x), math.ceil(share * len(x))))
-    start = min(range(len(x) - k + 1), key=lambda i: x[i + k - 1] - x[i])
+    # (the i-th interval of k values is x[i] .. x[i + k - 1]; the shorter list ends the pairs)
+    widths = [b - a for a, b in zip(x, x[k - 1 :], strict=False)]
+    start = widths.index(min(widths))
     return median(x[start : start + k])
 
 
