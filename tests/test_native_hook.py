@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -461,6 +462,42 @@ def test_the_launcher_finds_the_cached_build_without_importing_torch(
     assert out.stdout.split() == [str(native_built), "False"]
     monkeypatch.setenv(native_hook.FAULT_ENV, "compile")  # another source: another name, not built
     assert native_cache.cached_build() is None
+
+
+def test_a_rank_loads_the_cached_build_without_torchs_build_tools(native_built: Path) -> None:
+    """A rank that loads the cached extension and trains on the native route imports neither
+    ``torch.utils.cpp_extension`` nor setuptools (that import put setuptools and distutils in the
+    training process, and on a CUDA build without a CUDA runtime a warning on every rank's
+    stderr); the cache it looks in is the one torch's own function names."""
+    code = textwrap.dedent(
+        """
+        import os, sys, socket, torch, torch.distributed as dist
+        from torch import nn
+        import ddpdoctor
+        from ddpdoctor.runtime import native_hook
+        from ddpdoctor.sinks.memory import MemorySink
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+        monitor = ddpdoctor.instrument(ddp, sink=MemorySink())
+        for _ in range(3):
+            ddp(torch.randn(2, 4)).sum().backward()
+        monitor.close()
+        print(monitor.attachment.header.timing, "torch.utils.cpp_extension" in sys.modules, "setuptools" in sys.modules)
+        print(native_hook.build_directory("x"))
+        from torch.utils.cpp_extension import get_default_build_root
+        print(os.path.join(get_default_build_root(), "x"))
+        dist.destroy_process_group()
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != native_hook.FAULT_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "native False False", out.stdout
+    assert lines[1] == lines[2]
 
 
 def test_run_launcher_builds_first_and_tells_the_ranks_when_it_cannot(

@@ -102,9 +102,7 @@ def extension_name(text: str | None = None) -> str:
 def build_directory(name: str) -> Path:
     """Where ``name`` is built and cached: under torch's default extension directory
     (``get_default_build_root``: ``$XDG_CACHE_HOME`` or ``~/.cache``, then ``torch_extensions``)."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return Path(get_default_build_root()) / name
+    return Path(torch_compat.extensions_root()) / name
 
 
 _built = native_cache.built

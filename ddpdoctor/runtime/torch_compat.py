@@ -26,6 +26,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import inspect
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -277,6 +278,21 @@ def reducer_parameter_count(ddp: Any) -> tuple[int | None, int]:
 
 
 #: where compiled autograd's switch lives (the routine forward reads it without a call)
+def extensions_root() -> str:
+    """torch's cache of built extensions (``cpp_extension.get_default_build_root``), read without
+    importing ``torch.utils.cpp_extension`` in the training process: that import brings in
+    setuptools and distutils, and on a CUDA build without a CUDA runtime it warns on every
+    rank's stderr. The build itself imports it, in a child process."""
+    try:
+        from torch import _appdirs
+
+        return os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
+    except Exception:  # noqa: BLE001 - another torch's layout: torch's own function, with its import
+        from torch.utils.cpp_extension import get_default_build_root
+
+        return str(get_default_build_root())
+
+
 COMPILED_AUTOGRAD_MODULE = "torch._dynamo.compiled_autograd"
 
 
