@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -94,35 +95,18 @@ def _done_steps(rank: int, offset_us: float, late_us: list[float], full_every: i
         done = [10_000.0 + late_us[i], 10_300.0]
         jitter = (i % 5) * 2.0  # (µs: the hop)
         wall = 1_000_000_000_000 + i * 20_000_000 + int((offset_us + jitter) * 1000)
+        common: dict[str, Any] = {
+            "rank": rank,
+            "step": i,
+            "t0_mono_ns": 0,
+            "t0_wall_ns": wall,
+            "sync_end_us": max(done),
+            "end_us": 20_000.0,
+        }
         if i % full_every == 0:
-            steps.append(
-                Step(
-                    rank=rank,
-                    step=i,
-                    t0_mono_ns=0,
-                    t0_wall_ns=wall,
-                    b_ready_us=[100.0, 200.0],
-                    b_done_us=done,
-                    b_bytes=[64, 64],
-                    sync_end_us=max(done),
-                    end_us=20_000.0,
-                )
-            )
+            steps.append(Step(**common, b_ready_us=[100.0, 200.0], b_done_us=list(done), b_bytes=[64, 64]))
         else:
-            steps.append(
-                Step(
-                    rank=rank,
-                    step=i,
-                    t0_mono_ns=0,
-                    t0_wall_ns=wall,
-                    summary=True,
-                    b_count=2,
-                    b_first_ready_us=100.0,
-                    b_last_ready_us=200.0,
-                    sync_end_us=max(done),
-                    end_us=20_000.0,
-                )
-            )
+            steps.append(Step(**common, summary=True, b_count=2, b_first_ready_us=100.0, b_last_ready_us=200.0))
     return steps
 
 
@@ -145,6 +129,6 @@ def test_a_rank_stamping_half_its_completions_late_keeps_its_offset(full_every: 
         a.t0_wall_ns / 1000 + x - b.t0_wall_ns / 1000 - y
         for a, b in zip(by_rank[1], by_rank[0], strict=True)
         if not a.summary
-        for x, y in zip(a.b_done_us, b.b_done_us, strict=True)
+        for x, y in zip(cast(list[float], a.b_done_us), cast(list[float], b.b_done_us), strict=True)
     ]
     assert abs(median(pairs) - 3_000.0) > 300.0

@@ -286,7 +286,7 @@ def extensions_root() -> str:
     try:
         from torch import _appdirs
 
-        return os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))
+        return os.path.realpath(str(_appdirs.user_cache_dir(appname="torch_extensions")))
     except Exception:  # noqa: BLE001 - another torch's layout: torch's own function, with its import
         from torch.utils.cpp_extension import get_default_build_root
 
