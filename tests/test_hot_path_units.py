@@ -345,3 +345,29 @@ def test_next_sampled_is_the_first_sampled_step_from_there() -> None:
         for step in range(400):
             expected = next(s for s in itertools.count(step) if is_sampled(s, every))
             assert next_sampled(step, every) == expected, (step, every)
+
+
+def test_a_step_is_anchored_where_it_starts_not_after_the_batch_its_forward_emits() -> None:
+    """A forward that closes the step before may emit a batch of records (at the first step, and
+    every 16th) before it opens its own. The new step's monotonic and wall anchors are read with
+    its start, so the records chain: each step starts where the one before ended, however long
+    the emission took (here 3 ms a record: a loaded host's sink and live checks)."""
+    out: list[Record] = []
+
+    def slow_emit(record: Record) -> None:
+        began = time.perf_counter_ns()
+        while time.perf_counter_ns() - began < 3_000_000:
+            pass
+        out.append(record)
+
+    rec = StepRecorder(0, 0, slow_emit, HostClock())
+    for _ in range(20):  # (bare steps: a synchronizing forward each, nothing else)
+        rec.forward_start(sync=True)
+        rec.forward_end()
+    rec.close()
+    steps = [r for r in out if isinstance(r, Step)]
+    assert [s.step for s in steps] == list(range(20))
+    for a, b in zip(steps, steps[1:], strict=False):
+        assert a.end_us is not None
+        assert abs((b.t0_mono_ns - a.t0_mono_ns) / 1000.0 - a.end_us) < 500.0, (a.step, b.t0_mono_ns - a.t0_mono_ns)
+        assert abs((b.t0_wall_ns - a.t0_wall_ns) / 1000.0 - a.end_us) < 500.0, a.step

@@ -221,15 +221,20 @@ class StepRecorder:
         """Open (or continue) the step this forward belongs to, and return it."""
         now = self.clock.now()
         step = self.current
+        opened = None
         if step is not None and (step.ready or (sync and step.synced_forward)):
             if step.opt_start is not None and step.opt_end is None:
                 # an optimizer step that runs a closure (Lightning): its pre-hook came before
                 # this forward, which belongs to it; optimizer_end places the step's start
                 step.opt_start = None
+            # opened before the close: its monotonic and wall anchors are read now, with its
+            # start, not after a batch the close may emit (hundreds of µs under load: every
+            # time of the step would be placed that much late on the aligned clock)
+            opened = OpenStep(self._next_index, now)
             self._close(step, now)
             step = None
         if step is None:
-            step = self.current = OpenStep(self._next_index, now)
+            step = self.current = opened if opened is not None else OpenStep(self._next_index, now)
             self._next_index += 1
             if not self.bucket_marks_every_step:
                 step.all_marks = is_sampled(step.index, DEFAULT_EVERY)
