@@ -36,6 +36,7 @@ MIN_FULL_STEPS = 8
 #: The share of the differences whose tightest interval gives the offset (``densest_median``): a
 #: quarter, so lag-free pairs still decide where a late bucket is half of them or more.
 DENSEST_SHARE = 0.25
+#: ... and at least this many of them (the live view estimates from its last few steps).
 MIN_DENSEST = 8
 
 
@@ -70,8 +71,8 @@ def densest_median(values: list[float], share: float = DENSEST_SHARE) -> float:
     of them. Unlike the median of all it stays on the tight cluster when many values spread out
     to one side: with half of them late and spread, and half tight, it is the tight half's."""
     x = sorted(values)
-    # (at least MIN_DENSEST values: the live view estimates from its last few steps, where a
-    # quarter would be two or three values and follow the hop's jitter)
+    # (at least MIN_DENSEST values: of a few steps' differences, a quarter would be two or three
+    # values and follow the hop's jitter)
     k = min(len(x), max(MIN_DENSEST, math.ceil(share * len(x))))
     # (the i-th interval of k values is x[i] .. x[i + k - 1]; the shorter list ends the pairs)
     widths = [b - a for a, b in zip(x, x[k - 1 :], strict=False)]

@@ -274,10 +274,6 @@ def reducer_parameter_count(ddp: Any) -> tuple[int | None, int]:
     return (int(old) if old is not None else None), len(parameters)
 
 
-# -- compiled autograd: it traces the hooks of a graph and knows Python hooks, not C++ ones ------
-
-
-#: where compiled autograd's switch lives (the routine forward reads it without a call)
 def extensions_root() -> str:
     """torch's cache of built extensions (``cpp_extension.get_default_build_root``), read without
     importing ``torch.utils.cpp_extension`` in the training process: that import brings in
@@ -293,6 +289,10 @@ def extensions_root() -> str:
         return str(get_default_build_root())
 
 
+# -- compiled autograd: it traces the hooks of a graph and knows Python hooks, not C++ ones ------
+
+
+#: where compiled autograd's switch lives (the routine forward reads it without a call)
 COMPILED_AUTOGRAD_MODULE = "torch._dynamo.compiled_autograd"
 
 
