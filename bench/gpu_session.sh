@@ -5,7 +5,8 @@
 # (or ./gpu-session), one file per step. Wheels missing there (msgspec) travel in .whl/.
 #
 #   bash bench/gpu_session.sh            # all of it
-#   bash bench/gpu_session.sh gpu        # the GPU tests and bench only
+#   bash bench/gpu_session.sh gpu        # the GPU tests, real jobs and benches only
+#   bash bench/gpu_session.sh attrib     # those, and the transformer overhead's attribution
 #   bash bench/gpu_session.sh cpu        # the CPU benches only (with the short model's split by thread)
 set -u
 out=${OUT:-gpu-session}
@@ -28,15 +29,22 @@ step() {  # step NAME SECONDS COMMAND...: run it, bounded, its output to the scr
 mode=${1:-all}
 if [ "$mode" != cpu ]; then
   step pytest_gpu 170 python3 -m pytest -v -s -m gpu -p no:cacheprovider -o asyncio_mode=strict --timeout 140 tests/test_cuda.py
+  # real jobs under `ddpdoctor run`, each beside the same job plain: bit-identical losses, CUDA timing
+  step gpu_jobs 150 python3 bench/gpu_jobs.py --parallel 6
+  lt=$(mktemp -d)
+  step lightning_gpu 90 python3 -m ddpdoctor run --run-dir "$lt/run" -- python3 examples/zero_code/lightning_train.py \
+    --accelerator gpu --devices 1 --steps 12
+  step lightning_report 60 python3 -m ddpdoctor report "$lt/run"
+  step gpu_overhead 150 python3 bench/gpu_overhead.py --pairs 7 --json "$out/gpu_overhead.json"
   step hot_path_cuda 90 python3 bench/hot_path.py --device cuda --steps 1000 --pairs 6 --block 100
-  step gpu_overhead 120 python3 bench/gpu_overhead.py --pairs 7 --json "$out/gpu_overhead.json"
-  # what the transformer's overhead is made of: the comm hook's floor, timing events, full marks
-  step gpu_attrib 150 python3 bench/gpu_attrib.py --model transformer --pairs 5 --warmup 30 --events
+  if [ "$mode" = attrib ]; then  # what the transformer's overhead is made of: hook floor, events, marks
+    step gpu_attrib 150 python3 bench/gpu_attrib.py --model transformer --pairs 5 --warmup 30 --events
+  fi
   if [ -d .base/bench ]; then  # an earlier tree, carried: its figures beside these, on the same machine
     (cd .base && step gpu_overhead_base 120 python3 bench/gpu_overhead.py --pairs 7)
   fi
 fi
-[ "$mode" = gpu ] && exit 0
+[ "$mode" != all ] && exit 0
 step hot_path 120 python3 bench/hot_path.py --steps 2000
 step overhead 150 python3 bench/overhead.py --pairs 7 --no-profiler --no-debug-env
 # the short model's overhead split by thread and route (CPU columns), on quieter cores than the VM's

@@ -32,14 +32,16 @@ class Regressor(L.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--accelerator", default="cpu", help="gpu: one process per GPU, NCCL")
+    parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(512, 16, generator=gen), torch.randn(512, 1, generator=gen))
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         strategy="ddp",
-        devices=2,
+        devices=args.devices,
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,

@@ -1,0 +1,236 @@
+"""Real DDP jobs on one GPU (NCCL, world size 1) under ``ddpdoctor run``, each beside the same job
+run plain: the losses must be bit-identical, the run must be timed with CUDA events, and the report
+must read it. The scenarios are PyTorch's own DDP features that a user turns on.
+
+    python bench/gpu_jobs.py                  # every scenario, plain and instrumented, side by side
+    python bench/gpu_jobs.py --only fp16_hook autocast
+    python bench/gpu_jobs.py --device cpu     # the same on gloo, a check of this script without a GPU
+
+Each job is ``torchrun --standalone --nproc-per-node 1 bench/gpu_jobs.py --job SCENARIO``; the
+jobs run a few at a time (one GPU holds them all). Deterministic algorithms are on, so two plain
+runs of a scenario agree to the bit, and so must the instrumented one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = [
+    "plain",
+    "accumulate",
+    "static_graph",
+    "find_unused",
+    "fp16_hook",
+    "bf16_hook",
+    "powersgd",
+    "autocast",
+    "checkpoint",
+    "bucket_view",
+    "eval_between",
+    "join",
+]
+STEPS = 12
+
+
+def _job(scenario: str, device_kind: str) -> None:
+    """One rank of one scenario (under torchrun): trains STEPS steps, prints ``loss I VALUE``."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.checkpoint import checkpoint
+
+    torch.use_deterministic_algorithms(True)
+    cuda = device_kind == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU())
+            self.body = nn.ModuleList(nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4))
+            self.head = nn.Linear(256, 8)
+            # find_unused: a head used on even steps only (elsewhere DDP would fail on its missing grads)
+            self.side = nn.Linear(256, 8) if scenario == "find_unused" else None
+
+        def forward(self, x: torch.Tensor, use_side: bool = False) -> torch.Tensor:
+            h = self.stem(x)
+            for block in self.body:
+                h = checkpoint(block, h, use_reentrant=True) if scenario == "checkpoint" else block(h)
+            out = self.head(h)
+            return out + self.side(h) if use_side and self.side is not None else out
+
+    torch.manual_seed(0)
+    net = Net().to(device)
+    kwargs: dict[str, Any] = {"bucket_cap_mb": 0.25, "device_ids": [device.index] if cuda else None}
+    if scenario == "static_graph":
+        kwargs["static_graph"] = True
+    if scenario == "find_unused":
+        kwargs["find_unused_parameters"] = True
+    if scenario == "bucket_view":
+        kwargs["gradient_as_bucket_view"] = True
+    ddp = DDP(net, **kwargs)
+    if scenario == "fp16_hook":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    if scenario == "bf16_hook":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    if scenario == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=3)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)
+    # join: an uneven last batch count per rank (world size 1 still runs Join's shadow all-reduces)
+    batches = [(torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)) for _ in range(STEPS)]
+    losses: list[torch.Tensor] = []
+
+    def step(i: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        x, y = x.to(device), y.to(device)
+        use_side = scenario == "find_unused" and i % 2 == 0
+        if scenario == "accumulate" and i % 2 == 0:
+            with ddp.no_sync():
+                loss = ((ddp(x, use_side) - y) ** 2).mean()
+                loss.backward()
+            losses.append(loss.detach())
+            return
+        if scenario == "autocast":
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = ((ddp(x, use_side).float() - y) ** 2).mean()
+        else:
+            loss = ((ddp(x, use_side) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        if scenario == "eval_between" and i % 3 == 2:
+            ddp.eval()
+            with torch.no_grad():
+                ddp(x)
+            ddp.train()
+
+    if scenario == "join":
+        with Join([ddp]):
+            for i, (x, y) in enumerate(batches):
+                step(i, x, y)
+    else:
+        for i, (x, y) in enumerate(batches):
+            step(i, x, y)
+    if rank == 0:
+        for i, value in enumerate(losses):
+            print(f"loss {i} {float(value).hex()}", flush=True)
+    dist.destroy_process_group()
+
+
+def _losses(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("loss ")]
+
+
+def _run_scenario(scenario: str, device: str, root: Path) -> dict[str, Any]:
+    job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    job += [str(Path(__file__).resolve()), "--job", scenario, "--device", device]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONPATH": path}
+    run_dir = root / scenario
+    t0 = time.perf_counter()
+    plain = subprocess.run(job, capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    t1 = time.perf_counter()
+    wrapped = [sys.executable, "-m", "ddpdoctor", "run", "--run-dir", str(run_dir), "--", *job]
+    inst = subprocess.run(wrapped, capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    t2 = time.perf_counter()
+    report = subprocess.run(
+        [sys.executable, "-m", "ddpdoctor", "report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=root,
+    )
+    result: dict[str, Any] = {
+        "scenario": scenario,
+        "plain_rc": plain.returncode,
+        "rc": inst.returncode,
+        "report_rc": report.returncode,
+        "plain_s": t1 - t0,
+        "inst_s": t2 - t1,
+        "same_losses": bool(_losses(plain.stdout)) and _losses(plain.stdout) == _losses(inst.stdout),
+        "n_losses": len(_losses(inst.stdout)),
+        "stderr": [line for line in inst.stderr.splitlines() if line.strip()][-8:],
+        "plain_stderr": [line for line in plain.stderr.splitlines() if line.strip()][-8:],
+        "report": report.stdout.splitlines()[:40] + report.stderr.splitlines()[-8:],
+    }
+    try:
+        import ddpdoctor
+
+        run = ddpdoctor.load_run(run_dir)
+        log = run.ranks[0]
+        steps = [s for s in log.steps if not s.summary]
+        result.update(
+            clock=log.header.clock if log.header else None,
+            backend=log.header.backend if log.header else None,
+            timing=log.header.timing if log.header else None,
+            steps=len(steps),
+            per_bucket=sum(1 for s in steps if s.per_bucket()),
+            timed=sum(1 for s in steps if s.fwd_us is not None),
+            findings=sorted({f.code for f in ddpdoctor.analyze(run).findings}),
+        )
+    except Exception as exc:  # noqa: BLE001 - reported in the table, the other scenarios go on
+        result["load_error"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--parallel", type=int, default=4)
+    args = parser.parse_args()
+    if args.job is not None:
+        _job(args.job, args.device)
+        return 0
+    scenarios = args.only or SCENARIOS
+    failed = []
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
+        results = list(pool.map(lambda s: _run_scenario(s, args.device, Path(tmp)), scenarios))
+    for r in results:
+        ok = (
+            r["plain_rc"] == 0
+            and r["rc"] == 0
+            and r["report_rc"] == 0
+            and r["same_losses"]
+            and r.get("clock") == ("cuda" if args.device == "cuda" else "host")
+            and r.get("steps", 0) >= STEPS // 2
+        )
+        print(
+            f"{'SAME' if r['same_losses'] else 'DIFF'} {'ok ' if ok else 'BAD'} {r['scenario']:<13}"
+            f" rc {r['plain_rc']}/{r['rc']}/{r['report_rc']} losses {r['n_losses']}"
+            f" clock {r.get('clock')} {r.get('backend')} timing {r.get('timing')} steps {r.get('steps')}"
+            f" per-bucket {r.get('per_bucket')} timed {r.get('timed')} findings {r.get('findings')}"
+            f" plain {r['plain_s']:.1f}s inst {r['inst_s']:.1f}s {r.get('load_error', '')}"
+        )
+        if not ok:
+            failed.append(r["scenario"])
+            for key in ("stderr", "plain_stderr", "report"):
+                for line in r[key]:
+                    print(f"    {key}: {line}")
+    print(f"{len(results) - len(failed)}/{len(results)} scenarios ok" + (f"; failed: {failed}" if failed else ""))
+    # one report in full, for the record
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
