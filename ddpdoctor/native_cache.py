@@ -78,6 +78,22 @@ def _default_build_root() -> Path:
     return Path(os.path.realpath(os.path.join(cache, "torch_extensions")))
 
 
+def gpu_visible(environ: dict[str, str] | None = None, dev: Path = Path("/dev")) -> bool:
+    """Whether a job started here would see a GPU (an NVIDIA device node, or ROCm's ``/dev/kfd``;
+    ``CUDA_VISIBLE_DEVICES`` set to none hides them), found without importing torch.
+
+    A job that trains on a GPU takes the Python route (its marks are CUDA events), so it has no
+    use for the native build.
+    """
+    visible = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    try:
+        return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
+    except OSError:
+        return False
+
+
 def cached_build() -> Path | None:
     """The cached build the ranks would load, found without importing torch; None when there is
     none, or when this cannot tell (not Linux, no torch, an unreadable version file)."""

@@ -91,10 +91,13 @@ def _data(rank: int, steps: int, device: torch.device) -> list[tuple[torch.Tenso
     ]
 
 
-def train_pair(rank: int, world_size: int, tmp: str, device: str = "cuda", check_syncs: bool = True) -> dict[str, Any]:
+def train_pair(
+    rank: int, world_size: int, tmp: str, device: str = "cuda", check_syncs: bool = True, log: str = "compact"
+) -> dict[str, Any]:
     """The same six steps on a plain DDP, then on an instrumented one (sampled checks at 0, 1, 2,
     4: fingerprints, unused-parameter hooks, the post-forward timing; buffers broadcast every
-    step), both under the sync debug mode after the warm-up (``check_syncs``).
+    step), both under the sync debug mode after the warm-up (``check_syncs``). ``log``: the
+    instrumented run's log mode ("full" also marks every bucket of every step with CUDA events).
 
     With NCCL the world size is 1 here (one GPU); with gloo two ranks share the GPU over CUDA
     tensors (NCCL refuses two ranks on one device). That run is not checked for synchronizations:
@@ -115,7 +118,7 @@ def train_pair(rank: int, world_size: int, tmp: str, device: str = "cuda", check
     plain, plain_opt = build()
     plain_losses, plain_sync = _train(plain, plain_opt, data, dev, check_syncs)
     ddp, opt = build()
-    with ddpdoctor.instrument(ddp, run_dir=Path(tmp), check_every=2, log="full") as monitor:
+    with ddpdoctor.instrument(ddp, run_dir=Path(tmp), check_every=2, log=log) as monitor:
         losses, sync = _train(ddp, opt, data, dev, check_syncs)
         probes_on = dict(monitor.probes.on)
     return {

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ddpdoctor
+from ddpdoctor.events.schedule import DEFAULT_EVERY, is_sampled
 from tests.cuda_workers import agreement_train, train_pair
 from tests.ddp_harness import run_ranks
 
@@ -42,7 +43,7 @@ def test_cuda_clock_resolves_events_without_blocking() -> None:
     assert us is not None and us > 0
 
 
-def _check_pair(results: list[dict[str, Any]], tmp_path: Path, backend: str, world_size: int) -> None:
+def _check_pair(results: list[dict[str, Any]], tmp_path: Path, backend: str, world_size: int, mode: str) -> None:
     for r in results:
         print(r)  # (on the GPU machine: what each rank saw, for the record)
         # no synchronization added: where the plain DDP had none, the instrumented one has none;
@@ -55,24 +56,27 @@ def _check_pair(results: list[dict[str, Any]], tmp_path: Path, backend: str, wor
         assert all(r["probes_on"].values()), r["probes_on"]
     run = ddpdoctor.load_run(tmp_path)
     assert len(run.ranks) == world_size
+    trained = len(results[0]["losses"])
     for log in run.ranks.values():
         assert log.header is not None and log.header.clock == "cuda" and log.header.backend == backend
-        steps = [s for s in log.steps if not s.summary]
+        steps = log.steps  # full records and, in the compact log, the window rows between them
         for s in steps:
             print(s)
-        assert len(steps) >= len(results[0]["losses"])  # (a step stopped by a synchronization counts)
-        for s in steps[: len(results[0]["losses"])]:
+        assert len(steps) >= trained  # (a step stopped by a synchronization counts)
+        for s in steps[:trained]:
             assert s.clock == "cuda"
-            # every bucket at the sampled steps (0, 1, 3, ...); between them the first and last
-            # bucket ready and DDP's wait's end (timing events cost the GPU: step_recorder)
-            assert s.per_bucket() == (s.step in (0, 1, 3)), s
-            if s.per_bucket():
-                assert s.b_ready_us and len(s.b_done_us) == len(s.b_ready_us)
+            # the full log marks every bucket of every step; the compact one only at the sampled
+            # steps (0, 1, 3, ...), and between them the first and last bucket ready and DDP's
+            # wait's end (timing events cost the GPU: step_recorder)
+            marked = mode == "full" or is_sampled(s.step, DEFAULT_EVERY)
+            assert s.per_bucket() == marked, s
+            if marked:
+                assert not s.summary and s.b_ready_us and len(s.b_done_us) == len(s.b_ready_us), s
                 assert all(r <= d for r, d in zip(s.b_ready_us, s.b_done_us, strict=True))
             else:
                 span = s.ready_span_us()
-                assert span is not None and s.b_done_us == [] and s.b_bytes and None not in s.b_bytes
-                assert s.sync_end_us is not None and span[1] <= s.sync_end_us
+                assert span is not None and not s.b_done_us and s.bucket_bytes() > 0, s
+                assert s.sync_end_us is not None and span[0] <= span[1] <= s.sync_end_us, s
             assert s.fwd_us is not None and s.fwd_us > 0
             assert s.bcast_us is not None and s.bcast_us > 0  # BatchNorm's buffers, every step
             assert s.bwd_end_us is not None and s.opt_start_us is not None
@@ -81,13 +85,16 @@ def _check_pair(results: list[dict[str, Any]], tmp_path: Path, backend: str, wor
 
 
 def test_nccl_world_size_one_adds_no_synchronization(tmp_path: Path) -> None:
+    """The default (compact) log: every bucket marked at the sampled steps only."""
     results = run_ranks(train_pair, 1, args=(str(tmp_path),), backend="nccl", timeout=120)
-    _check_pair(results, tmp_path, "nccl", 1)
+    _check_pair(results, tmp_path, "nccl", 1, "compact")
 
 
 def test_two_ranks_on_one_gpu_with_gloo_over_cuda_tensors(tmp_path: Path) -> None:
-    results = run_ranks(train_pair, 2, args=(str(tmp_path), "cuda", False), backend="gloo", timeout=120)
-    _check_pair(results, tmp_path, "gloo", 2)
+    """The full log: every bucket of every step marked with CUDA events."""
+    args = (str(tmp_path), "cuda", False, "full")
+    results = run_ranks(train_pair, 2, args=args, backend="gloo", timeout=120)
+    _check_pair(results, tmp_path, "gloo", 2, "full")
 
 
 def test_marks_agree_with_independent_events_on_a_side_stream(tmp_path: Path) -> None:

@@ -518,6 +518,38 @@ def test_run_launcher_builds_first_and_tells_the_ranks_when_it_cannot(
     assert err.count("ddpdoctor run: warning:") == 1 and "Python comm hook" in err
 
 
+def test_run_launcher_builds_nothing_where_the_job_would_see_a_gpu(tmp_path: Path) -> None:
+    from ddpdoctor import native_cache
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    assert not native_cache.gpu_visible({}, dev)
+    (dev / "nvidiactl").touch()  # the driver's control node alone is no GPU
+    assert not native_cache.gpu_visible({}, dev)
+    (dev / "nvidia0").touch()
+    assert native_cache.gpu_visible({}, dev)
+    assert native_cache.gpu_visible({"CUDA_VISIBLE_DEVICES": "0"}, dev)
+    assert not native_cache.gpu_visible({"CUDA_VISIBLE_DEVICES": ""}, dev)  # hidden: a CPU job
+    assert not native_cache.gpu_visible({"CUDA_VISIBLE_DEVICES": "-1"}, dev)
+    (dev / "nvidia0").unlink()
+    (dev / "kfd").touch()  # ROCm
+    assert native_cache.gpu_visible({}, dev)
+
+
+def test_run_launcher_skips_the_build_on_a_gpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the build bound to fail, a GPU host's launcher neither builds nor turns the route off."""
+    from ddpdoctor import native_cache
+    from ddpdoctor.cli.run_cmd import prepare_native
+
+    monkeypatch.setenv(native_hook.FAULT_ENV, "compile")  # any build attempt would fail and say so
+    monkeypatch.setattr(native_cache, "gpu_visible", lambda environ=None, dev=None: True)
+    env: dict[str, str] = {}
+    prepare_native(env, "ddpdoctor run", gpu_skips=True)
+    assert env == {}
+    prepare_native(env, "ddpdoctor demo")  # the demo trains on CPU: it builds (and here fails)
+    assert env[native_hook.ENV] == "0"
+
+
 def _half_grads(rank: int, dtype: torch.dtype, instrumented: bool) -> list[torch.Tensor]:
     """The gradients of 3 steps of a model in ``dtype`` (every step's, all-reduced)."""
     ddp = DDP(make_model().to(dtype), bucket_cap_mb=BUCKET_CAP_MB)

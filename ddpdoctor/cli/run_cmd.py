@@ -90,7 +90,7 @@ NATIVE_ENV = "DDPDOCTOR_NATIVE"
 NATIVE_BUILD_TIMEOUT_S = 900.0
 
 
-def prepare_native(env: dict[str, str], prefix: str) -> None:
+def prepare_native(env: dict[str, str], prefix: str, gpu_skips: bool = False) -> None:
     """Build ddpdoctor's native comm hook before any rank starts, so the ranks only load it.
 
     The build (~30 s, once per torch version, then cached) runs in a child process of this
@@ -98,8 +98,14 @@ def prepare_native(env: dict[str, str], prefix: str) -> None:
     torch import took 2.5 s of every launch). When it cannot be built, ``env`` gets
     ``DDPDOCTOR_NATIVE=0``: the ranks take the Python comm hook at once instead of each trying
     to build. Says so in one line; never fails the run.
+
+    ``gpu_skips``: on a host with a visible GPU, build nothing. A job there trains on the GPU, whose
+    buckets the Python route times with CUDA events, and a first build held such a job 36 s (an
+    H200 host's 16 cores) for nothing; a CPU job there builds it in its ranks on first use.
     """
     if env.get(NATIVE_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return
+    if gpu_skips and native_cache.gpu_visible(env):
         return
     if native_cache.cached_build() is not None:
         return
@@ -197,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"ddpdoctor run: note: {advice}", file=sys.stderr, flush=True)
     if args.endpoint:
         print(f"ddpdoctor run: streaming to {args.endpoint}", flush=True)
-    prepare_native(env, "ddpdoctor run")
+    prepare_native(env, "ddpdoctor run", gpu_skips=True)
     try:
         proc = subprocess.Popen(cmd, env=env)
     except OSError as exc:
