@@ -139,6 +139,10 @@ def _losses(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith("loss ")]
 
 
+def _warnings(stderr: str) -> set[str]:
+    return {line.split(": ", 1)[-1][:160] for line in stderr.splitlines() if "Warning" in line}
+
+
 def _run_scenario(scenario: str, device: str, root: Path) -> dict[str, Any]:
     job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     job += [str(Path(__file__).resolve()), "--job", scenario, "--device", device]
@@ -171,6 +175,8 @@ def _run_scenario(scenario: str, device: str, root: Path) -> dict[str, Any]:
         "stderr": [line for line in inst.stderr.splitlines() if line.strip()][-8:],
         "plain_stderr": [line for line in plain.stderr.splitlines() if line.strip()][-8:],
         "report": report.stdout.splitlines()[:40] + report.stderr.splitlines()[-8:],
+        # warnings the instrumented job printed and the plain one did not (ddpdoctor's own or torch's)
+        "new_warnings": sorted(_warnings(inst.stderr) - _warnings(plain.stderr)),
     }
     try:
         import ddpdoctor
@@ -222,13 +228,14 @@ def main() -> int:
             f" per-bucket {r.get('per_bucket')} timed {r.get('timed')} findings {r.get('findings')}"
             f" plain {r['plain_s']:.1f}s inst {r['inst_s']:.1f}s {r.get('load_error', '')}"
         )
+        for line in r["new_warnings"]:
+            print(f"    new warning: {line}")
         if not ok:
             failed.append(r["scenario"])
             for key in ("stderr", "plain_stderr", "report"):
                 for line in r[key]:
                     print(f"    {key}: {line}")
     print(f"{len(results) - len(failed)}/{len(results)} scenarios ok" + (f"; failed: {failed}" if failed else ""))
-    # one report in full, for the record
     return 1 if failed else 0
 
 

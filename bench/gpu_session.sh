@@ -25,13 +25,15 @@ step() {  # step NAME SECONDS COMMAND...: run it, bounded, its output to the scr
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
   echo "== $name: exit ${PIPESTATUS[0]}"
 }
-{ nvidia-smi -L; nproc; python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version())"; } 2>&1 | tee "$out/machine.txt"
+{ nvidia-smi -L; nproc; ls /dev | grep -E '^(nvidia|kfd)' | tr '\n' ' '; echo
+  python3 -c "from ddpdoctor import native_cache; print('gpu_visible', native_cache.gpu_visible())"; python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version())"; } 2>&1 | tee "$out/machine.txt"
 mode=${1:-all}
 if [ "$mode" != cpu ]; then
   step pytest_gpu 170 python3 -m pytest -v -s -m gpu -p no:cacheprovider -o asyncio_mode=strict --timeout 140 tests/test_cuda.py
   # real jobs under `ddpdoctor run`, each beside the same job plain: bit-identical losses, CUDA timing
   step gpu_jobs 150 python3 bench/gpu_jobs.py --parallel 6
   lt=$(mktemp -d)
+  step lightning_gpu_plain 90 python3 examples/zero_code/lightning_train.py --accelerator gpu --devices 1 --steps 12
   step lightning_gpu 90 python3 -m ddpdoctor run --run-dir "$lt/run" -- python3 examples/zero_code/lightning_train.py \
     --accelerator gpu --devices 1 --steps 12
   step lightning_report 60 python3 -m ddpdoctor report "$lt/run"
