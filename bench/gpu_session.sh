@@ -31,7 +31,7 @@ mode=${1:-all}
 if [ "$mode" != cpu ]; then
   step pytest_gpu 170 python3 -m pytest -v -s -m gpu -p no:cacheprovider -o asyncio_mode=strict --timeout 140 tests/test_cuda.py
   # real jobs under `ddpdoctor run`, each beside the same job plain: bit-identical losses, CUDA timing
-  step gpu_jobs 150 python3 bench/gpu_jobs.py --parallel 6
+  step real_jobs 150 python3 bench/real_jobs.py --parallel 6
   lt=$(mktemp -d)
   step lightning_gpu_plain 90 python3 examples/zero_code/lightning_train.py --accelerator gpu --devices 1 --steps 12
   step lightning_gpu 90 python3 -m ddpdoctor run --run-dir "$lt/run" -- python3 examples/zero_code/lightning_train.py \
