@@ -2,7 +2,8 @@
 # The checks for a lent GPU machine (one GPU, torch already installed, no network), in one go:
 # the GPU tests, the GPU overhead bench, then the CPU benches on that machine's quieter cores.
 # Each step is bounded so a hang in one still leaves the others' figures. Results go to $OUT
-# (or ./gpu-session), one file per step. Wheels missing there (msgspec) travel in .whl/.
+# (or ./gpu-session): machine.txt, the JSON figures, and steps.tar (one NAME.txt a step). Wheels
+# missing there (msgspec) travel in .whl/.
 #
 #   bash bench/gpu_session.sh            # all of it
 #   bash bench/gpu_session.sh gpu        # the GPU tests, real jobs and benches only
@@ -18,12 +19,16 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 else
   export PYTHONPATH=$PWD
 fi
+# Each step's output is appended to $out/steps.tar as NAME.txt once the step ends: the device tool
+# brings back at most 8 files, and a session writes more steps than that (a killed step's output
+# stays a file of its own).
 step() {  # step NAME SECONDS COMMAND...: run it, bounded, its output to the screen and $out/NAME.txt
   local name=$1 limit=$2
   shift 2
   echo "== $name ($(date +%T), at most ${limit}s): $*"
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
   echo "== $name: exit ${PIPESTATUS[0]}"
+  tar rf "$out/steps.tar" -C "$out" "$name.txt" && rm -f "$out/$name.txt"
 }
 { nvidia-smi -L; nproc; ls /dev | grep -E '^(nvidia|kfd)' | tr '\n' ' '; echo
   python3 -c "from ddpdoctor import native_cache; print('gpu_visible', native_cache.gpu_visible())"; python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version())"; } 2>&1 | tee "$out/machine.txt"
