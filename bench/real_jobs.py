@@ -152,7 +152,10 @@ def _warnings(stderr: str) -> set[str]:
     }
 
 
-def _run_scenario(scenario: str, device: str, nproc: int, root: Path) -> dict[str, Any]:
+def run_scenario(scenario: str, device: str, nproc: int, root: Path) -> dict[str, Any]:
+    """One scenario's job plain, then under ``ddpdoctor run`` (its run dir under ``root``), then
+    ``ddpdoctor report``: exit codes, times, whether rank 0's losses are the same, the warnings the
+    instrumented job added, and what the log says (clock, backend, timing route, steps, findings)."""
     job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     job += [str(Path(__file__).resolve()), "--job", scenario, "--device", device]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
@@ -227,7 +230,7 @@ def main() -> int:
     failed: list[str] = []
     both_fail: list[str] = []
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
-        results = list(pool.map(lambda s: _run_scenario(s, args.device, args.nproc, Path(tmp)), scenarios))
+        results = list(pool.map(lambda s: run_scenario(s, args.device, args.nproc, Path(tmp)), scenarios))
     for r in results:
         if r["plain_rc"] != 0 and r["rc"] == r["plain_rc"]:
             both_fail.append(r["scenario"])  # ddpdoctor changed nothing: the job fails without it too

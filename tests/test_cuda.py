@@ -124,3 +124,23 @@ def test_marks_agree_with_independent_events_on_a_side_stream(tmp_path: Path) ->
         assert s.bwd_end_us is not None and r["bwd_start"] - slack <= s.bwd_end_us <= r["bwd_return"] + slack
         # the backward's compute is most of the span between its start and its return
         assert span[1] - r["bwd_start"] > 0.5 * (r["bwd_return"] - r["bwd_start"]), (s.b_ready_us, r)
+
+
+def test_real_jobs_under_ddpdoctor_run_train_as_they_do_without_it(tmp_path: Path) -> None:
+    """PyTorch's DDP features as torchrun jobs on the GPU (NCCL), each under ``ddpdoctor run``
+    beside the same job run plain (``bench/real_jobs.py``): bit-identical losses, a log timed with
+    CUDA events that the report reads, no warning the plain job did not print."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench.real_jobs import STEPS, run_scenario
+
+    scenarios = ["fp16_hook", "static_graph", "join"]
+    with ThreadPoolExecutor(len(scenarios)) as pool:
+        results = list(pool.map(lambda name: run_scenario(name, "cuda", 1, tmp_path), scenarios))
+    for r in results:
+        print({k: v for k, v in r.items() if k not in ("report", "stderr", "plain_stderr")})
+        assert (r["plain_rc"], r["rc"], r["report_rc"]) == (0, 0, 0), r
+        assert r["same_losses"] and r["n_losses"] == STEPS, r
+        assert (r["clock"], r["backend"], r["timing"]) == ("cuda", "nccl", "python"), r
+        assert r["steps"] >= STEPS // 2 and r["per_bucket"] >= 3, r  # (steps 0, 1, 3 marked in full)
+        assert not r["new_warnings"], r["new_warnings"]
