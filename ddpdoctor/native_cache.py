@@ -15,6 +15,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 #: The C++ source of the native comm hook.
@@ -78,16 +79,20 @@ def _default_build_root() -> Path:
     return Path(os.path.realpath(os.path.join(cache, "torch_extensions")))
 
 
-def gpu_visible(environ: dict[str, str] | None = None, dev: Path = Path("/dev")) -> bool:
-    """Whether a job started here would see a GPU (an NVIDIA device node, or ROCm's ``/dev/kfd``;
-    ``CUDA_VISIBLE_DEVICES`` set to none hides them), found without importing torch.
+def gpu_visible(environ: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> bool:
+    """Whether a job started here would see a GPU (an NVIDIA device node, or ROCm's ``/dev/kfd``),
+    found without importing torch. ``CUDA_VISIBLE_DEVICES`` hides them when its first entry names
+    no device: CUDA reads the list up to the first entry that is not an index or a GPU or MIG
+    UUID, so ``""``, ``-1`` and a scheduler's ``NoDevFiles`` all mean none.
 
     A job that trains on a GPU takes the Python route (its marks are CUDA events), so it has no
     use for the native build.
     """
     visible = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return False
+    if visible is not None:
+        first = visible.split(",")[0].strip()
+        if not (first.isdigit() or first.startswith(("GPU-", "MIG-"))):
+            return False
     try:
         return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
     except OSError:

@@ -533,6 +533,8 @@ def test_run_launcher_builds_nothing_where_the_job_would_see_a_gpu(tmp_path: Pat
     assert native_cache.gpu_visible({"CUDA_VISIBLE_DEVICES": "0"}, dev)
     assert not native_cache.gpu_visible({"CUDA_VISIBLE_DEVICES": ""}, dev)  # hidden: a CPU job
     assert not native_cache.gpu_visible({"CUDA_VISIBLE_DEVICES": "-1"}, dev)
+    assert not native_cache.gpu_visible({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, dev)  # (a scheduler's none)
+    assert native_cache.gpu_visible({"CUDA_VISIBLE_DEVICES": "GPU-3bf43ea9,1"}, dev)
     (dev / "nvidia0").unlink()
     (dev / "kfd").touch()  # ROCm
     assert native_cache.gpu_visible({}, dev)
@@ -547,7 +549,7 @@ def test_run_launcher_skips_the_build_on_a_gpu_host(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(native_cache, "gpu_visible", lambda environ=None, dev=None: True)
     env: dict[str, str] = {}
     prepare_native(env, "ddpdoctor run", gpu_skips=True)
-    assert env == {}  # (the build above, on a CPU host, fails and says so in env)
+    assert env == {}  # nothing built and nothing told to the ranks (a build would have failed and said so)
 
 
 def _half_grads(rank: int, dtype: torch.dtype, instrumented: bool) -> list[torch.Tensor]:
