@@ -175,6 +175,7 @@ def run_scenario(scenario: str, device: str, nproc: int, root: Path) -> dict[str
         env=env,
         cwd=root,
     )
+    plain_losses, inst_losses = _losses(plain.stdout), _losses(inst.stdout)
     result: dict[str, Any] = {
         "scenario": scenario,
         "plain_rc": plain.returncode,
@@ -182,8 +183,8 @@ def run_scenario(scenario: str, device: str, nproc: int, root: Path) -> dict[str
         "report_rc": report.returncode,
         "plain_s": t1 - t0,
         "inst_s": t2 - t1,
-        "same_losses": bool(_losses(plain.stdout)) and _losses(plain.stdout) == _losses(inst.stdout),
-        "n_losses": len(_losses(inst.stdout)),
+        "same_losses": bool(plain_losses) and plain_losses == inst_losses,
+        "n_losses": len(inst_losses),
         "stderr": [line for line in inst.stderr.splitlines() if line.strip()][-8:],
         "plain_stderr": [line for line in plain.stderr.splitlines() if line.strip()][-8:],
         "report": report.stdout.splitlines()[:40] + report.stderr.splitlines()[-8:],
@@ -223,7 +224,7 @@ def main() -> int:
 
         _job(args.job, args.device)
         # after the job's DDP is gone: a gloo rank that freed its DDP after this hung at exit
-        # (torch 2.13, CPU; 2 runs of 5), with or without ddpdoctor
+        # (torch 2.13, CPU: 2 of 5 plain runs, no ddpdoctor in them)
         dist.destroy_process_group()
         return 0
     scenarios = args.only or SCENARIOS
