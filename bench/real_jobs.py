@@ -1,6 +1,8 @@
 """Real DDP jobs under ``ddpdoctor run``, each beside the same job run plain: rank 0's losses must
 be bit-identical, the log must be timed on the job's clock (CUDA events on a GPU), and the report
-must read it. The scenarios are PyTorch's own DDP features that a user turns on.
+must read it. The scenarios are PyTorch's own DDP features that a user turns on, and what real
+training loops put around DDP: a sparse embedding's gradient, SyncBatchNorm (GPU only),
+``ZeroRedundancyOptimizer``, gradient clipping between the backward and the optimizer step.
 
     python bench/real_jobs.py                         # one GPU, NCCL: every scenario, side by side
     python bench/real_jobs.py --only fp16_hook autocast
@@ -40,7 +42,13 @@ SCENARIOS = [
     "bucket_view",
     "eval_between",
     "join",
+    "sparse_embedding",
+    "sync_bn",
+    "zero",
+    "grad_clip",
 ]
+#: SyncBatchNorm reduces its statistics on a GPU only: not run with ``--device cpu``.
+CUDA_ONLY = {"sync_bn"}
 STEPS = 12
 #: A job still running after this long prints every thread's stack and exits.
 HANG_S = float(os.environ.get("REAL_JOBS_HANG_S", "120"))
@@ -73,8 +81,12 @@ def _job(scenario: str, device_kind: str) -> None:
             self.head = nn.Linear(256, 8)
             # find_unused: a head used on even steps only (elsewhere DDP would fail on its missing grads)
             self.side = nn.Linear(256, 8) if scenario == "find_unused" else None
+            # sparse_embedding: rows looked up from ids the input gives (a sparse gradient)
+            self.emb = nn.Embedding(100, 64, sparse=True) if scenario == "sparse_embedding" else None
 
         def forward(self, x: torch.Tensor, use_side: bool = False) -> torch.Tensor:
+            if self.emb is not None:
+                x = x + self.emb((x.abs() * 10).long() % 100).mean(dim=1)
             h = self.stem(x)
             for block in self.body:
                 h = checkpoint(block, h, use_reentrant=True) if scenario == "checkpoint" else block(h)
@@ -83,6 +95,8 @@ def _job(scenario: str, device_kind: str) -> None:
 
     torch.manual_seed(0)
     net = Net().to(device)
+    if scenario == "sync_bn":
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     kwargs: dict[str, Any] = {"bucket_cap_mb": 0.25, "device_ids": [device.index] if cuda else None}
     if scenario == "static_graph":
         kwargs["static_graph"] = True
@@ -98,7 +112,13 @@ def _job(scenario: str, device_kind: str) -> None:
     if scenario == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=3)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    opt: Any
+    if scenario == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
     # join: uneven inputs, one batch fewer per rank (world size 1 still runs Join's hooks)
     count = STEPS - rank if scenario == "join" else STEPS
@@ -120,6 +140,8 @@ def _job(scenario: str, device_kind: str) -> None:
         else:
             loss = ((ddp(x, use_side) - y) ** 2).mean()
         loss.backward()
+        if scenario == "grad_clip":
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
@@ -227,7 +249,7 @@ def main() -> int:
         # (torch 2.13, CPU: 2 of 5 plain runs, no ddpdoctor in them)
         dist.destroy_process_group()
         return 0
-    scenarios = args.only or SCENARIOS
+    scenarios = args.only or [s for s in SCENARIOS if args.device == "cuda" or s not in CUDA_ONLY]
     failed: list[str] = []
     both_fail: list[str] = []
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
