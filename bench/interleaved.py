@@ -13,8 +13,9 @@ group: ``plain`` (A), ``ddpdoctor`` (``ddpdoctor.instrument`` with its defaults,
 into a temporary run dir), ``plain-2`` (B, the noise row) and, with ``--attribution``, plain DDP
 with a minimal Python comm hook, plain DDP with ddpdoctor's C++ timed hook alone (its ring never
 drained), plain DDP with a forward pre- and post-hook that do nothing (what any forward hook
-costs: the module call's slow path) and ddpdoctor with a NullSink (no log writer). After ``--warmup`` steps each, a *round* runs ``--block`` steps of every
-contender in turn, in an order shuffled from round to round. Each step is timed on the host
+costs: the module call's slow path) and ddpdoctor with a NullSink (no log writer). After
+``--warmup`` steps each, a *round* runs ``--block`` steps of every contender in turn, in an
+order shuffled from round to round. Each step is timed on the host
 (``perf_counter`` around forward, loss, ``zero_grad``, backward and the optimizer step), with the
 training thread's CPU time (``thread_time``) and the process's (``process_time``, every thread)
 around it; a step's wall time is the slower rank's (exchanged after the run, not during it).
@@ -192,7 +193,7 @@ def rank_main(rank: int, port: int, args: dict[str, Any], results: Any) -> None:
         if rank == 0:
             results.put(("ok", gathered))
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the bench
+    except BaseException:
         results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
         raise
 
@@ -219,10 +220,10 @@ def summarize(gathered: list[dict[str, Any]], args: argparse.Namespace) -> dict[
     for name in names:
         per_rank = [g[name] for g in gathered]
         rows[name] = {
-            "wall": [max(vals) for vals in zip(*(r["wall"] for r in per_rank))],
-            "thread": [sum(vals) / len(vals) for vals in zip(*(r["thread"] for r in per_rank))],
-            "process": [sum(vals) / len(vals) for vals in zip(*(r["process"] for r in per_rank))],
-            "same_losses": all(r["losses"] == g[BASE]["losses"] for r, g in zip(per_rank, gathered)),
+            "wall": [max(vals) for vals in zip(*(r["wall"] for r in per_rank), strict=True)],
+            "thread": [sum(vals) / len(vals) for vals in zip(*(r["thread"] for r in per_rank), strict=True)],
+            "process": [sum(vals) / len(vals) for vals in zip(*(r["process"] for r in per_rank), strict=True)],
+            "same_losses": all(r["losses"] == g[BASE]["losses"] for r, g in zip(per_rank, gathered, strict=True)),
             **{k: v for k, v in per_rank[0].items() if k not in ("wall", "thread", "process", "losses")},
         }
     n = len(rows[BASE]["wall"])
@@ -238,7 +239,7 @@ def summarize(gathered: list[dict[str, Any]], args: argparse.Namespace) -> dict[
                     dropped[name] = dropped.get(name, 0) + 1
     for row in rows.values():
         for key in ("wall", "thread", "process"):
-            row[key] = [v for v, k in zip(row[key], keep) if k]
+            row[key] = [v for v, k in zip(row[key], keep, strict=True) if k]
     kept = sum(keep)
     return {
         "contenders": rows,
@@ -254,7 +255,8 @@ def report(summary: dict[str, Any], args: argparse.Namespace) -> str:
     base = c[BASE]
     steps = summary["steps_per_contender"]
     lines = [
-        f"| contender | ms/step | overhead [95% interval] | training thread CPU, + µs/step | process CPU, + µs/step | same losses |",
+        "| contender | ms/step | overhead [95% interval] | training thread CPU, + µs/step "
+        "| process CPU, + µs/step | same losses |",
         "|---|---:|---:|---:|---:|---|",
         f"| {BASE} | {sum(base['wall']) * 1e3 / steps:.3f} | — | ({sum(base['thread']) * 1e6 / steps:.0f} µs) "
         f"| ({sum(base['process']) * 1e6 / steps:.0f} µs) | — |",
@@ -275,7 +277,8 @@ def report(summary: dict[str, Any], args: argparse.Namespace) -> str:
     lines.append(
         f"ddpdoctor's own threads: {summary['ours_cpu_us_per_step']:.1f} µs of CPU per instrumented step and rank "
         f"(the log writer and the rest; they run beside whichever contender steps). ddpdoctor's own accounting "
-        f"on the training thread (Monitor.own_ns): {tool.get('own_ns', 0) / 1e3 / steps:.1f} µs a step. Route: {tool.get('timing')}; "
+        f"on the training thread (Monitor.own_ns): {tool.get('own_ns', 0) / 1e3 / steps:.1f} µs a step. "
+        f"Route: {tool.get('timing')}; "
         f"steps recorded {tool.get('monitor_steps')}; probes off: {tool.get('probes_off') or 'none'}; "
         f"log {tool.get('log_bytes')} bytes."
     )
@@ -294,7 +297,9 @@ def report(summary: dict[str, Any], args: argparse.Namespace) -> str:
 def check(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
     """What makes the figures void: a contender that trained differently, a monitor that did not
     record every step, switched a probe off or took another route than the one built."""
-    problems = [f"{n}: losses differ from plain's" for n, row in summary["contenders"].items() if not row["same_losses"]]
+    problems = [
+        f"{n}: losses differ from plain's" for n, row in summary["contenders"].items() if not row["same_losses"]
+    ]
     tool = summary["contenders"][TOOL]
     total = args.warmup + args.rounds * args.block
     if tool.get("monitor_steps", 0) < total:
@@ -309,7 +314,9 @@ def check(summary: dict[str, Any], args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(SPECS), default="short")
-    parser.add_argument("--rounds", type=int, default=600, help="rounds: each contender steps --block steps (default 600)")
+    parser.add_argument(
+        "--rounds", type=int, default=600, help="rounds: each contender steps --block steps (default 600)"
+    )
     parser.add_argument("--block", type=int, default=1, help="steps per contender per round (default 1)")
     parser.add_argument("--warmup", type=int, default=60, help="warm-up steps per contender (default 60)")
     parser.add_argument("--attribution", action="store_true", help="add the attribution rows (see above)")
@@ -330,8 +337,14 @@ def main(argv: list[str] | None = None) -> int:
     results = ctx.Queue()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ddpdoctor-interleaved-") as run_dir:
-        shared = {"model": args.model, "rounds": args.rounds, "block": args.block, "warmup": args.warmup,
-                  "attribution": args.attribution, "run_dir": run_dir}
+        shared = {
+            "model": args.model,
+            "rounds": args.rounds,
+            "block": args.block,
+            "warmup": args.warmup,
+            "attribution": args.attribution,
+            "run_dir": run_dir,
+        }
         procs = [ctx.Process(target=rank_main, args=(r, port, shared, results), daemon=True) for r in range(WORLD_SIZE)]
         start = time.monotonic()
         try:
