@@ -1,7 +1,9 @@
 """Optimizer step timing through torch's global optimizer hooks (one registration a process).
 
 The hooks are process-wide: with several optimizers in one process, a monitor's optimizer time
-is that of whichever optimizer steps after its backward. They are removed when the last monitor
+is that of the first optimizer to step after its backward began (a bucket ready); one that steps
+between the model's forward and its backward (a GAN's other network) is passed over, on both
+routes (``tests/test_two_optimizers.py``). They are removed when the last monitor
 leaves, so a process that stops monitoring pays nothing for them.
 
 A monitor on host clocks with the native extension loaded gets C++ callables of its own

@@ -54,6 +54,17 @@ def _put(values: list[Any], index: int, value: Any) -> None:
 PACKED_NONE = -(2**63)
 
 
+def _before_ready(step: OpenStep, at: Mark) -> bool:
+    """An optimizer event stamped (``at``, a host mark taken in C++) before any of the step's
+    buckets was ready: another model's optimizer, stepped between this model's forward and its
+    backward. The live hooks pass over it (the step has no bucket ready when it runs); stamps
+    applied later must too, or a second model's optimizer time would be this step's."""
+    if at is None:
+        return False
+    first = min((m for m in step.ready if m is not None), default=None)
+    return first is not None and at < first
+
+
 def unpack_marks(step: OpenStep) -> None:
     """Turn a step's packed bucket marks (``OpenStep.packed``) into its ready, launch and done
     lists, for the code that reads the lists (the optimizer rule, Python's record build)."""
@@ -355,13 +366,13 @@ class StepRecorder:
     def optimizer_start(self, at: Mark = None) -> None:
         """An optimizer step starts now, or ``at`` (a host mark taken in C++: the native route)."""
         step = self.current
-        if step is not None and step.ready and step.opt_start is None:
+        if step is not None and step.ready and step.opt_start is None and not _before_ready(step, at):
             step.opt_start = self.clock.now() if at is None else at
 
     def optimizer_end(self, at: Mark = None) -> None:
         """An optimizer step ends now, or ``at`` (as ``optimizer_start``)."""
         step = self.current
-        if step is None or step.opt_end is not None:
+        if step is None or step.opt_end is not None or _before_ready(step, at):
             return
         if step.opt_start is None and step.ready and self.clock.always_ready:
             # optimizer.step(closure): the closure ran this step's forward and backward inside

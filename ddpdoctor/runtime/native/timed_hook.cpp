@@ -484,6 +484,40 @@ py::object drain_packed(Ring& ring, py::handle step, int64_t offset, py::handle 
   return py::none();
 }
 
+// The step's first bucket-ready instant (host ns + offset), from its ``ready`` list (ints, None
+// for a bucket not seen) or, where the routine forward packed them, its ``packed`` marks; false
+// when it has none.
+bool earliest_ready(const py::object& ready, const py::object& packed, int64_t* out) {
+  bool any = false;
+  auto take = [&](int64_t v) {
+    if (!any || v < *out) {
+      *out = v;
+    }
+    any = true;
+  };
+  if (PyList_Check(ready.ptr())) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ready.ptr()); ++i) {
+      PyObject* mark = PyList_GET_ITEM(ready.ptr(), i);
+      if (PyLong_CheckExact(mark)) {
+        int overflow = 0;
+        const long long v = PyLong_AsLongLongAndOverflow(mark, &overflow);
+        if (overflow == 0 && !(v == -1 && PyErr_Occurred())) {
+          take(v);
+        }
+      }
+    }
+  }
+  if (!any && PyBytes_Check(packed.ptr())) {
+    const Py_ssize_t fields = kPackedFields;
+    const Py_ssize_t count = PyBytes_GET_SIZE(packed.ptr()) / (fields * static_cast<Py_ssize_t>(sizeof(int64_t)));
+    const auto* marks = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(packed.ptr()));
+    for (Py_ssize_t i = 0; i < count; ++i) {
+      take(marks[i * fields]);
+    }
+  }
+  return any;
+}
+
 // -- the optimizer step's start and end -------------------------------------------------------
 //
 // torch's global optimizer step pre- and post-hooks, as C++ callables: each call stamps the
@@ -513,10 +547,15 @@ class OptimizerStamps {
     return as_list(events, take_events(events), offset);
   }
 
-  // ``take``, with the common case applied to ``step`` (the open OpenStep, or None) here: one
-  // start then one end, on a step that has buckets and no optimizer marks yet, become its
-  // opt_start and opt_end (what StepRecorder.optimizer_start and optimizer_end do with them), and
-  // None is returned. Anything else is returned as ``take`` returns it, for Python's rule.
+  // ``take``, with the common case applied to ``step`` (the open OpenStep, or None) here, and
+  // None returned: on a step that has buckets and no optimizer marks yet, the first start stamped
+  // after its first bucket was ready, then the first end after that start, become its opt_start
+  // and opt_end (what StepRecorder.optimizer_start and optimizer_end do with the same instants).
+  // Events stamped before the step's first bucket was ready are another optimizer's, one that
+  // stepped between this model's forward and its backward (two models in one process): the rule
+  // passes over them, as the live Python hooks do, and so does this. Anything else (an end before
+  // any start: a closure's optimizer step; a start without its end) is returned as ``take``
+  // returns it, for Python's rule.
   py::object take_into(py::handle step, int64_t offset) {
     static PyObject* const ready_name = PyUnicode_InternFromString("ready");
     static PyObject* const packed_name = PyUnicode_InternFromString("packed");
@@ -524,7 +563,7 @@ class OptimizerStamps {
     static PyObject* const end_name = PyUnicode_InternFromString("opt_end");
     Events events;
     const size_t n = take_events(events);
-    if (n == 2 && events[0].first && !events[1].first && !step.is_none()) {
+    if (n >= 2 && !step.is_none()) {
       auto get = [&step](PyObject* name) {
         py::object value = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), name));
         if (!value) {
@@ -532,22 +571,26 @@ class OptimizerStamps {
         }
         return value;
       };
-      py::object ready = get(ready_name);
-      int truthy = PyObject_IsTrue(ready.ptr());
-      if (truthy < 0) {
-        throw py::error_already_set();
-      }
-      if (truthy == 0 && !get(packed_name).is_none()) {
-        truthy = 1;  // its buckets are packed (drain_packed)
-      }
-      if (truthy == 1 && get(start_name).is_none() && get(end_name).is_none()) {
-        py::int_ start(events[0].second + offset);
-        py::int_ end(events[1].second + offset);
-        if (PyObject_SetAttr(step.ptr(), start_name, start.ptr()) != 0 ||
-            PyObject_SetAttr(step.ptr(), end_name, end.ptr()) != 0) {
-          throw py::error_already_set();
+      int64_t first_ready = 0;
+      const bool any = earliest_ready(get(ready_name), get(packed_name), &first_ready);
+      if (any && get(start_name).is_none() && get(end_name).is_none()) {
+        size_t i = 0;
+        while (i < n && events[i].second + offset < first_ready) {
+          ++i;  // before the step's first bucket: another model's optimizer
         }
-        return py::none();
+        size_t j = i + 1;
+        while (j < n && events[j].first) {
+          ++j;  // starts after the first one change nothing (a nested optimizer's)
+        }
+        if (i < n && events[i].first && j < n) {
+          py::int_ start(events[i].second + offset);
+          py::int_ end(events[j].second + offset);
+          if (PyObject_SetAttr(step.ptr(), start_name, start.ptr()) != 0 ||
+              PyObject_SetAttr(step.ptr(), end_name, end.ptr()) != 0) {
+            throw py::error_already_set();
+          }
+          return py::none();
+        }
       }
     }
     return as_list(events, n, offset);
