@@ -5,7 +5,8 @@ after a synchronizing step, nothing to capture). Two real gloo ranks train the s
 the same steps twice, once with the routine path and once without, through every kind of step
 the full path knows: plain steps, sampled steps, ``no_sync`` micro-steps, evaluation forwards
 with and without grad, an optimizer step that runs a closure, a backward without an optimizer
-step, a parameter frozen and unfrozen. Every record must be the same in both runs, but for the
+step, a parameter frozen and unfrozen, a second model's optimizer stepping between this model's
+forward and backward. Every record must be the same in both runs, but for the
 clock's values: which fields hold a mark, the per-bucket lists' lengths, bytes, step indices,
 micro-steps, fingerprints (the same training, so the same values) and sampled-check records.
 """
@@ -138,6 +139,24 @@ def _train(rank: int, world_size: int, routine: bool) -> tuple[list[Any], int, i
     ddp.module.head.bias.requires_grad_(True)
     for _ in range(12):
         train_step()
+    # a second model's optimizer in the process (torch's optimizer hooks are process-wide),
+    # stepping between this model's forward and its backward, and after its optimizer step
+    other = torch.nn.Linear(4, 4)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.01)
+
+    def other_step() -> None:
+        other_opt.zero_grad()
+        other(data[0][1]).sum().backward()
+        other_opt.step()
+
+    for i in range(6):
+        out = ddp(data[i][0])
+        other_step()
+        opt.zero_grad()
+        ((out - data[i][1]) ** 2).mean().backward()
+        opt.step()
+        other_step()
+    train_step()
     # the change of step was bound where the routine forward runs (its one C call), and it opens
     # only the OpenStep it knows
     native = monitor._native_timing
