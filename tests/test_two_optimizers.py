@@ -9,7 +9,9 @@ to the same answer, on its routine forward (no fall back to the full path a step
 
 Two real gloo ranks train a DDP model under ``ddpdoctor.instrument`` beside a second, local model
 whose optimizer step takes 50 ms (a sleep: its workload, not a synchronization), stepped once
-between the DDP model's forward and its backward and once after its optimizer step.
+between the DDP model's forward and its backward and once after its optimizer step. And an
+optimizer whose step runs another's (``ZeroRedundancyOptimizer`` steps its local optimizer, then
+broadcasts the parameters): the step's optimizer phase ends where the outer step ends.
 """
 
 from __future__ import annotations
@@ -44,7 +46,22 @@ class SlowSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def _train(rank: int, world_size: int, route: str) -> dict[str, Any]:
+class Outer(torch.optim.SGD):
+    """An optimizer whose step runs another optimizer's step, then works ``SLOW_S`` more (as
+    ``ZeroRedundancyOptimizer`` steps its local optimizer, then broadcasts the parameters)."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        params = list(params)
+        super().__init__(params, lr=lr)
+        self.inner = torch.optim.SGD(params, lr=lr)
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        out = self.inner.step(closure)
+        time.sleep(SLOW_S)
+        return out
+
+
+def _train(rank: int, world_size: int, route: str, kind: str) -> dict[str, Any]:
     full = monitor_module.Monitor._forward_pre
     taken = [0]
 
@@ -58,13 +75,15 @@ def _train(rank: int, world_size: int, route: str) -> dict[str, Any]:
     sink = MemorySink()
     monitor = ddpdoctor.instrument(ddp, sink=sink)
     timing = monitor.attachment.header.timing
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    opt = Outer(ddp.parameters(), lr=0.01) if kind == "nested" else torch.optim.SGD(ddp.parameters(), lr=0.01)
     other = nn.Linear(8, 8)
     other_opt = SlowSGD(other.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)
     x, y, z = torch.randn(8, 32, generator=gen), torch.randn(8, 4, generator=gen), torch.randn(4, 8, generator=gen)
 
     def other_step() -> None:
+        if kind != "other":
+            return
         other_opt.zero_grad()
         other(z).square().mean().backward()
         other_opt.step()
@@ -91,7 +110,7 @@ def _train(rank: int, world_size: int, route: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("route", ["native", "python"])
 def test_a_second_models_optimizer_is_not_this_steps(route: str) -> None:
-    for r in run_ranks(_train, 2, args=(route,), timeout=240):
+    for r in run_ranks(_train, 2, args=(route, "other"), timeout=240):
         assert r["timing"] == route
         assert len(r["phases"]) >= STEPS - 2
         for index, bwd_end, sync_end, opt_start, opt_end, end in r["phases"]:
@@ -104,4 +123,18 @@ def test_a_second_models_optimizer_is_not_this_steps(route: str) -> None:
         if route == "native":
             # and the forwards stay routine: the other optimizer's stamps do not send each to the
             # full path (the first forward, and those around the dense start's samples, take it)
+            assert r["routine"] >= STEPS // 2, r["routine"]
+
+
+@pytest.mark.parametrize("route", ["native", "python"])
+def test_an_optimizer_that_steps_another_is_timed_to_its_own_end(route: str) -> None:
+    for r in run_ranks(_train, 2, args=(route, "nested"), timeout=240):
+        assert r["timing"] == route
+        assert len(r["phases"]) >= STEPS - 2
+        for index, _, sync_end, opt_start, opt_end, end in r["phases"]:
+            # the outer step's end, past the inner optimizer's: its SLOW_S after the inner step is in
+            assert opt_start is not None and opt_end is not None, (route, index)
+            assert sync_end <= opt_start and opt_end - opt_start >= SLOW_S * 1e6, (route, index, opt_end - opt_start)
+            assert opt_end <= end
+        if route == "native":
             assert r["routine"] >= STEPS // 2, r["routine"]

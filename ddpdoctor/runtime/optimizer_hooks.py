@@ -2,8 +2,9 @@
 
 The hooks are process-wide: with several optimizers in one process, a monitor's optimizer time
 is that of the first optimizer to step after its backward began (a bucket ready); one that steps
-between the model's forward and its backward (a GAN's other network) is passed over, on both
-routes (``tests/test_two_optimizers.py``). They are removed when the last monitor
+between the model's forward and its backward (a GAN's other network) is passed over, and an
+optimizer whose step runs another's (``ZeroRedundancyOptimizer``) is timed to its own end, on
+both routes (``tests/test_two_optimizers.py``). They are removed when the last monitor
 leaves, so a process that stops monitoring pays nothing for them.
 
 A monitor on host clocks with the native extension loaded gets C++ callables of its own

@@ -177,6 +177,10 @@ class StepRecorder:
         #: only at the sampled steps (see the module docstring)
         self.bucket_marks_every_step = bool(self.clock.always_ready)
         self._expect_buckets = 0  # buckets of the last step that had any: the last one is marked
+        #: optimizer steps begun and not ended since the current step's opt_start (an optimizer
+        #: whose step runs another's, as ZeroRedundancyOptimizer runs its local one): the step's
+        #: opt_end is the end that closes the first
+        self._opt_depth = 0
         self._pending: list[OpenStep] = []
         # closed steps not emitted yet (host marks): appended by the training thread, taken by
         # whichever thread emits them (``emit_closed``); deque append and popleft are atomic
@@ -366,13 +370,21 @@ class StepRecorder:
     def optimizer_start(self, at: Mark = None) -> None:
         """An optimizer step starts now, or ``at`` (a host mark taken in C++: the native route)."""
         step = self.current
-        if step is not None and step.ready and step.opt_start is None and not _before_ready(step, at):
+        if step is None or not step.ready or _before_ready(step, at):
+            return
+        if step.opt_start is None:
             step.opt_start = self.clock.now() if at is None else at
+            self._opt_depth = 1
+        elif step.opt_end is None:
+            self._opt_depth += 1  # an optimizer step inside the first (a wrapper's inner optimizer)
 
     def optimizer_end(self, at: Mark = None) -> None:
         """An optimizer step ends now, or ``at`` (as ``optimizer_start``)."""
         step = self.current
         if step is None or step.opt_end is not None or _before_ready(step, at):
+            return
+        if step.opt_start is not None and self._opt_depth > 1:
+            self._opt_depth -= 1  # an inner optimizer step ended: the first goes on
             return
         if step.opt_start is None and step.ready and self.clock.always_ready:
             # optimizer.step(closure): the closure ran this step's forward and backward inside

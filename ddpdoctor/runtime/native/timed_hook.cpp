@@ -549,8 +549,10 @@ class OptimizerStamps {
 
   // ``take``, with the common case applied to ``step`` (the open OpenStep, or None) here, and
   // None returned: on a step that has buckets and no optimizer marks yet, the first start stamped
-  // after its first bucket was ready, then the first end after that start, become its opt_start
-  // and opt_end (what StepRecorder.optimizer_start and optimizer_end do with the same instants).
+  // after its first bucket was ready, then the end that closes it (past the starts and ends of
+  // optimizer steps run inside it: ZeroRedundancyOptimizer steps its local optimizer), become its
+  // opt_start and opt_end (what StepRecorder.optimizer_start and optimizer_end do with the same
+  // instants).
   // Events stamped before the step's first bucket was ready are another optimizer's, one that
   // stepped between this model's forward and its backward (two models in one process): the rule
   // passes over them, as the live Python hooks do, and so does this. Anything else (an end before
@@ -579,8 +581,11 @@ class OptimizerStamps {
           ++i;  // before the step's first bucket: another model's optimizer
         }
         size_t j = i + 1;
-        while (j < n && events[j].first) {
-          ++j;  // starts after the first one change nothing (a nested optimizer's)
+        for (int depth = 1; j < n; ++j) {
+          depth += events[j].first ? 1 : -1;
+          if (depth == 0) {
+            break;  // the end of the first start's step
+          }
         }
         if (i < n && events[i].first && j < n) {
           py::int_ start(events[i].second + offset);
