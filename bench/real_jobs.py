@@ -2,7 +2,8 @@
 be bit-identical, the log must be timed on the job's clock (CUDA events on a GPU), and the report
 must read it. The scenarios are PyTorch's own DDP features that a user turns on, and what real
 training loops put around DDP: a sparse embedding's gradient, SyncBatchNorm (GPU only),
-``ZeroRedundancyOptimizer``, gradient clipping between the backward and the optimizer step.
+``ZeroRedundancyOptimizer``, gradient clipping between the backward and the optimizer step, a
+GAN (two DDP models, two optimizers, the discriminator called three times a step).
 
     python bench/real_jobs.py                         # one GPU, NCCL: every scenario, side by side
     python bench/real_jobs.py --only fp16_hook autocast
@@ -47,6 +48,7 @@ SCENARIOS = [
     "sync_bn",
     "zero",
     "grad_clip",
+    "gan",
 ]
 #: SyncBatchNorm reduces its statistics on a GPU only: not run with ``--device cpu``.
 CUDA_ONLY = {"sync_bn"}
@@ -105,6 +107,11 @@ def _job(scenario: str, device_kind: str) -> None:
         kwargs["find_unused_parameters"] = True
     if scenario == "bucket_view":
         kwargs["gradient_as_bucket_view"] = True
+    if scenario == "gan":
+        # the discriminator runs forward twice before its backward: a buffer broadcast at the
+        # second overwrites what the first saved for backward (torch 2.5.1 refuses it), so GAN
+        # scripts turn the broadcast off
+        kwargs["broadcast_buffers"] = False
     ddp = DDP(net, **kwargs)
     if scenario == "fp16_hook":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -152,7 +159,30 @@ def _job(scenario: str, device_kind: str) -> None:
                 ddp(x)
             ddp.train()
 
-    if scenario == "join":
+    def gan_step(i: int, x: torch.Tensor) -> None:
+        """A GAN's step: the discriminator (``ddp``) forward twice before its backward and its
+        optimizer, then again inside the generator's step, whose optimizer comes last."""
+        x = x.to(device)
+        fake = generator(noise[i].to(device))
+        d_loss = ddp(x).mean() - ddp(fake.detach()).mean()
+        opt.zero_grad(set_to_none=True)
+        d_loss.backward()
+        opt.step()
+        g_loss = -ddp(fake).mean()
+        g_opt.zero_grad(set_to_none=True)
+        g_loss.backward()
+        g_opt.step()
+        losses.append(d_loss.detach())
+        losses.append(g_loss.detach())
+
+    if scenario == "gan":
+        torch.manual_seed(1)
+        generator = DDP(nn.Sequential(nn.Linear(16, 64), nn.Tanh()).to(device), **kwargs)
+        g_opt = torch.optim.SGD(generator.parameters(), lr=0.05, momentum=0.9)
+        noise = [torch.randn(32, 16, generator=gen) for _ in range(count)]
+        for i, (x, _) in enumerate(batches):
+            gan_step(i, x)
+    elif scenario == "join":
         with Join([ddp]):
             for i, (x, y) in enumerate(batches):
                 step(i, x, y)
