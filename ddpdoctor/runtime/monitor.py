@@ -266,7 +266,7 @@ class Monitor:
             if not self.probes.on["optimizer"]:
                 stamps.take(clocks._OFFSET_NS)  # (dropped)
                 return
-            # a start then an end after the step's first bucket are set in C++ (None back): the rule
+            # a start, then its end, after the step's first bucket are set in C++ (None back): the rule
             # of apply_optimizer_events, for the common case; the rest comes back as the events
             events = self._opt_take_into(self.recorder.current, clocks._OFFSET_NS)
             if events is not None:
@@ -461,10 +461,11 @@ class Monitor:
         rule, this is the same rule unrolled for that case (``tests/test_routine_forward.py`` runs
         both over the same steps and compares every record). Where the ring's buckets came out of
         order, or the optimizer's stamps hold no start then end after the step's first bucket, it
-        applies them the full path's way and hands over to the full path. What of the rule never changes back once it
-        holds (the C++ optimizer stamps, the one-call requires_grad check, the change of step in
-        one C call, host marks for every bucket) is asked on the full path (``_routine_possible``,
-        into ``NativeTiming.routine``): every condition read here costs a cold read of its own.
+        applies them the full path's way and hands over to the full path. What of the rule never
+        changes back once it holds (the C++ optimizer stamps, the one-call requires_grad check, the
+        change of step in one C call, host marks for every bucket) is asked on the full path
+        (``_routine_possible``, into ``NativeTiming.routine``): every condition read here costs a
+        cold read of its own.
         """
         native = self._native_timing
         if native is not None and native.routine and native.pending:
