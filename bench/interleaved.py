@@ -52,7 +52,6 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -65,27 +64,14 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import free_port, init_gloo, pct, python_allreduce_hook
-from bench.overhead import SPECS, Spec, _batches
+from bench.overhead import SPECS, CpuClock, Spec, _batches
 
 WORLD_SIZE = 2
-#: contenders, in their order of the first round; ``plain`` is every row's base
+#: the contenders' names; ``plain`` is every row's base (their order is shuffled every round)
 BASE = "plain"
 NOISE = "plain-2"
 TOOL = "ddpdoctor"
 ATTRIBUTION = ("python-hook", "native-hook", "empty-hooks", "nullsink")
-
-
-def _ours_cpu_ns() -> int:
-    """CPU time of this process's ddpdoctor threads (named ``ddpdoctor-*``) so far."""
-    total = 0
-    for t in threading.enumerate():
-        if t.ident is None or not t.name.startswith("ddpdoctor"):
-            continue
-        try:
-            total += time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident))
-        except OSError:  # ended between enumerate and here
-            pass
-    return total
 
 
 def _nothing(*_: Any) -> None:
@@ -177,12 +163,12 @@ def rank_main(rank: int, port: int, args: dict[str, Any], results: Any) -> None:
         order = list(range(len(contenders)))
         rng = random.Random(1234)  # the same orders on both ranks
         dist.barrier()
-        ours0 = _ours_cpu_ns()
+        ours0 = CpuClock.now()["ours"]
         for _ in range(args["rounds"]):
             rng.shuffle(order)
             for k in order:
                 contenders[k].run(args["block"], True)
-        ours = (_ours_cpu_ns() - ours0) / 1e9
+        ours = (CpuClock.now()["ours"] - ours0) / 1e9
         data = {
             c.name: {"wall": c.wall, "thread": c.thread, "process": c.process, "losses": c.losses, **c.finish()}
             for c in contenders

@@ -168,7 +168,8 @@ class CpuClock:
         self._start: dict[str, int] = {}
 
     @staticmethod
-    def _now() -> dict[str, int]:
+    def now() -> dict[str, int]:
+        """CPU ns so far: the process's, the main thread's and ddpdoctor's threads' (``ours``)."""
         by = {"process": time.process_time_ns(), "main": 0, "ours": 0}
         for t in threading.enumerate():
             if t.ident is None or not t.is_alive():
@@ -186,7 +187,7 @@ class CpuClock:
         return by
 
     def start(self) -> None:
-        self._start = self._now()
+        self._start = self.now()
 
     def per_step_us(self, steps: int) -> dict[str, float]:
         """µs of CPU per timed step: process, main, ddpdoctor threads, rest (process - the two).
@@ -195,7 +196,7 @@ class CpuClock:
         first timed step is not subtracted), which is what it cost."""
         if not self._start or steps <= 0:
             return {}
-        end = self._now()
+        end = self.now()
         d = {k: (end[k] - self._start.get(k, 0)) / 1e3 / steps for k in end}
         d["rest"] = d["process"] - d["main"] - d["ours"]
         return d

@@ -108,11 +108,23 @@ def _train(rank: int, world_size: int, route: str, kind: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("route", ["native", "python"])
-def test_a_second_models_optimizer_is_not_this_steps(route: str) -> None:
-    for r in run_ranks(_train, 2, args=(route, "other"), timeout=240):
+def _trained(route: str, kind: str) -> list[dict[str, Any]]:
+    """Each rank's run, with what both tests require of it: the route asked for, every closed step
+    recorded and, on the native route, most forwards routine (the other optimizer's stamps do not
+    send each to the full path; the first forward, and those around the dense start's samples,
+    take it)."""
+    results = run_ranks(_train, 2, args=(route, kind), timeout=240)
+    for r in results:
         assert r["timing"] == route
         assert len(r["phases"]) >= STEPS - 2
+        if route == "native":
+            assert r["routine"] >= STEPS // 2, r["routine"]
+    return results
+
+
+@pytest.mark.parametrize("route", ["native", "python"])
+def test_a_second_models_optimizer_is_not_this_steps(route: str) -> None:
+    for r in _trained(route, "other"):
         for index, bwd_end, sync_end, opt_start, opt_end, end in r["phases"]:
             # the step's own optimizer (SGD on a small model: well under SLOW_S), after its
             # backward; not the other model's, which stepped before the backward began
@@ -120,21 +132,13 @@ def test_a_second_models_optimizer_is_not_this_steps(route: str) -> None:
             assert bwd_end is not None and sync_end is not None
             assert max(bwd_end, sync_end) <= opt_start <= opt_end <= end, (route, index)
             assert opt_end - opt_start < SLOW_S * 1e6 / 2, (route, index, opt_end - opt_start)
-        if route == "native":
-            # and the forwards stay routine: the other optimizer's stamps do not send each to the
-            # full path (the first forward, and those around the dense start's samples, take it)
-            assert r["routine"] >= STEPS // 2, r["routine"]
 
 
 @pytest.mark.parametrize("route", ["native", "python"])
 def test_an_optimizer_that_steps_another_is_timed_to_its_own_end(route: str) -> None:
-    for r in run_ranks(_train, 2, args=(route, "nested"), timeout=240):
-        assert r["timing"] == route
-        assert len(r["phases"]) >= STEPS - 2
+    for r in _trained(route, "nested"):
         for index, _, sync_end, opt_start, opt_end, end in r["phases"]:
             # the outer step's end, past the inner optimizer's: its SLOW_S after the inner step is in
             assert opt_start is not None and opt_end is not None, (route, index)
             assert sync_end <= opt_start and opt_end - opt_start >= SLOW_S * 1e6, (route, index, opt_end - opt_start)
             assert opt_end <= end
-        if route == "native":
-            assert r["routine"] >= STEPS // 2, r["routine"]
