@@ -15,6 +15,12 @@ kernel count, and the host's CUDA runtime calls that wait for the device or add 
 before the all-reduce, one in its callback, as ddpdoctor's full marks do), with timing enabled
 and with timing disabled. Their difference is what timing events cost the device.
 
+``--floor`` adds what the comm hook's floor is made of, for attribution only: the minimal hook
+without its scale pass (at world size 1 the scale is 1.0, so it changes no bit there; at larger
+sizes it would), and the minimal hook with NCCL's pre-multiplied sum instead of the scale pass (the
+reduction scales as it sums; NCCL then cannot use its NVLink SHARP algorithm, which supports plain
+sums only, so on NVSwitch machines it would change the algorithm, and with it the bits).
+
 Last, the CUDA event calls on their own, 2,000 of each: ``Event.record()`` (which looks up the
 current stream in Python), ``record(stream)`` with the stream given, ``query()``, ``elapsed_time``.
 ``--cprofile N`` then profiles N instrumented steps (ddpdoctor's and torch.cuda's functions).
@@ -92,13 +98,32 @@ class EventHook:
         return process_group.allreduce([tensor]).get_future().then(then)
 
 
+def noscale_hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+    """The minimal hook without the scale pass (attribution only: bit-identical at world size 1)."""
+    return process_group.allreduce([bucket.buffer()]).get_future().then(lambda f: f.value()[0])
+
+
+def premul_hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+    """The minimal hook with NCCL's pre-multiplied sum: the scale done inside the reduction."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist._make_nccl_premul_sum(1.0 / process_group.size())
+    return process_group.allreduce([bucket.buffer()], opts).get_future().then(lambda f: f.value()[0])
+
+
 def _event_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
     return state(bucket)
 
 
-def contenders(model: str, device: torch.device, events: bool) -> dict[str, Contender]:
+def contenders(model: str, device: torch.device, events: bool, floor: bool = False) -> dict[str, Contender]:
     out = {"plain": Contender(model, False, device, False), "pyhook": Contender(model, False, device, False)}
     out["pyhook"].ddp.register_comm_hook(out["pyhook"].ddp.process_group, python_allreduce_hook)
+    if floor:
+        hooks = {"pyhook-noscale": noscale_hook}
+        if device.type == "cuda":
+            hooks["pyhook-premul"] = premul_hook
+        for name, hook in hooks.items():
+            c = out[name] = Contender(model, False, device, False)
+            c.ddp.register_comm_hook(c.ddp.process_group, hook)
     if events:
         for timing in (True, False) if device.type == "cuda" else (None,):
             c = out[f"pyhook+events(timing={timing})"] = Contender(model, False, device, False)
@@ -180,6 +205,7 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--events", action="store_true", help="add minimal hooks that record CUDA events")
+    parser.add_argument("--floor", action="store_true", help="add the comm hook's floor rows (no scale, premul)")
     parser.add_argument("--cprofile", type=int, default=0, help="then cProfile this many steps of ddpdoctor's")
     args = parser.parse_args()
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
@@ -191,7 +217,7 @@ def main() -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"torch {torch.__version__}, {args.model}, {what}")
-    cs = contenders(args.model, device, args.events)
+    cs = contenders(args.model, device, args.events, args.floor)
     for c in cs.values():
         for _ in range(args.warmup):
             c.step()
@@ -205,6 +231,12 @@ def main() -> None:
             times[n].append(r["step_ms"])
             own[n].append(r.get("own_us", 0.0))
     plain = times["plain"]
+    base = [p.detach() for p in cs["plain"].ddp.parameters()]
+    for n in names:
+        # same seed, same inputs, same steps: a contender whose parameters differ from plain's by a
+        # bit changed the gradients
+        same = all(torch.equal(a, b.detach()) for a, b in zip(base, cs[n].ddp.parameters(), strict=True))
+        print(f"{n:22s} parameters bit-identical to plain's: {'yes' if same else 'NO'}")
     for n in names:
         ratios = [t / b - 1.0 for t, b in zip(times[n], plain, strict=True)]
         print(

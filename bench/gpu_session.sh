@@ -8,6 +8,7 @@
 #   bash bench/gpu_session.sh            # all of it
 #   bash bench/gpu_session.sh gpu        # the GPU tests, real jobs and benches only
 #   bash bench/gpu_session.sh attrib     # those, and the transformer overhead's attribution
+#   bash bench/gpu_session.sh floor      # the GPU tests, real jobs, and the attribution with the comm hook's floor
 #   bash bench/gpu_session.sh cpu        # the CPU benches only (with the short model's split by thread)
 set -u
 out=${OUT:-gpu-session}
@@ -37,6 +38,10 @@ if [ "$mode" != cpu ]; then
   step pytest_gpu 240 python3 -m pytest -v -s -m gpu -p no:cacheprovider -o asyncio_mode=strict --timeout 140 tests/test_cuda.py
   # real jobs under `ddpdoctor run`, each beside the same job plain: bit-identical losses, CUDA timing
   step real_jobs 150 python3 bench/real_jobs.py --parallel 6
+  if [ "$mode" = floor ]; then  # the transformer's attribution with the comm hook's floor rows, alone
+    step gpu_attrib_floor 200 python3 bench/gpu_attrib.py --model transformer --pairs 7 --warmup 30 --floor
+    exit 0
+  fi
   lt=$(mktemp -d)
   step lightning_gpu_plain 90 python3 examples/zero_code/lightning_train.py --accelerator gpu --devices 1 --steps 12
   step lightning_gpu 90 python3 -m ddpdoctor run --run-dir "$lt/run" -- python3 examples/zero_code/lightning_train.py \
