@@ -31,6 +31,7 @@ current stream in Python), ``record(stream)`` with the stream given, ``query()``
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import sys
@@ -205,7 +206,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--events", action="store_true", help="add minimal hooks that record CUDA events")
+    parser.add_argument("--only", nargs="+", default=None, help="keep these contenders only (plain is always kept)")
     parser.add_argument("--floor", action="store_true", help="add the comm hook's floor rows (no scale, premul)")
+    parser.add_argument("--yappi", type=int, default=0, help="then profile N ddpdoctor steps, every thread (yappi)")
     parser.add_argument("--cprofile", type=int, default=0, help="then cProfile this many steps of ddpdoctor's")
     args = parser.parse_args()
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
@@ -218,6 +221,11 @@ def main() -> None:
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"torch {torch.__version__}, {args.model}, {what}")
     cs = contenders(args.model, device, args.events, args.floor)
+    if args.only:
+        for name in [n for n in cs if n != "plain" and n not in args.only]:
+            c = cs.pop(name)
+            if c.monitor is not None:
+                c.monitor.close()
     for c in cs.values():
         for _ in range(args.warmup):
             c.step()
@@ -232,7 +240,12 @@ def main() -> None:
             own[n].append(r.get("own_us", 0.0))
     plain = times["plain"]
     base = [p.detach() for p in cs["plain"].ddp.parameters()]
-    for n in names:
+    if device.type == "cuda":  # attention's backward and TF32 matmuls are not deterministic there
+        print("(parameters not compared on a GPU: bench/real_jobs.py checks the bits, deterministic)")
+        names_checked: list[str] = []
+    else:
+        names_checked = names
+    for n in names_checked:
         # same seed, same inputs, same steps: a contender whose parameters differ from plain's by a
         # bit changed the gradients
         same = all(torch.equal(a, b.detach()) for a, b in zip(base, cs[n].ddp.parameters(), strict=True))
@@ -272,11 +285,38 @@ def main() -> None:
         prof.disable()
         c.sync()
         print(f"\ncProfile of {args.cprofile} ddpdoctor steps (training thread), by own time:")
-        pstats.Stats(prof).sort_stats("tottime").print_stats("ddpdoctor|cuda", 22)
+        pstats.Stats(prof).sort_stats("tottime").print_stats("ddpdoctor|cuda", 30)
+        print("by cumulative time:")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats("ddpdoctor", 30)
+    if args.yappi:
+        yappi_profile(cs["ddpdoctor"], args.yappi)
     for c in cs.values():
         if c.monitor is not None:
             c.monitor.close()
     dist.destroy_process_group()
+
+
+def yappi_profile(c: Contender, steps: int) -> None:
+    """CPU time of ddpdoctor's functions over ``steps`` steps, on every thread (on a GPU the
+    backward and its comm hooks run on autograd's device thread, which cProfile does not see)."""
+    yappi: Any = importlib.import_module("yappi")  # (a bench extra, where it is installed)
+
+    yappi.set_clock_type("cpu")
+    c.sync()
+    yappi.start(builtins=True)
+    for _ in range(steps):
+        c.step()
+    c.sync()
+    yappi.stop()
+    print(f"\nyappi, CPU time of {steps} ddpdoctor steps, every thread (µs a step):")
+    for t in yappi.get_thread_stats():
+        print(f"  thread {t.name:24s} {t.ttot * 1e6 / steps:9.1f}")
+    funcs = yappi.get_func_stats(filter_callback=lambda f: "ddpdoctor" in f.module or "cuda" in f.module)
+    for key in ("tsub", "ttot"):
+        print(f"by {'own' if key == 'tsub' else 'cumulative'} time: calls a step, µs a step")
+        for f in sorted(funcs, key=lambda f: getattr(f, key), reverse=True)[:28]:
+            where = f"{Path(f.module).name}:{f.lineno} {f.name}"
+            print(f"  {f.ncall / steps:7.1f} {getattr(f, key) * 1e6 / steps:9.1f}  {where}")
 
 
 if __name__ == "__main__":

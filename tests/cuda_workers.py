@@ -121,7 +121,11 @@ def train_pair(
     with ddpdoctor.instrument(ddp, run_dir=Path(tmp), check_every=2, log=log) as monitor:
         losses, sync = _train(ddp, opt, data, dev, check_syncs)
         probes_on = dict(monitor.probes.on)
+        in_place_muls = _in_place_muls(ddp, opt, data[0]) - _in_place_muls(plain, plain_opt, data[0])
+        buckets = len(monitor.recorder.layout_bytes())
     return {
+        "in_place_muls": in_place_muls,
+        "buckets": buckets,
         "rank": rank,
         "losses": losses,
         "sync": sync,
@@ -129,6 +133,18 @@ def train_pair(
         "plain_sync": plain_sync,
         "probes_on": probes_on,
     }
+
+
+def _in_place_muls(ddp: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """In-place multiplies in one training step (the profiler's CPU ops): what a comm hook's scale
+    pass adds, compared with the plain DDP's count."""
+    x, y = batch
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::mul_")
 
 
 class HeavyNet(nn.Module):

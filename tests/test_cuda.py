@@ -85,16 +85,22 @@ def _check_pair(results: list[dict[str, Any]], tmp_path: Path, backend: str, wor
 
 
 def test_nccl_world_size_one_adds_no_synchronization(tmp_path: Path) -> None:
-    """The default (compact) log: every bucket marked at the sampled steps only."""
+    """The default (compact) log: every bucket marked at the sampled steps only. At world size 1
+    ddpdoctor's all-reduce does not multiply the bucket by 1.0 (no second pass over the
+    gradients): no in-place multiply more than the plain DDP's step."""
     results = run_ranks(train_pair, 1, args=(str(tmp_path),), backend="nccl", timeout=120)
     _check_pair(results, tmp_path, "nccl", 1, "compact")
+    assert results[0]["in_place_muls"] == 0, results[0]
 
 
 def test_two_ranks_on_one_gpu_with_gloo_over_cuda_tensors(tmp_path: Path) -> None:
-    """The full log: every bucket of every step marked with CUDA events."""
+    """The full log: every bucket of every step marked with CUDA events. At world size 2 each
+    bucket is scaled by 1/2 before its sum, as DDP does while it copies: one multiply a bucket."""
     args = (str(tmp_path), "cuda", False, "full")
     results = run_ranks(train_pair, 2, args=args, backend="gloo", timeout=120)
     _check_pair(results, tmp_path, "gloo", 2, "full")
+    for r in results:
+        assert r["buckets"] > 1 and r["in_place_muls"] == r["buckets"], r
 
 
 def test_marks_agree_with_independent_events_on_a_side_stream(tmp_path: Path) -> None:

@@ -82,9 +82,17 @@ def mean_allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) ->
     of two). It calls the process group directly: the public ``dist.all_reduce`` wrapper costs
     several microseconds per bucket in argument checks and logging. The future's value is a
     one-element list; ``timed_hook`` unwraps it.
+
+    A CUDA bucket at world size 1 is not multiplied: by 1.0 it changes no bit there (CUDA kernels
+    keep subnormals), and the pass over every gradient was this hook's whole cost on a GPU (+0.5%
+    of a 65 ms transformer step on an H200: DDP without a hook scales as it copies into the
+    bucket, with one it copies, and the hook's multiply is a second pass). On CPU it stays: a
+    process that flushes denormals (``torch.set_flush_denormal``) zeroes them in DDP's multiply.
     """
     tensor = bucket.buffer()
-    tensor.mul_(1.0 / process_group.size())
+    size = process_group.size()
+    if size != 1 or not tensor.is_cuda:
+        tensor.mul_(1.0 / size)
     return process_group.allreduce([tensor]).get_future()
 
 
