@@ -1,8 +1,9 @@
 """Where ddpdoctor's step-time overhead on a GPU comes from: device time, host syncs, or the hook.
 
 Same workloads and process group as ``bench/gpu_overhead.py`` (one GPU, NCCL, world size 1).
-DDPs of one model side by side: plain, plain with a minimal Python comm hook (the floor of
-timing buckets from Python), ddpdoctor (default: every bucket marked at the sampled steps only),
+DDPs of one model side by side: plain, a second plain (the noise row), plain with a minimal
+Python comm hook (the floor of timing buckets from Python; it scales every bucket, as at any
+world size above 1), ddpdoctor (default: every bucket marked at the sampled steps only),
 ddpdoctor with CUDA timing off (host marks: what the CUDA events themselves cost) and, on a GPU,
 ddpdoctor with ``log="full"`` (every bucket of every step marked). After a warm-up, ``--pairs``
 rounds of ``--steps`` steps each in a rotating order give each one's step time against plain
@@ -116,7 +117,8 @@ def _event_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks an
 
 
 def contenders(model: str, device: torch.device, events: bool, floor: bool = False) -> dict[str, Contender]:
-    out = {"plain": Contender(model, False, device, False), "pyhook": Contender(model, False, device, False)}
+    # plain-2: a second plain DDP, the noise row (what plain against plain reads on this machine)
+    out = {n: Contender(model, False, device, False) for n in ("plain", "plain-2", "pyhook")}
     out["pyhook"].ddp.register_comm_hook(out["pyhook"].ddp.process_group, python_allreduce_hook)
     if floor:
         hooks = {"pyhook-noscale": noscale_hook}

@@ -38,8 +38,9 @@ if [ "$mode" != cpu ]; then
   step pytest_gpu 240 python3 -m pytest -v -s -m gpu -p no:cacheprovider -o asyncio_mode=strict --timeout 140 tests/test_cuda.py
   # real jobs under `ddpdoctor run`, each beside the same job plain: bit-identical losses, CUDA timing
   step real_jobs 150 python3 bench/real_jobs.py --parallel 6
-  if [ "$mode" = floor ]; then  # the transformer's attribution with the comm hook's floor rows, alone
-    step gpu_attrib_floor 200 python3 bench/gpu_attrib.py --model transformer --pairs 7 --warmup 30 --floor
+  if [ "$mode" = floor ]; then  # the attribution with the comm hook's floor rows and a profile of every thread
+    step gpu_attrib_floor 200 python3 bench/gpu_attrib.py --model transformer --pairs 7 --warmup 30 --floor --yappi 20
+    step gpu_attrib_small 100 python3 bench/gpu_attrib.py --model small --pairs 7 --warmup 30 --only plain-2 pyhook ddpdoctor
     exit 0
   fi
   lt=$(mktemp -d)
