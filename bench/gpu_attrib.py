@@ -22,6 +22,12 @@ sizes it would), and the minimal hook with NCCL's pre-multiplied sum instead of 
 reduction scales as it sums; NCCL then cannot use its NVLink SHARP algorithm, which supports plain
 sums only, so on NVSwitch machines it would change the algorithm, and with it the bits).
 
+``--threads`` adds ddpdoctor with a NullSink (no writer thread) and ddpdoctor "quiet" (NullSink, no
+hang watchdog, no process sampler rounds, no sampled checks after the first step): what its
+threads (their GIL time, on the autograd thread's way) and its checks cost, apart from its hooks.
+
+``--yappi N`` profiles N ddpdoctor steps on every Python thread; then the profiler table.
+
 Last, the CUDA event calls on their own, 2,000 of each: ``Event.record()`` (which looks up the
 current stream in Python), ``record(stream)`` with the stream given, ``query()``, ``elapsed_time``.
 ``--cprofile N`` then profiles N instrumented steps (ddpdoctor's and torch.cuda's functions).
@@ -116,7 +122,9 @@ def _event_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks an
     return state(bucket)
 
 
-def contenders(model: str, device: torch.device, events: bool, floor: bool = False) -> dict[str, Contender]:
+def contenders(
+    model: str, device: torch.device, events: bool, floor: bool = False, threads: bool = False
+) -> dict[str, Contender]:
     # plain-2: a second plain DDP, the noise row (what plain against plain reads on this machine)
     out = {n: Contender(model, False, device, False) for n in ("plain", "plain-2", "pyhook")}
     out["pyhook"].ddp.register_comm_hook(out["pyhook"].ddp.process_group, python_allreduce_hook)
@@ -137,6 +145,14 @@ def contenders(model: str, device: torch.device, events: bool, floor: bool = Fal
     host = Contender(model, False, device, False)
     host.monitor = ddpdoctor.instrument(host.ddp, run_dir=host.tmp, cuda_timing=False)
     out["ddpdoctor-host-marks"] = host
+    if threads:  # what ddpdoctor's threads and sampled checks cost, apart from its hooks
+        from ddpdoctor.sinks.null import NullSink
+
+        c = out["ddpdoctor-nullsink"] = Contender(model, False, device, False)
+        c.monitor = ddpdoctor.instrument(c.ddp, sink=NullSink())  # no writer thread
+        c = out["ddpdoctor-quiet"] = Contender(model, False, device, False)
+        # no writer, no watchdog, no process sampler's rounds, no sampled checks after step 0
+        c.monitor = ddpdoctor.instrument(c.ddp, sink=NullSink(), hang_timeout=0, proc_interval=1e9, check_every=10**9)
     if device.type == "cuda":  # every bucket of every step marked (the default: sampled steps only)
         full = Contender(model, False, device, False)
         full.monitor = ddpdoctor.instrument(full.ddp, run_dir=full.tmp, log="full")
@@ -209,6 +225,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--events", action="store_true", help="add minimal hooks that record CUDA events")
     parser.add_argument("--only", nargs="+", default=None, help="keep these contenders only (plain is always kept)")
+    parser.add_argument("--threads", action="store_true", help="add ddpdoctor without its threads and checks")
     parser.add_argument("--floor", action="store_true", help="add the comm hook's floor rows (no scale, premul)")
     parser.add_argument("--yappi", type=int, default=0, help="then profile N ddpdoctor steps, every thread (yappi)")
     parser.add_argument("--cprofile", type=int, default=0, help="then cProfile this many steps of ddpdoctor's")
@@ -222,7 +239,7 @@ def main() -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"torch {torch.__version__}, {args.model}, {what}")
-    cs = contenders(args.model, device, args.events, args.floor)
+    cs = contenders(args.model, device, args.events, args.floor, args.threads)
     if args.only:
         for name in [n for n in cs if n != "plain" and n not in args.only]:
             c = cs.pop(name)
@@ -258,44 +275,51 @@ def main() -> None:
             f"{n:22s} {statistics.median(times[n]):8.3f} ms/step  vs plain {pct(statistics.median(ratios))}"
             f"  own {statistics.median(own[n]):7.1f} µs/step"
         )
-    print(f"\nper step, profiler over {args.profile_steps} steps:")
-    profiles = {n: profile(cs[n], args.profile_steps) for n in names}
-    for n in names:
-        pr = profiles[n]
-        calls = "  ".join(
-            f"{k}={v[0] / args.profile_steps:.1f}x/{v[1] / args.profile_steps:.0f}us"
-            for k, v in sorted(pr["calls"].items())
-        )
-        print(f"{n:22s} kernels {pr['kernels_us']:9.1f} µs ({pr['kernels']:.0f})  {calls}")
-    base_top = profiles["plain"]["top"]
-    for n in names[1:]:
-        diff = sorted(((v - base_top.get(k, 0.0)) / args.profile_steps, k) for k, v in profiles[n]["top"].items())
-        extra = [f"{k[:60]} {d:+.1f}" for d, k in reversed(diff[-4:]) if d > 5]
-        print(f"  {n}: kernels more than plain (µs/step): {'; '.join(extra) or 'none over 5 µs'}")
+    if args.yappi:  # before the profiler, whose post-processing of a transformer takes minutes
+        yappi_profile(cs["ddpdoctor"], args.yappi)
+    if args.profile_steps > 0:
+        profile_table(cs, names, args.profile_steps)
     print("\nCUDA event calls, each:")
     print("\n".join(event_costs(device)))
     if args.cprofile:
-        import cProfile
-        import pstats
-
-        c = cs["ddpdoctor"]
-        c.sync()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.cprofile):
-            c.step()
-        prof.disable()
-        c.sync()
-        print(f"\ncProfile of {args.cprofile} ddpdoctor steps (training thread), by own time:")
-        pstats.Stats(prof).sort_stats("tottime").print_stats("ddpdoctor|cuda", 30)
-        print("by cumulative time:")
-        pstats.Stats(prof).sort_stats("cumulative").print_stats("ddpdoctor", 30)
-    if args.yappi:
-        yappi_profile(cs["ddpdoctor"], args.yappi)
+        cprofile_steps(cs["ddpdoctor"], args.cprofile)
     for c in cs.values():
         if c.monitor is not None:
             c.monitor.close()
     dist.destroy_process_group()
+
+
+def profile_table(cs: dict[str, Contender], names: list[str], steps: int) -> None:
+    """Per step, each contender's device time and CUDA runtime calls, and its kernels beyond plain's."""
+    print(f"\nper step, profiler over {steps} steps:")
+    profiles = {n: profile(cs[n], steps) for n in names}
+    for n in names:
+        pr = profiles[n]
+        calls = "  ".join(f"{k}={v[0] / steps:.1f}x/{v[1] / steps:.0f}us" for k, v in sorted(pr["calls"].items()))
+        print(f"{n:22s} kernels {pr['kernels_us']:9.1f} µs ({pr['kernels']:.0f})  {calls}")
+    base_top = profiles["plain"]["top"]
+    for n in names[1:]:
+        diff = sorted(((v - base_top.get(k, 0.0)) / steps, k) for k, v in profiles[n]["top"].items())
+        extra = [f"{k[:60]} {d:+.1f}" for d, k in reversed(diff[-4:]) if d > 5]
+        print(f"  {n}: kernels more than plain (µs/step): {'; '.join(extra) or 'none over 5 µs'}")
+
+
+def cprofile_steps(c: Contender, steps: int) -> None:
+    """cProfile of ``steps`` instrumented steps (the training thread only)."""
+    import cProfile
+    import pstats
+
+    c.sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        c.step()
+    prof.disable()
+    c.sync()
+    print(f"\ncProfile of {steps} ddpdoctor steps (training thread), by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats("ddpdoctor|cuda", 30)
+    print("by cumulative time:")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats("ddpdoctor", 30)
 
 
 def yappi_profile(c: Contender, steps: int) -> None:

@@ -39,7 +39,9 @@ if [ "$mode" != cpu ]; then
   # real jobs under `ddpdoctor run`, each beside the same job plain: bit-identical losses, CUDA timing
   step real_jobs 150 python3 bench/real_jobs.py --parallel 6
   if [ "$mode" = floor ]; then  # the attribution with the comm hook's floor rows and a profile of every thread
-    step gpu_attrib_floor 200 python3 bench/gpu_attrib.py --model transformer --pairs 7 --warmup 30 --floor --yappi 20
+    # (the profiler's post-processing of 9 transformers ran past 200 s: 2 steps each, after yappi)
+    step gpu_attrib_floor 240 python3 bench/gpu_attrib.py --model transformer --pairs 7 --warmup 30 --floor --threads \
+      --yappi 20 --profile-steps 2
     step gpu_attrib_small 100 python3 bench/gpu_attrib.py --model small --pairs 7 --warmup 30 --only plain-2 pyhook ddpdoctor
     exit 0
   fi
