@@ -7,7 +7,8 @@ world size above 1), ddpdoctor (default: every bucket marked at the sampled step
 ddpdoctor with CUDA timing off (host marks: what the CUDA events themselves cost) and, on a GPU,
 ddpdoctor with ``log="full"`` (every bucket of every step marked). After a warm-up, ``--pairs``
 rounds of ``--steps`` steps each in a rotating order give each one's step time against plain
-(median of the paired ratios). Then the profiler (CPU and CUDA activity) records
+(median of the paired ratios), with the process's CPU time a step beside it (every thread: the
+host work each one adds, against plain's). Then the profiler (CPU and CUDA activity) records
 ``--profile-steps`` steps of each, and a table lists per step: the kernels' device time, the
 kernel count, and the host's CUDA runtime calls that wait for the device or add work
 (synchronizations, event records and queries, host allocations).
@@ -251,12 +252,14 @@ def main() -> None:
     names = list(cs)
     times: dict[str, list[float]] = {n: [] for n in names}
     own: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}  # the process's CPU, every thread
     for p in range(args.pairs):
         order = names[p % len(names) :] + names[: p % len(names)]
         for n in order:
             r = cs[n].round(args.steps)
             times[n].append(r["step_ms"])
             own[n].append(r.get("own_us", 0.0))
+            cpu[n].append(r["cpu_ms"])
     plain = times["plain"]
     base = [p.detach() for p in cs["plain"].ddp.parameters()]
     if device.type == "cuda":  # attention's backward and TF32 matmuls are not deterministic there
@@ -273,7 +276,7 @@ def main() -> None:
         ratios = [t / b - 1.0 for t, b in zip(times[n], plain, strict=True)]
         print(
             f"{n:22s} {statistics.median(times[n]):8.3f} ms/step  vs plain {pct(statistics.median(ratios))}"
-            f"  own {statistics.median(own[n]):7.1f} µs/step"
+            f"  own {statistics.median(own[n]):7.1f} µs/step  process CPU {statistics.median(cpu[n]):8.3f} ms/step"
         )
     if args.yappi:  # before the profiler, whose post-processing of a transformer takes minutes
         yappi_profile(cs["ddpdoctor"], args.yappi)

@@ -100,15 +100,17 @@ class Contender:
         self.steps += 1
 
     def round(self, steps: int) -> dict[str, float]:
-        """Mean step time of ``steps`` steps (ms), and ddpdoctor's own host µs per step."""
+        """Mean step time of ``steps`` steps (ms), the process's CPU time per step (ms, every
+        thread), and ddpdoctor's own host µs per step."""
         self.sync()
         own0 = self.monitor.own_ns if self.monitor is not None else 0
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         for _ in range(steps):
             self.step()
         self.sync()
         elapsed = time.perf_counter() - t0
-        result = {"step_ms": elapsed * 1000.0 / steps}
+        result = {"step_ms": elapsed * 1000.0 / steps, "cpu_ms": (time.process_time() - cpu0) * 1000.0 / steps}
         if self.monitor is not None:
             result["own_us"] = (self.monitor.own_ns - own0) / 1000.0 / steps
         return result
