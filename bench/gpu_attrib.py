@@ -53,7 +53,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_overhead import Contender
-from bench.harness import free_port, pct, python_allreduce_hook
+from bench.harness import first_value, free_port, pct, python_allreduce_hook
 
 #: Host-side CUDA runtime calls worth counting (the profiler names them so on every version).
 RUNTIME_CALLS = (
@@ -109,14 +109,14 @@ class EventHook:
 
 def noscale_hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
     """The minimal hook without the scale pass (attribution only: bit-identical at world size 1)."""
-    return process_group.allreduce([bucket.buffer()]).get_future().then(lambda f: f.value()[0])
+    return process_group.allreduce([bucket.buffer()]).get_future().then(first_value)
 
 
 def premul_hook(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
     """The minimal hook with NCCL's pre-multiplied sum: the scale done inside the reduction."""
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist._make_nccl_premul_sum(1.0 / process_group.size())
-    return process_group.allreduce([bucket.buffer()], opts).get_future().then(lambda f: f.value()[0])
+    return process_group.allreduce([bucket.buffer()], opts).get_future().then(first_value)
 
 
 def _event_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations

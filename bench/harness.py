@@ -52,7 +52,8 @@ def init_gloo(rank: int, world_size: int, port: int, timeout_s: float = 300.0) -
     )
 
 
-def _first_value(fut: Any) -> Any:
+def first_value(fut: Any) -> Any:
+    """An all-reduce future's callback: its one tensor (a comm hook's future must hold the bucket)."""
     return fut.value()[0]
 
 
@@ -61,7 +62,7 @@ def python_allreduce_hook(process_group, bucket):  # type: ignore[no-untyped-def
     design that times buckets from Python. Same work as ddpdoctor's default inner hook."""
     tensor = bucket.buffer()
     tensor.div_(process_group.size())
-    return process_group.allreduce([tensor]).get_future().then(_first_value)
+    return process_group.allreduce([tensor]).get_future().then(first_value)
 
 
 # -- process groups that take turns ------------------------------------------------------------
