@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,9 +33,30 @@ CFLAGS = ("-O2", "-DNDEBUG")
 FAULT_ENV = "DDPDOCTOR_TEST_NATIVE_FAULT"
 
 
+#: Defined for the build where torch's reducer declares the member the hook reads DDP's divisor
+#: from (``DdpScale`` in the source); the line is part of the source's hash.
+DIVISOR_DEFINE = "#define DDPDOCTOR_REDUCER_DIV_FACTOR 1  // torch's reducer.hpp declares it\n"
+_DIVISOR_MEMBER = re.compile(r"^\s*int div_factor_;", re.MULTILINE)
+
+
+def reducer_declares_divisor() -> bool:
+    """Whether the installed torch's ``reducer.hpp`` declares ``int div_factor_;`` (read from its
+    headers, without importing torch)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    header = Path(next(iter(spec.submodule_search_locations))) / "include/torch/csrc/distributed/c10d/reducer.hpp"
+    try:
+        return _DIVISOR_MEMBER.search(header.read_text()) is not None
+    except OSError:
+        return False
+
+
 def source_text() -> str:
     """The source to build (with the test fault applied, when asked)."""
     text = SOURCE.read_text()
+    if reducer_declares_divisor():
+        text = DIVISOR_DEFINE + text
     if os.environ.get(FAULT_ENV) == "compile":
         text = '#include "ddpdoctor_test_missing_header.h"  // a source that does not compile\n' + text
     return text

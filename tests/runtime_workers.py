@@ -312,12 +312,19 @@ def core_checks(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
     with ddpdoctor.instrument(ddp, run_dir=root / "closure"):
         out["closure"] = (plain_closure, train_with_closure(ddp, rank))
-    # divide_by_initial_world_size=False is honoured by DDP's no-hook path only: said once
+    # divide_by_initial_world_size=False: once rank 1 joined, DDP divides rank 0's gradients by 1,
+    # not 2; ddpdoctor's all-reduce reads that divisor from the reducer, and says nothing
+    plain_rescaled = train_uneven_under_join(
+        DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB), rank, divide_by_initial_world_size=False
+    )
     ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with ddpdoctor.instrument(ddp, run_dir=root / "join-rescaled"):
-            train_uneven_under_join(ddp, rank, divide_by_initial_world_size=False)
+            out["join_rescaled"] = (
+                plain_rescaled,
+                train_uneven_under_join(ddp, rank, divide_by_initial_world_size=False),
+            )
     out["join_rescaled_said"] = [str(w.message) for w in caught if issubclass(w.category, ddpdoctor.CommHookWarning)]
 
     # rewrap mid-training == rebuilding DDP by hand with the same options and hook

@@ -139,3 +139,54 @@ def test_dynamo_imported_after_the_monitor_attached_still_skips_ddpdoctor(tmp_pa
     assert out.returncode == 0, out.stderr
     # waiting for dynamo, then done; ddpdoctor's files skipped, the script's own not; the finder gone
     assert out.stdout.split() == ["waiting", "done", "True", "False", "0"], out.stdout + out.stderr
+
+
+def _compiled_backward(rank: int, monitor_dir: str | None) -> tuple[list[float], bool]:
+    """DDP's Python reducer (``optimize_ddp="python_reducer"``, the one compiled autograd takes),
+    compiled autograd enabled around each backward only, after the forward: the losses, and
+    whether DDP took the Python reducer."""
+    import torch._dynamo.config as dynamo_config
+    from torch._dynamo import compiled_autograd, reset
+
+    reset()
+    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
+    saved = dynamo_config.optimize_ddp
+    dynamo_config.optimize_ddp = "python_reducer"
+    try:
+        torch.manual_seed(0)
+        ddp = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+    finally:
+        dynamo_config.optimize_ddp = saved
+    # a check every step: each forward hooks the parameters' gradient accumulators for the sample
+    monitor = ddpdoctor.instrument(ddp, monitor_dir, check_every=1) if monitor_dir is not None else None
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank + 1)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        loss = ((ddp(x) - y) ** 2).mean()
+        opt.zero_grad()
+        with enable(torch.compile(backend="eager")):
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    if monitor is not None:
+        monitor.close()
+    return losses, bool(getattr(ddp, "_use_python_reducer", False))
+
+
+def _compiled_backward_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    plain, python_reducer = _compiled_backward(rank, None)
+    instrumented, _ = _compiled_backward(rank, tmp)
+    return {"plain": plain, "instrumented": instrumented, "python_reducer": python_reducer}
+
+
+def test_compiled_autograd_enabled_around_the_backward_trains_as_without_ddpdoctor(tmp_path: Path) -> None:
+    """Compiled autograd raises on a C++ hook it cannot trace: ddpdoctor's hooks on the gradient
+    accumulators (a sample's arrival stamps, added at the forward, before the backward enables it)
+    stay out of its graph, and the run trains as it does without ddpdoctor."""
+    results = run_ranks(_compiled_backward_worker, args=(str(tmp_path),), timeout=300)
+    if not results[0]["python_reducer"]:
+        pytest.skip("this torch's DDP takes no Python reducer")
+    for r in results:
+        assert r["instrumented"] == r["plain"]

@@ -161,7 +161,7 @@ class Attachment:
     def _build(self) -> None:
         monitor, ddp = self.monitor, self.ddp
         if self.timing_off is None:
-            state = comm_hook.HookState(monitor, comm_hook.mean_allreduce, ddp.process_group)
+            state = comm_hook.HookState(monitor, comm_hook.mean_allreduce, comm_hook.MeanState(ddp.process_group))
             if self._existing is not None:
                 state.inner_hook, state.inner_state, state.user_hook_name = self._existing
             self.hook_state = state
@@ -295,6 +295,8 @@ class Attachment:
     def _register_comm_hook(self) -> None:
         ddp, state = self.ddp, self.hook_state
         assert state is not None
+        if isinstance(state.inner_state, comm_hook.MeanState):  # ddpdoctor's own all-reduce
+            state.inner_state.scale = native_hook.python_route_scale(ddp, bool(getattr(self.monitor, "_cuda", False)))
         torch_compat.register_comm_hook(ddp.reducer, state, comm_hook.timed_hook)
         if self._existing is not None and ddp.logger is not None:
             ddp.logger._set_comm_hook_name(self._existing[2])
@@ -314,6 +316,22 @@ class Attachment:
             if self.header is not None:
                 self.header.timing = "python"
             self._register_comm_hook()
+
+    def exact_scaling(self) -> tuple[bool, bool]:
+        """Whether ddpdoctor's own all-reduce, if it is the one in effect, (reads DDP's divisor,
+        sees which gradients DDP would divide in place): both True where it is not in effect (a
+        user's hook scales as it does without ddpdoctor) or where the native extension scales."""
+        state = self.hook_state
+        if state is None or state.inner_hook is not comm_hook.mean_allreduce:
+            return True, True
+        if self.native is not None and not self.native.delegated:
+            scale: Any = self.native.scale
+        else:
+            scale = state.inner_state.scale if isinstance(state.inner_state, comm_hook.MeanState) else None
+        if scale is None:
+            return False, False
+        ddp = self.ddp
+        return bool(scale.reads_divisor), bool(scale.watches) or not getattr(ddp, "gradient_as_bucket_view", False)
 
     def _retire_old_reducer(self) -> None:
         torch_compat.remove_reducer_hooks(self._old_reducer)

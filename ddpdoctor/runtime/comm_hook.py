@@ -74,14 +74,30 @@ class HookState:
         self._monitor = lambda: None  # type: ignore[assignment]
 
 
-def mean_allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
+class MeanState:
+    """``mean_allreduce``'s state: the process group, and the native extension's ``DdpScale``
+    where it loads (``native_hook.ddp_scale``), which scales each bucket exactly as DDP's reducer
+    would have: by DDP's own divisor (under ``Join(divide_by_initial_world_size=False)``, the ranks
+    still training), multiplying a gradient DDP copies and dividing one that stays its bucket view
+    (``gradient_as_bucket_view``). Without it (None), every bucket is multiplied by 1/world size,
+    which gives DDP's bits except in those two cases at a world size that is not a power of two
+    (said once, ``CommHookWarning``)."""
+
+    __slots__ = ("group", "scale")
+
+    def __init__(self, group: dist.ProcessGroup, scale: Callable[[dist.GradBucket], None] | None = None) -> None:
+        self.group = group
+        self.scale = scale
+
+
+def mean_allreduce(state: MeanState, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
     """What DDP does without a hook: scale by 1/world size, then sum across ranks.
 
     Bit-identical to DDP's built-in path, which multiplies each gradient by the reciprocal as it
     copies it into the bucket (a divide gives other bits whenever the world size is not a power
-    of two). It calls the process group directly: the public ``dist.all_reduce`` wrapper costs
-    several microseconds per bucket in argument checks and logging. The future's value is a
-    one-element list; ``timed_hook`` unwraps it.
+    of two; ``MeanState`` says where DDP divides). It calls the process group directly: the
+    public ``dist.all_reduce`` wrapper costs several microseconds per bucket in argument checks
+    and logging. The future's value is a one-element list; ``timed_hook`` unwraps it.
 
     A CUDA bucket at world size 1 is not multiplied: by 1.0 it changes no bit there (CUDA kernels
     keep subnormals), and that pass over every gradient is what a scaling comm hook costs a GPU
@@ -91,10 +107,15 @@ def mean_allreduce(process_group: dist.ProcessGroup, bucket: dist.GradBucket) ->
     zeroes them in DDP's multiply.
     """
     tensor = bucket.buffer()
-    size = process_group.size()
-    if size != 1 or not tensor.is_cuda:
-        tensor.mul_(1.0 / size)
-    return process_group.allreduce([tensor]).get_future()
+    group = state.group
+    scale = state.scale
+    if scale is not None:
+        scale(bucket)  # (the same rules, in C++)
+    else:
+        size = group.size()
+        if size != 1 or not tensor.is_cuda:
+            tensor.mul_(1.0 / size)
+    return group.allreduce([tensor]).get_future()
 
 
 class _Then:

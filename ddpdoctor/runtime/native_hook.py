@@ -264,6 +264,41 @@ def choose(cuda: bool) -> ModuleType | None:
         return None
 
 
+def ddp_scale(module: ModuleType, ddp: Any) -> Any:
+    """The extension's ``DdpScale`` for ``ddp``: scales a bucket exactly as DDP's reducer scales
+    its gradients when no hook is registered (``comm_hook.MeanState`` says how). Under
+    ``gradient_as_bucket_view`` it puts a C++ pre-hook on each reduced parameter's gradient
+    accumulator, for as long as the scale lives (which DDP's reducer or hook state holds): DDP
+    divides a gradient in place when the backward accumulated into its bucket view, and that can
+    only be seen before the accumulation (tens of ns a parameter; nothing without the option, or
+    at world size 1, where DDP's divisor is 1)."""
+    size = ddp.process_group.size()
+    watch = size > 1 and bool(getattr(ddp, "gradient_as_bucket_view", False))
+    params = [p for p in ddp.module.parameters() if p.requires_grad] if watch else []
+    return module.DdpScale(ddp.reducer, size, params, watch)
+
+
+def python_route_scale(ddp: Any, cuda: bool) -> Any | None:
+    """The Python route's ``DdpScale`` (``ddp_scale``), or None where the extension is not loaded.
+
+    On CPU the Python route runs where the native one could not (its failure is said already) or
+    for a hook registered before ``instrument``: the extension is loaded as for the native route.
+    A GPU host builds nothing for a job that has no use for it (``run_cmd.prepare_native``): a
+    GPU model takes a cached build, and builds one only where DDP's bits need it (the gradients
+    may stay their bucket views at a world size that is not a power of two).
+    """
+    if not enabled_by_env():
+        return None
+    if cuda and native_cache.cached_build() is None:
+        size = ddp.process_group.size()
+        if not getattr(ddp, "gradient_as_bucket_view", False) or size & (size - 1) == 0:
+            return None
+    try:
+        return ddp_scale(load(), ddp)
+    except Exception:  # noqa: BLE001 - no extension: the world size's reciprocal, as before (MeanState)
+        return None
+
+
 def _output_tensors(output: Any, limit: int = OUTPUT_LIMIT) -> list[Any]:
     """The tensors requiring grad in a forward's output (nested tuples, lists, dicts), at most ``limit``."""
     found: list[Any] = []
@@ -287,6 +322,8 @@ class NativeTiming:
         self._module = module
         self._monitor = weakref.ref(monitor)
         self.ring: Any = None
+        #: the ``DdpScale`` the hook scales the buckets with (the reducer's hook holds it too)
+        self.scale: Any = None
         #: the ring's ``drain_into``, read once (a plain C function bound to the ring: the call
         #: of every step, made when caches are cold)
         self.drain_into: Any = None
@@ -324,7 +361,9 @@ class NativeTiming:
 
     def register(self, ddp: Any) -> None:
         """Put the hook on DDP's reducer (for good: a reducer takes one hook)."""
-        self.ring = self._module.register_timed_hook(ddp.reducer, ddp.process_group, RING_CAPACITY)
+        scale = ddp_scale(self._module, ddp)
+        self.ring = self._module.register_timed_hook(ddp.reducer, ddp.process_group, RING_CAPACITY, scale)
+        self.scale = scale
         self.drain_into = self.ring.drain_into
         self.step_change = None
         self.delegated = False

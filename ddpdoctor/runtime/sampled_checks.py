@@ -116,6 +116,9 @@ class SampledChecks:
         self._grad_ready = torch_compat.available("grad_ready")
         self._post_forward = torch_compat.available("post_forward_timing", warn=False)
         self._join_warned = False
+        #: whether ddpdoctor's all-reduce in effect (reads DDP's divisor, sees which gradients DDP
+        #: divides in place): the attachment's answer (``Attachment.exact_scaling``)
+        self.exact_scaling: Callable[[], tuple[bool, bool]] = lambda: (False, False)
         # samples in a row that saw no gradient at all: the step's forward had no backward of its
         # own (a model called twice before one backward, a GAN's discriminator): the next
         # synchronizing forward samples instead, up to ``VOID_RESAMPLES`` times in a row
@@ -223,21 +226,26 @@ class SampledChecks:
         ddp.__dict__["_post_forward"] = timed_post_forward
 
     def _check_join(self) -> None:
-        """Say once that ``Join(divide_by_initial_world_size=False)`` is not honoured.
+        """Say once where ``Join(divide_by_initial_world_size=False)`` is not honoured.
 
-        Without a comm hook, DDP divides a step's gradients by the ranks that have not joined;
-        with any comm hook (ddpdoctor's timing hook, like torch's own ``allreduce_hook``) they are
-        divided by the world size. Steps after a rank joined then get gradients scaled by
-        (ranks training) / (world size). Checked on sampled steps only (no cost per step)."""
+        Without a comm hook, DDP divides a step's gradients by the ranks that have not joined.
+        ddpdoctor's all-reduce reads that divisor from DDP's reducer through its native extension
+        (``comm_hook.MeanState``); without the extension it divides by the world size, as torch's
+        own ``allreduce_hook`` does, and steps after a rank joined get gradients scaled by (ranks
+        training) / (world size). A user's comm hook does what it does without ddpdoctor. Checked
+        on sampled steps only (no cost per step)."""
         ddp = self.ddp
         config = getattr(ddp, "_join_config", None)
         if not getattr(config, "enable", False) or getattr(ddp, "_divide_by_initial_world_size", True):
             return
         self._join_warned = True
+        if self.exact_scaling()[0]:
+            return
         warn(
             "ddpdoctor: Join(divide_by_initial_world_size=False) is not honoured while ddpdoctor times the "
-            "buckets: like any DDP comm hook, its timing hook divides gradients by the world size, so after a "
-            "rank joins the others' gradients are scaled by (ranks training) / (world size). Use the default "
+            "buckets without its native extension: its comm hook then divides gradients by the world size, so "
+            "after a rank joins the others' gradients are scaled by (ranks training) / (world size). Let the "
+            "extension load (a C++ compiler, DDPDOCTOR_NATIVE not 0), use the default "
             "divide_by_initial_world_size=True, or train this job without ddpdoctor attached.",
             CommHookWarning,
             stacklevel=2,

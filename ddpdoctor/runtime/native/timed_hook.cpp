@@ -45,6 +45,7 @@
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -647,12 +648,23 @@ class OptimizerStamps {
 // sample begins and takes it off when the sample ends: nothing is left behind, no GIL is taken.
 // The instant is when the gradient reaches the accumulator (before it is added to .grad).
 
+// A pre-hook on a gradient accumulator that compiled autograd leaves out. Compiled autograd collects
+// the hooks of the graph it traces and raises on a C++ hook that cannot say how to trace it, even
+// where it is enabled only around the backward (``compiled_autograd._enable``), after the forward
+// that added the hook looked: a hook of this kind simply does not run in a compiled backward.
+// (torch 2.6 made the method const: both spellings, one of which overrides.)
+class UntracedPreHook : public torch::autograd::FunctionPreHook {
+ public:
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) {}
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const {}
+};
+
 struct Arrivals {
   std::mutex mu;
   std::vector<int64_t> at;  // per parameter given: ns of the last arrival, 0 until one
 };
 
-class ArrivalStamp : public torch::autograd::FunctionPreHook {
+class ArrivalStamp : public UntracedPreHook {
  public:
   ArrivalStamp(std::shared_ptr<Arrivals> arrivals, size_t slot) : arrivals_(std::move(arrivals)), slot_(slot) {}
 
@@ -733,17 +745,247 @@ class ParamSample {
   std::vector<std::pair<NodePtr, torch::autograd::FunctionPreHook*>> hooked_;
 };
 
+// -- DDP's own scaling, bit for bit ---------------------------------------------------------------
+//
+// Without a comm hook, DDP's reducer scales each gradient as it hands it to its bucket: it
+// multiplies by the reciprocal of its divisor as it copies a gradient in, and divides in place a
+// dense gradient that already is its bucket view (gradient_as_bucket_view=True with gradients
+// kept between steps) and every sparse gradient. With a hook registered it only copies, and the
+// hook scales. A multiply by the reciprocal and a divide give other bits whenever the divisor is
+// not a power of two (world size 3, 6, 12, 24...), so ``DdpScale`` replays DDP's choice per
+// gradient. The divisor is the reducer's own: the world size, or under
+// Join(divide_by_initial_world_size=False) the ranks still training, which DDP counts in each
+// forward. The reducer has no accessor for it, so its private member is read through an explicit
+// instantiation (which the language exempts from access checks); native_cache.source_text
+// defines DDPDOCTOR_REDUCER_DIV_FACTOR only where torch's reducer.hpp declares that member, and
+// without it the divisor is the world size (and Python says the Join case is not honoured).
+
+#ifdef DDPDOCTOR_REDUCER_DIV_FACTOR
+template <typename Tag, typename Tag::type Member>
+struct Expose {
+  friend typename Tag::type member_of(Tag) {
+    return Member;
+  }
+};
+struct DivFactor {
+  using type = int c10d::Reducer::*;
+  friend type member_of(DivFactor);
+};
+template struct Expose<DivFactor, &c10d::Reducer::div_factor_>;
+constexpr bool kReadsDivisor = true;
+#else
+constexpr bool kReadsDivisor = false;
+#endif
+
+bool power_of_two(int64_t n) {
+  return n > 0 && (n & (n - 1)) == 0;
+}
+
+// Per reduced parameter, whether its gradient stays its bucket view through the backward's
+// accumulation (DDP then divides it in place): known only before the accumulation, so a pre-hook
+// on each parameter's gradient accumulator records it there, with the round it belongs to. A
+// round ends when the bucket flagged last is scaled; a parameter not accumulated in the round (not
+// used by this backward) is taken as its bucket view, which a gradient kept since an earlier round
+// is under gradient_as_bucket_view. A round in which no pre-hook ran at all (compiled autograd
+// traced the backward: it runs no C++ hook of ours) takes every gradient as copied, as before.
+struct GradRecords {
+  std::mutex mu;
+  uint64_t round = 1;
+  uint64_t any_seen = 0;        // the last round in which a pre-hook ran
+  std::vector<uint64_t> seen;   // per parameter: the round of its last record
+  std::vector<char> in_place;   // per parameter: the record
+  std::unordered_map<const c10::TensorImpl*, size_t> slot;
+};
+
+class GradRecord : public UntracedPreHook {
+ public:
+  GradRecord(std::shared_ptr<GradRecords> records, at::Tensor param, size_t slot)
+      : records_(std::move(records)), param_(std::move(param)), slot_(slot) {}
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    // AccumulateGrad adds into an existing dense .grad in place unless the backward builds a
+    // graph (create_graph: grad mode on), which makes a new tensor, as a missing .grad does.
+    const at::Tensor& grad = param_.grad();
+    const bool kept = grad.defined() && grad.layout() == c10::kStrided && !at::GradMode::is_enabled();
+    std::lock_guard<std::mutex> lock(records_->mu);
+    records_->in_place[slot_] = kept ? 1 : 0;
+    records_->seen[slot_] = records_->round;
+    records_->any_seen = records_->round;
+    return grads;
+  }
+
+ private:
+  std::shared_ptr<GradRecords> records_;
+  at::Tensor param_;  // (the accumulator holds its variable too: no cycle, the meta's link is weak)
+  size_t slot_;
+};
+
+class GradWatch {
+ public:
+  explicit GradWatch(const std::vector<at::Tensor>& params) : records_(std::make_shared<GradRecords>()) {
+    records_->seen.assign(params.size(), 0);
+    records_->in_place.assign(params.size(), 0);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i];
+      if (!p.defined() || !p.requires_grad() || !p.is_leaf()) {
+        continue;
+      }
+      auto node = torch::autograd::impl::grad_accumulator(p);
+      if (!node) {
+        continue;
+      }
+      records_->slot.emplace(p.unsafeGetTensorImpl(), i);
+      auto hook = std::make_unique<GradRecord>(records_, p, i);
+      torch::autograd::FunctionPreHook* raw = hook.get();
+      node->add_pre_hook(std::move(hook));
+      hooked_.emplace_back(std::move(node), raw);
+    }
+  }
+
+  ~GradWatch() {
+    for (auto& [node, raw] : hooked_) {
+      auto& hooks = node->pre_hooks();
+      for (auto it = hooks.begin(); it != hooks.end(); ++it) {
+        if (it->get() == raw) {
+          hooks.erase(it);
+          break;
+        }
+      }
+    }
+  }
+
+  GradWatch(const GradWatch&) = delete;
+  GradWatch& operator=(const GradWatch&) = delete;
+
+  // Per gradient of ``bucket`` (its parameters' order): 1 where DDP would divide it in place.
+  // The storage is compared as DDP's is_alias_of does: a kept gradient that is not this bucket's
+  // view (one the script set) is copied, and multiplied.
+  std::vector<char> in_place(c10d::GradBucket& bucket) {
+    const auto params = bucket.getParameters();
+    const c10::StorageImpl* storage = bucket.getBufferRef().storage().unsafeGetStorageImpl();
+    std::vector<char> out(params.size(), 0);
+    std::lock_guard<std::mutex> lock(records_->mu);
+    for (size_t j = 0; j < params.size() && records_->any_seen == records_->round; ++j) {
+      const at::Tensor& grad = params[j].grad();
+      if (!grad.defined() || grad.storage().unsafeGetStorageImpl() != storage) {
+        continue;  // no gradient (the bucket holds zeros) or not a view of this bucket
+      }
+      auto it = records_->slot.find(params[j].unsafeGetTensorImpl());
+      const bool recorded = it != records_->slot.end() && records_->seen[it->second] == records_->round;
+      out[j] = recorded ? records_->in_place[it->second] : 1;
+    }
+    if (bucket.isLast()) {
+      ++records_->round;
+    }
+    return out;
+  }
+
+ private:
+  using NodePtr = std::decay_t<decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()))>;
+  std::shared_ptr<GradRecords> records_;
+  std::vector<std::pair<NodePtr, torch::autograd::FunctionPreHook*>> hooked_;
+};
+
+// 1/``size`` as DDP's reducer passes it to its multiply: a double scalar tensor marked as a wrapped
+// number (so the bucket's dtype wins and the product is taken in its math type). Not
+// ``mul_(double)``: C++'s Scalar overload rounds the reciprocal to a half-precision bucket's dtype
+// first (bfloat16 and float16 gradients then differ whenever the size is not a power of 2).
+at::Tensor wrapped_scale(int64_t size) {
+  at::Tensor scale = c10::scalar_to_tensor(at::Scalar(1.0 / static_cast<double>(size)));
+  scale.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return scale;
+}
+
+class DdpScale {
+ public:
+  DdpScale(const std::shared_ptr<c10d::Reducer>& reducer, int64_t world_size, const std::vector<at::Tensor>& params,
+           bool watch)
+      : reducer_(reducer), world_size_(world_size), divisor_(world_size), scale_(wrapped_scale(world_size)) {
+    if (watch) {
+      watch_ = std::make_unique<GradWatch>(params);
+    }
+  }
+
+  // Scales ``bucket`` in place as DDP's reducer would have scaled its gradients.
+  void apply(c10d::GradBucket& bucket) {
+    at::Tensor& buffer = bucket.getBufferRef();
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t div = divisor();
+    if (buffer.layout() != c10::kStrided) {
+      buffer.div_(div);  // a sparse gradient: DDP divides it
+      return;
+    }
+    if (div == 1 && buffer.is_cuda()) {
+      // by 1.0 no bit changes on a GPU (CUDA kernels keep subnormals), and that pass over every
+      // gradient is what a scaling comm hook costs there; on CPU it stays (flush_denormal)
+      return;
+    }
+    if (div != divisor_) {
+      divisor_ = div;
+      scale_ = wrapped_scale(div);
+    }
+    if (watch_ == nullptr || power_of_two(div)) {
+      buffer.mul_(scale_);  // dividing by a power of two gives the same bits
+      return;
+    }
+    const std::vector<char> in_place = watch_->in_place(bucket);
+    const bool all = std::all_of(in_place.begin(), in_place.end(), [](char c) { return c != 0; });
+    const bool none = std::none_of(in_place.begin(), in_place.end(), [](char c) { return c != 0; });
+    if (none) {
+      buffer.mul_(scale_);
+    } else if (all) {
+      buffer.div_(div);
+    } else {
+      const std::vector<at::Tensor> views = bucket.getGradients();
+      for (size_t j = 0; j < views.size() && j < in_place.size(); ++j) {
+        at::Tensor view = views[j];
+        if (in_place[j]) {
+          view.div_(div);
+        } else {
+          view.mul_(scale_);
+        }
+      }
+    }
+  }
+
+  // The divisor DDP's reducer uses this round (the world size where it cannot be read).
+  int64_t divisor() const {
+#ifdef DDPDOCTOR_REDUCER_DIV_FACTOR
+    if (auto reducer = reducer_.lock()) {
+      const int div = (*reducer).*member_of(DivFactor());
+      if (div > 0) {
+        return div;
+      }
+    }
+#endif
+    return world_size_;
+  }
+
+  bool watches() const {
+    return watch_ != nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  std::weak_ptr<c10d::Reducer> reducer_;  // (the reducer owns the hook that owns this: not held)
+  const int64_t world_size_;
+  int64_t divisor_;
+  at::Tensor scale_;
+  std::unique_ptr<GradWatch> watch_;
+};
+
 class TimedAllReduceHook
     : public c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>> {
  public:
   TimedAllReduceHook(
       const c10::intrusive_ptr<c10d::ProcessGroup>& group,
       std::shared_ptr<Ring> ring,
-      std::shared_ptr<Delegate> delegate)
+      std::shared_ptr<Delegate> delegate,
+      std::shared_ptr<DdpScale> scale)
       : c10d::CppCommHookInterface<c10::intrusive_ptr<c10d::ProcessGroup>>(group),
         ring_(std::move(ring)),
         delegate_(std::move(delegate)),
-        scale_(wrapped_scale(group->getSize())) {}
+        scale_(std::move(scale)) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     const int64_t ready = now_ns();
@@ -760,12 +1002,8 @@ class TimedAllReduceHook
       }
       ring_->add_layout(index, std::move(params));
     }
-    // DDP without a hook multiplies each gradient by 1/world size as it copies it into the
-    // bucket (a multiply by the reciprocal, a wrapped double scalar); with a hook registered it
-    // copies unscaled, so the same multiply here gives the same bits. Not ``mul_(double)``:
-    // C++'s Scalar overload rounds the reciprocal to a half-precision bucket's dtype first
-    // (bfloat16 and float16 gradients then differ whenever the world size is not a power of 2)
-    buffer.mul_(scale_);
+    // with a hook registered DDP copies the gradients unscaled: scaled here as it would have
+    scale_->apply(bucket);
     std::vector<at::Tensor> tensors = {buffer};
     WithoutBackwardContext<at::impl::ThreadLocalPythonObjects> no_context;
     auto fut = state_->allreduce(tensors)->getFuture();
@@ -802,29 +1040,26 @@ class TimedAllReduceHook
   }
 
  private:
-  // 1/world size as DDP's reducer passes it to its multiply: a double scalar tensor marked as a
-  // wrapped number (so the bucket's dtype wins and the product is taken in its math type)
-  static at::Tensor wrapped_scale(int64_t size) {
-    at::Tensor scale = c10::scalar_to_tensor(at::Scalar(1.0 / static_cast<double>(size)));
-    scale.unsafeGetTensorImpl()->set_wrapped_number(true);
-    return scale;
-  }
-
   std::shared_ptr<Ring> ring_;
   std::shared_ptr<Delegate> delegate_;
-  const at::Tensor scale_;
+  const std::shared_ptr<DdpScale> scale_;
 };
 
 // Registers the timed hook on DDP's reducer; the reducer owns it from then on (a reducer takes
 // one hook, for good: a later hook is handed the buckets through Ring::delegate). Raises DDP's
-// own "can only be called once" error if a hook is registered already.
+// own "can only be called once" error if a hook is registered already. ``scale`` (None: one that
+// watches no gradient) scales each bucket as DDP would.
 Handle register_timed_hook(
     const std::shared_ptr<c10d::Reducer>& reducer,
     const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-    int64_t capacity) {
+    int64_t capacity,
+    std::shared_ptr<DdpScale> scale) {
   TORCH_CHECK(capacity > 0, "ring capacity must be positive");
+  if (scale == nullptr) {  // (the benches': DDP's divisor, gradients taken as copied)
+    scale = std::make_shared<DdpScale>(reducer, group->getSize(), std::vector<at::Tensor>{}, false);
+  }
   Handle handle{std::make_shared<Ring>(static_cast<size_t>(capacity)), std::make_shared<Delegate>()};
-  reducer->register_comm_hook(std::make_unique<TimedAllReduceHook>(group, handle.ring, handle.delegate));
+  reducer->register_comm_hook(std::make_unique<TimedAllReduceHook>(group, handle.ring, handle.delegate, std::move(scale)));
   return handle;
 }
 
@@ -1539,7 +1774,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<ParamSample>(m, "ParamSample")
       .def(py::init<const std::vector<at::Tensor>&>(), py::arg("params"))
       .def("end", &ParamSample::end, py::arg("offset"));
-  m.def("register_timed_hook", &register_timed_hook, py::arg("reducer"), py::arg("group"), py::arg("capacity"));
+  m.def("register_timed_hook", &register_timed_hook, py::arg("reducer"), py::arg("group"), py::arg("capacity"),
+        py::arg("scale") = py::none());
+  py::class_<DdpScale, std::shared_ptr<DdpScale>>(m, "DdpScale",
+                                                   "Scales a bucket in place as DDP's reducer scales its gradients")
+      .def(py::init<const std::shared_ptr<c10d::Reducer>&, int64_t, const std::vector<at::Tensor>&, bool>(),
+           py::arg("reducer"), py::arg("world_size"), py::arg("params"), py::arg("watch"))
+      .def("__call__", &DdpScale::apply, py::arg("bucket"))
+      .def("divisor", &DdpScale::divisor)
+      .def_property_readonly("watches", &DdpScale::watches)
+      .def_property_readonly_static("reads_divisor", [](py::object) { return kReadsDivisor; });
   m.def("accepts", &accepts, py::arg("reducer"), py::arg("group"));
   m.def("tensor_values", &tensor_values, py::arg("tensors"), "(norms, sums) of CPU tensors, as fingerprints.tensor_values");
   for (PyMethodDef* def = kModuleFunctions; def->ml_name != nullptr; ++def) {
