@@ -19,12 +19,12 @@ from typing import Any
 from tests.ddp_harness import run_ranks
 
 
-def _model() -> Any:
+def _model(bucket_view: bool = False) -> Any:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
-    return DDP(net)
+    return DDP(net, gradient_as_bucket_view=bucket_view)
 
 
 def _train(model: Any, steps: int = 3) -> None:
@@ -60,7 +60,7 @@ def _threads_went_round(mon: Any) -> None:
     _until(sampled, "a process sample")
 
 
-def lifetime_worker(rank: int, world_size: int, run_dir: str, case: str) -> dict[str, Any]:
+def lifetime_worker(rank: int, world_size: int, run_dir: str, case: str, bucket_view: bool = False) -> dict[str, Any]:
     import ddpdoctor
     from ddpdoctor.runtime.services import services
 
@@ -80,8 +80,10 @@ def lifetime_worker(rank: int, world_size: int, run_dir: str, case: str) -> dict
     finally:
         gc.enable()
 
-    model = _model()
+    model = _model(bucket_view)
     mon = ddpdoctor.instrument(model, str(Path(run_dir) / "model"), **opts)
+    native = mon.attachment.native
+    watched = native is not None and native.exact[1]  # the scale's pre-hooks on the accumulators
     _train(model)
     _train(keeper)
     _threads_went_round(mon)
@@ -114,6 +116,7 @@ def lifetime_worker(rank: int, world_size: int, run_dir: str, case: str) -> dict
         "kept_mon_alive": kept_mon_alive,
         "keeper_steps": keeper_steps,
         "ended": ended,
+        "watched": watched,
     }
 
 
@@ -142,3 +145,12 @@ def test_a_model_dropped_without_close_ends_its_log(tmp_path: Path) -> None:
     log = ddpdoctor.load_run(tmp_path / "model").ranks[0]
     assert [s.step for s in log.steps] == [0, 1, 2]
     assert log.end is not None and log.end.reason == "close"
+
+
+def test_a_monitor_whose_scale_watches_the_gradients_keeps_no_model_alive(tmp_path: Path) -> None:
+    """Under gradient_as_bucket_view at 2 ranks the native hook's scale puts a pre-hook on every
+    gradient accumulator: it holds neither them nor DDP's reducer, so the model goes as before."""
+    for case in ("closed", "dropped"):
+        for r in run_ranks(lifetime_worker, 2, args=(str(tmp_path / case), case, True), timeout=120):
+            assert r["watched"]
+            assert r["freed"], case

@@ -325,13 +325,13 @@ class Attachment:
         if state is None or state.inner_hook is not comm_hook.mean_allreduce:
             return True, True
         if self.native is not None and not self.native.delegated:
-            scale: Any = self.native.scale
+            reads, watches = self.native.exact
         else:
             scale = state.inner_state.scale if isinstance(state.inner_state, comm_hook.MeanState) else None
-        if scale is None:
-            return False, False
-        ddp = self.ddp
-        return bool(scale.reads_divisor), bool(scale.watches) or not getattr(ddp, "gradient_as_bucket_view", False)
+            if scale is None:
+                return False, False
+            reads, watches = bool(scale.reads_divisor), bool(scale.watches)
+        return reads, watches or not getattr(self.ddp, "gradient_as_bucket_view", False)
 
     def _retire_old_reducer(self) -> None:
         torch_compat.remove_reducer_hooks(self._old_reducer)

@@ -820,6 +820,20 @@ class GradRecord : public UntracedPreHook {
   size_t slot_;
 };
 
+// A gradient accumulator's owning pointer, and a pointer to it that does not own it: torch 2.5's
+// nodes are shared_ptr-managed, 2.13's intrusive_ptr-managed.
+using NodeRef = std::decay_t<decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()))>;
+template <typename P>
+struct Unowned;
+template <typename T>
+struct Unowned<std::shared_ptr<T>> {
+  using type = std::weak_ptr<T>;
+};
+template <typename T, typename N>
+struct Unowned<c10::intrusive_ptr<T, N>> {
+  using type = c10::weak_intrusive_ptr<T, N>;
+};
+
 class GradWatch {
  public:
   explicit GradWatch(const std::vector<at::Tensor>& params) : records_(std::make_shared<GradRecords>()) {
@@ -838,12 +852,16 @@ class GradWatch {
       auto hook = std::make_unique<GradRecord>(records_, p, i);
       torch::autograd::FunctionPreHook* raw = hook.get();
       node->add_pre_hook(std::move(hook));
-      hooked_.emplace_back(std::move(node), raw);
+      hooked_.emplace_back(Unowned<NodeRef>::type(node), raw);
     }
   }
 
   ~GradWatch() {
-    for (auto& [node, raw] : hooked_) {
+    for (auto& [weak, raw] : hooked_) {
+      auto node = weak.lock();
+      if (!node) {
+        continue;  // gone with DDP's reducer, and our hook with it
+      }
       auto& hooks = node->pre_hooks();
       for (auto it = hooks.begin(); it != hooks.end(); ++it) {
         if (it->get() == raw) {
@@ -874,16 +892,20 @@ class GradWatch {
       const bool recorded = it != records_->slot.end() && records_->seen[it->second] == records_->round;
       out[j] = recorded ? records_->in_place[it->second] : 1;
     }
-    if (bucket.isLast()) {
-      ++records_->round;
-    }
     return out;
   }
 
+  // After the bucket flagged last (every bucket's, whatever its scaling asked): the next round.
+  void end_round() {
+    std::lock_guard<std::mutex> lock(records_->mu);
+    ++records_->round;
+  }
+
  private:
-  using NodePtr = std::decay_t<decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()))>;
   std::shared_ptr<GradRecords> records_;
-  std::vector<std::pair<NodePtr, torch::autograd::FunctionPreHook*>> hooked_;
+  // The accumulators, not held: DDP's reducer holds them (each holds its parameter), and the
+  // scale may outlive the model (in a closed monitor the script keeps).
+  std::vector<std::pair<Unowned<NodeRef>::type, torch::autograd::FunctionPreHook*>> hooked_;
 };
 
 // 1/``size`` as DDP's reducer passes it to its multiply: a double scalar tensor marked as a wrapped
@@ -908,8 +930,33 @@ class DdpScale {
 
   // Scales ``bucket`` in place as DDP's reducer would have scaled its gradients.
   void apply(c10d::GradBucket& bucket) {
-    at::Tensor& buffer = bucket.getBufferRef();
     std::lock_guard<std::mutex> lock(mu_);
+    scale(bucket);
+    if (watch_ != nullptr && bucket.isLast()) {
+      watch_->end_round();
+    }
+  }
+
+  // The divisor DDP's reducer uses this round (the world size where it cannot be read).
+  int64_t divisor() const {
+#ifdef DDPDOCTOR_REDUCER_DIV_FACTOR
+    if (auto reducer = reducer_.lock()) {
+      const int div = (*reducer).*member_of(DivFactor());
+      if (div > 0) {
+        return div;
+      }
+    }
+#endif
+    return world_size_;
+  }
+
+  bool watches() const {
+    return watch_ != nullptr;
+  }
+
+ private:
+  void scale(c10d::GradBucket& bucket) {
+    at::Tensor& buffer = bucket.getBufferRef();
     const int64_t div = divisor();
     if (buffer.layout() != c10::kStrided) {
       buffer.div_(div);  // a sparse gradient: DDP divides it
@@ -948,24 +995,6 @@ class DdpScale {
     }
   }
 
-  // The divisor DDP's reducer uses this round (the world size where it cannot be read).
-  int64_t divisor() const {
-#ifdef DDPDOCTOR_REDUCER_DIV_FACTOR
-    if (auto reducer = reducer_.lock()) {
-      const int div = (*reducer).*member_of(DivFactor());
-      if (div > 0) {
-        return div;
-      }
-    }
-#endif
-    return world_size_;
-  }
-
-  bool watches() const {
-    return watch_ != nullptr;
-  }
-
- private:
   std::mutex mu_;
   std::weak_ptr<c10d::Reducer> reducer_;  // (the reducer owns the hook that owns this: not held)
   const int64_t world_size_;
