@@ -85,7 +85,8 @@ class MeanState:
 
     __slots__ = ("group", "scale")
 
-    def __init__(self, group: dist.ProcessGroup, scale: Callable[[dist.GradBucket], None] | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup, scale: Any = None) -> None:
+        # (``scale``: the extension's DdpScale, called with a bucket; None: the reciprocal, multiplied)
         self.group = group
         self.scale = scale
 
