@@ -148,9 +148,9 @@ def test_a_model_dropped_without_close_ends_its_log(tmp_path: Path) -> None:
 
 
 def test_a_monitor_whose_scale_watches_the_gradients_keeps_no_model_alive(tmp_path: Path) -> None:
-    """Under gradient_as_bucket_view at 2 ranks the native hook's scale puts a pre-hook on every
+    """Under gradient_as_bucket_view at 3 ranks the native hook's scale puts a pre-hook on every
     gradient accumulator: it holds neither them nor DDP's reducer, so the model goes as before."""
     for case in ("closed", "dropped"):
-        for r in run_ranks(lifetime_worker, 2, args=(str(tmp_path / case), case, True), timeout=120):
+        for r in run_ranks(lifetime_worker, 3, args=(str(tmp_path / case), case, True), timeout=120):
             assert r["watched"]
             assert r["freed"], case

@@ -36,6 +36,7 @@
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <chrono>
 #include <string>
@@ -788,13 +789,19 @@ bool power_of_two(int64_t n) {
 // used by this backward) is taken as its bucket view, which a gradient kept since an earlier round
 // is under gradient_as_bucket_view. A round in which no pre-hook ran at all (compiled autograd
 // traced the backward: it runs no C++ hook of ours) takes every gradient as copied, as before.
+//
+// No lock: each pre-hook writes its own parameter's word, and DDP's reducer takes its mutex after
+// each accumulation and around the hook that reads them, which orders the two.
 struct GradRecords {
-  std::mutex mu;
-  uint64_t round = 1;
-  uint64_t any_seen = 0;        // the last round in which a pre-hook ran
-  std::vector<uint64_t> seen;   // per parameter: the round of its last record
-  std::vector<char> in_place;   // per parameter: the record
-  std::unordered_map<const c10::TensorImpl*, size_t> slot;
+  explicit GradRecords(size_t n) : record(new std::atomic<uint64_t>[n]) {
+    for (size_t i = 0; i < n; ++i) {
+      record[i].store(0, std::memory_order_relaxed);
+    }
+  }
+  std::atomic<uint64_t> round{1};
+  std::atomic<uint64_t> any_seen{0};  // the last round in which a pre-hook ran
+  std::unique_ptr<std::atomic<uint64_t>[]> record;  // per parameter: round << 1 | stays its view
+  std::unordered_map<const c10::TensorImpl*, size_t> slot;  // (written at construction only)
 };
 
 class GradRecord : public UntracedPreHook {
@@ -805,12 +812,14 @@ class GradRecord : public UntracedPreHook {
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
     // AccumulateGrad adds into an existing dense .grad in place unless the backward builds a
     // graph (create_graph: grad mode on), which makes a new tensor, as a missing .grad does.
-    const at::Tensor& grad = param_.grad();
+    // (mutable_grad: the accessor without grad()'s checks, which cost more than the rest here)
+    const at::Tensor& grad = param_.mutable_grad();
     const bool kept = grad.defined() && grad.layout() == c10::kStrided && !at::GradMode::is_enabled();
-    std::lock_guard<std::mutex> lock(records_->mu);
-    records_->in_place[slot_] = kept ? 1 : 0;
-    records_->seen[slot_] = records_->round;
-    records_->any_seen = records_->round;
+    const uint64_t round = records_->round.load(std::memory_order_relaxed);
+    records_->record[slot_].store(round << 1 | (kept ? 1 : 0), std::memory_order_relaxed);
+    if (records_->any_seen.load(std::memory_order_relaxed) != round) {
+      records_->any_seen.store(round, std::memory_order_relaxed);
+    }
     return grads;
   }
 
@@ -836,9 +845,7 @@ struct Unowned<c10::intrusive_ptr<T, N>> {
 
 class GradWatch {
  public:
-  explicit GradWatch(const std::vector<at::Tensor>& params) : records_(std::make_shared<GradRecords>()) {
-    records_->seen.assign(params.size(), 0);
-    records_->in_place.assign(params.size(), 0);
+  explicit GradWatch(const std::vector<at::Tensor>& params) : records_(std::make_shared<GradRecords>(params.size())) {
     for (size_t i = 0; i < params.size(); ++i) {
       const at::Tensor& p = params[i];
       if (!p.defined() || !p.requires_grad() || !p.is_leaf()) {
@@ -882,23 +889,22 @@ class GradWatch {
     const auto params = bucket.getParameters();
     const c10::StorageImpl* storage = bucket.getBufferRef().storage().unsafeGetStorageImpl();
     std::vector<char> out(params.size(), 0);
-    std::lock_guard<std::mutex> lock(records_->mu);
-    for (size_t j = 0; j < params.size() && records_->any_seen == records_->round; ++j) {
+    const uint64_t round = records_->round.load(std::memory_order_relaxed);
+    for (size_t j = 0; j < params.size() && records_->any_seen.load(std::memory_order_relaxed) == round; ++j) {
       const at::Tensor& grad = params[j].grad();
       if (!grad.defined() || grad.storage().unsafeGetStorageImpl() != storage) {
         continue;  // no gradient (the bucket holds zeros) or not a view of this bucket
       }
       auto it = records_->slot.find(params[j].unsafeGetTensorImpl());
-      const bool recorded = it != records_->slot.end() && records_->seen[it->second] == records_->round;
-      out[j] = recorded ? records_->in_place[it->second] : 1;
+      const uint64_t word = it != records_->slot.end() ? records_->record[it->second].load(std::memory_order_relaxed) : 0;
+      out[j] = (word >> 1) == round ? static_cast<char>(word & 1) : 1;
     }
     return out;
   }
 
   // After the bucket flagged last (every bucket's, whatever its scaling asked): the next round.
   void end_round() {
-    std::lock_guard<std::mutex> lock(records_->mu);
-    ++records_->round;
+    records_->round.fetch_add(1, std::memory_order_relaxed);
   }
 
  private:
