@@ -1,5 +1,6 @@
-"""Rank functions for ``test_ddp_divisor``: DDP's own scaling at a world size of 3, where a divide
-and a multiply by the reciprocal give other bits, with and without ddpdoctor attached."""
+"""Rank functions for ``test_ddp_divisor`` (and its GPU test in ``test_cuda``): DDP's own scaling
+at a world size of 3, where a divide and a multiply by the reciprocal give other bits, with and
+without ddpdoctor attached."""
 
 from __future__ import annotations
 
@@ -43,16 +44,19 @@ class Net(torch.nn.Module):
         return self.head(h)  # type: ignore[no-any-return]
 
 
-def _batches(rank: int, n: int, sparse: bool, dtype: torch.dtype) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(
+    rank: int, n: int, sparse: bool, dtype: torch.dtype, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(n):
         x = torch.randint(0, 50, (8, 3), generator=g) if sparse else torch.randn(8, 16, generator=g).to(dtype)
-        yield x, torch.randn(8, 4, generator=g).to(dtype)
+        yield x.to(device), torch.randn(8, 4, generator=g).to(dtype).to(device)
 
 
 def train(ddp: DDP, rank: int, case: dict[str, Any]) -> list[float]:
     """``STEPS`` steps of SGD as ``case`` says; the final parameters, flattened."""
     sparse, dtype = case.get("sparse", False), case.get("dtype", torch.float32)
+    device = next(ddp.parameters()).device
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     join = case.get("join")
     # under Join the ranks train 5, 4 and 2 steps: DDP's divisor goes 3, 2, 1 with
@@ -60,7 +64,7 @@ def train(ddp: DDP, rank: int, case: dict[str, Any]) -> list[float]:
     n = (STEPS, STEPS - 1, STEPS - 3)[rank] if join is not None else STEPS
     ctx = Join([ddp], **join) if join is not None else contextlib.nullcontext()
     with ctx:
-        for step, (x, y) in enumerate(_batches(rank, n, sparse, dtype)):
+        for step, (x, y) in enumerate(_batches(rank, n, sparse, dtype, device)):
             opt.zero_grad(set_to_none=case.get("set_to_none", False))
             if case.get("drop_one"):  # one gradient of a bucket starts from None, its neighbours kept
                 ddp.module.body[2].bias.grad = None
@@ -90,16 +94,22 @@ CASES: dict[str, dict[str, Any]] = {
 }
 #: The cases the Python route (the extension loaded, a route the native hook does not take) runs too.
 PYTHON_ROUTE = ("kept", "mixed", "join", "sparse")
+#: The cases of the GPU test (gloo over CUDA tensors; the buckets take the Python route there).
+CUDA_CASES = ("kept", "mixed", "no_sync", "unused", "static_graph", "join")
 
 
-def _ddp(case: dict[str, Any]) -> DDP:
-    model = Net(sparse=case.get("sparse", False), dtype=case.get("dtype", torch.float32))
+def _ddp(case: dict[str, Any], device: torch.device) -> DDP:
+    model = Net(sparse=case.get("sparse", False), dtype=case.get("dtype", torch.float32)).to(device)
     options = {"gradient_as_bucket_view": case.get("gab", True), "bucket_cap_mb": BUCKET_CAP_MB, **case.get("ddp", {})}
+    if device.type == "cuda":
+        options["device_ids"] = [device.index]
     return DDP(model, **options)
 
 
-def _instrumented(root: Path, name: str, rank: int, case: dict[str, Any]) -> tuple[list[float], list[str]]:
-    ddp = _ddp(case)
+def _instrumented(
+    root: Path, name: str, rank: int, case: dict[str, Any], device: torch.device
+) -> tuple[list[float], list[str]]:
+    ddp = _ddp(case, device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with ddpdoctor.instrument(ddp, run_dir=root / name):
@@ -121,16 +131,23 @@ def _python_route(extension: bool) -> Iterator[None]:
         native_hook.choose, native_hook.python_route_scale = saved  # type: ignore[assignment]
 
 
-def divisor_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    """Each case trained plain and instrumented, on the native route and on the Python route."""
+def divisor_runs(rank: int, world_size: int, tmp: str, device: str = "cpu") -> dict[str, Any]:
+    """Each case trained plain and instrumented, on the native route and on the Python route
+    (on a GPU, where the buckets always take the Python route: its cases, under "native")."""
     root = Path(tmp)
+    dev = torch.device("cpu")
+    if device == "cuda":
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
     out: dict[str, Any] = {"rank": rank, "native": {}, "python": {}}
     for name, case in CASES.items():
-        plain = train(_ddp(case), rank, case)
-        out["native"][name] = (plain, *_instrumented(root, name, rank, case))
-        if name in PYTHON_ROUTE:
+        if dev.type == "cuda" and name not in CUDA_CASES:
+            continue
+        plain = train(_ddp(case, dev), rank, case)
+        out["native"][name] = (plain, *_instrumented(root, name, rank, case, dev))
+        if name in PYTHON_ROUTE and dev.type == "cpu":
             with _python_route(extension=True):
-                out["python"][name] = (plain, *_instrumented(root, f"py-{name}", rank, case))
+                out["python"][name] = (plain, *_instrumented(root, f"py-{name}", rank, case, dev))
     with _python_route(extension=False):
-        out["bare"] = {name: _instrumented(root, f"bare-{name}", rank, CASES[name]) for name in ("kept", "join")}
+        out["bare"] = {name: _instrumented(root, f"bare-{name}", rank, CASES[name], dev) for name in ("kept", "join")}
     return out

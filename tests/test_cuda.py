@@ -16,6 +16,7 @@ import ddpdoctor
 from ddpdoctor.events.schedule import DEFAULT_EVERY, is_sampled
 from tests.cuda_workers import agreement_train, train_pair
 from tests.ddp_harness import run_ranks
+from tests.divisor_workers import CUDA_CASES, divisor_runs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -101,6 +102,20 @@ def test_two_ranks_on_one_gpu_with_gloo_over_cuda_tensors(tmp_path: Path) -> Non
     _check_pair(results, tmp_path, "gloo", 2, "full")
     for r in results:
         assert r["buckets"] > 1 and r["in_place_muls"] == r["buckets"], r
+
+
+def test_three_ranks_on_one_gpu_scale_each_bucket_as_ddp_does(tmp_path: Path) -> None:
+    """gloo over CUDA tensors at world size 3, where a divide and a multiply by 1/3 differ:
+    gradient_as_bucket_view with kept gradients, and Join(divide_by_initial_world_size=False).
+    The Python route scales through the native extension's DdpScale (a GPU job builds it for
+    this case): bit-identical to plain DDP; without the extension, each inexact case is said."""
+    results = run_ranks(divisor_runs, 3, args=(str(tmp_path), "cuda"), timeout=600)
+    for r in results:
+        assert sorted(r["native"]) == sorted(CUDA_CASES)
+        for name, (plain, instr, said) in r["native"].items():
+            assert instr == plain, (name, r["rank"])
+            assert not [s for s in said if "last bits" in s or "not honoured" in s], (name, said)
+        assert any("world size of 3" in s for s in r["bare"]["kept"][1]), r["bare"]["kept"][1]
 
 
 def test_marks_agree_with_independent_events_on_a_side_stream(tmp_path: Path) -> None:
