@@ -65,7 +65,11 @@ def train(ddp: DDP, rank: int, case: dict[str, Any]) -> list[float]:
     ctx = Join([ddp], **join) if join is not None else contextlib.nullcontext()
     with ctx:
         for step, (x, y) in enumerate(_batches(rank, n, sparse, dtype, device)):
-            opt.zero_grad(set_to_none=case.get("set_to_none", False))
+            if case.get("script_grads"):  # .grad set by the script: new tensors, not the bucket's views
+                for p in ddp.parameters():
+                    p.grad = torch.zeros_like(p)
+            else:
+                opt.zero_grad(set_to_none=case.get("set_to_none", False))
             if case.get("drop_one"):  # one gradient of a bucket starts from None, its neighbours kept
                 ddp.module.body[2].bias.grad = None
             if case.get("accumulate") and step % 2:
@@ -82,6 +86,7 @@ CASES: dict[str, dict[str, Any]] = {
     "kept": {"set_to_none": False},
     "none": {"set_to_none": True},
     "mixed": {"drop_one": True},
+    "script_grads": {"script_grads": True},
     "no_sync": {"accumulate": True},
     "unused": {"skip": True, "ddp": {"find_unused_parameters": True}},
     "static_graph": {"ddp": {"static_graph": True}},
@@ -95,7 +100,7 @@ CASES: dict[str, dict[str, Any]] = {
 #: The cases the Python route (the extension loaded, a route the native hook does not take) runs too.
 PYTHON_ROUTE = ("kept", "mixed", "join", "sparse")
 #: The cases of the GPU test (gloo over CUDA tensors; the buckets take the Python route there).
-CUDA_CASES = ("kept", "mixed", "no_sync", "unused", "static_graph", "join")
+CUDA_CASES = ("kept", "mixed", "script_grads", "no_sync", "unused", "static_graph", "join")
 
 
 def _ddp(case: dict[str, Any], device: torch.device) -> DDP:

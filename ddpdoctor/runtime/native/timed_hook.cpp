@@ -784,23 +784,26 @@ bool power_of_two(int64_t n) {
 
 // Per reduced parameter, whether its gradient stays its bucket view through the backward's
 // accumulation (DDP then divides it in place): known only before the accumulation, so a pre-hook
-// on each parameter's gradient accumulator records it there, with the round it belongs to. A
+// on each parameter's gradient accumulator records there the storage of the .grad that the
+// accumulation will keep (none where it makes a new tensor), with the round it belongs to. A
 // round ends when the bucket flagged last is scaled; a parameter not accumulated in the round (not
 // used by this backward) is taken as its bucket view, which a gradient kept since an earlier round
 // is under gradient_as_bucket_view. A round in which no pre-hook ran at all (compiled autograd
 // traced the backward: it runs no C++ hook of ours) takes every gradient as copied, as before.
 //
-// No lock: each pre-hook writes its own parameter's word, and DDP's reducer takes its mutex after
+// No lock: each pre-hook writes its own parameter's words, and DDP's reducer takes its mutex after
 // each accumulation and around the hook that reads them, which orders the two.
 struct GradRecords {
-  explicit GradRecords(size_t n) : record(new std::atomic<uint64_t>[n]) {
+  explicit GradRecords(size_t n) : seen(new std::atomic<uint64_t>[n]), kept(new std::atomic<uintptr_t>[n]) {
     for (size_t i = 0; i < n; ++i) {
-      record[i].store(0, std::memory_order_relaxed);
+      seen[i].store(0, std::memory_order_relaxed);
+      kept[i].store(0, std::memory_order_relaxed);
     }
   }
   std::atomic<uint64_t> round{1};
   std::atomic<uint64_t> any_seen{0};  // the last round in which a pre-hook ran
-  std::unique_ptr<std::atomic<uint64_t>[]> record;  // per parameter: round << 1 | stays its view
+  std::unique_ptr<std::atomic<uint64_t>[]> seen;   // per parameter: the round of its record
+  std::unique_ptr<std::atomic<uintptr_t>[]> kept;  // per parameter: the kept .grad's storage, or 0
   std::unordered_map<const c10::TensorImpl*, size_t> slot;  // (written at construction only)
 };
 
@@ -816,7 +819,9 @@ class GradRecord : public UntracedPreHook {
     const at::Tensor& grad = param_.mutable_grad();
     const bool kept = grad.defined() && grad.layout() == c10::kStrided && !at::GradMode::is_enabled();
     const uint64_t round = records_->round.load(std::memory_order_relaxed);
-    records_->record[slot_].store(round << 1 | (kept ? 1 : 0), std::memory_order_relaxed);
+    const auto storage = kept ? reinterpret_cast<uintptr_t>(grad.storage().unsafeGetStorageImpl()) : 0;
+    records_->kept[slot_].store(storage, std::memory_order_relaxed);
+    records_->seen[slot_].store(round, std::memory_order_relaxed);
     if (records_->any_seen.load(std::memory_order_relaxed) != round) {
       records_->any_seen.store(round, std::memory_order_relaxed);
     }
@@ -882,9 +887,9 @@ class GradWatch {
   GradWatch(const GradWatch&) = delete;
   GradWatch& operator=(const GradWatch&) = delete;
 
-  // Per gradient of ``bucket`` (its parameters' order): 1 where DDP would divide it in place.
-  // The storage is compared as DDP's is_alias_of does: a kept gradient that is not this bucket's
-  // view (one the script set) is copied, and multiplied.
+  // Per gradient of ``bucket`` (its parameters' order): 1 where DDP would divide it in place. The
+  // storage is compared as DDP's is_alias_of does: a kept gradient that is not this bucket's view
+  // (a tensor the script set as .grad) is copied, and multiplied.
   std::vector<char> in_place(c10d::GradBucket& bucket) {
     const auto params = bucket.getParameters();
     const c10::StorageImpl* storage = bucket.getBufferRef().storage().unsafeGetStorageImpl();
@@ -896,8 +901,11 @@ class GradWatch {
         continue;  // no gradient (the bucket holds zeros) or not a view of this bucket
       }
       auto it = records_->slot.find(params[j].unsafeGetTensorImpl());
-      const uint64_t word = it != records_->slot.end() ? records_->record[it->second].load(std::memory_order_relaxed) : 0;
-      out[j] = (word >> 1) == round ? static_cast<char>(word & 1) : 1;
+      if (it == records_->slot.end() || records_->seen[it->second].load(std::memory_order_relaxed) != round) {
+        out[j] = 1;  // not accumulated this round: the gradient it had, kept as the bucket's view
+        continue;
+      }
+      out[j] = records_->kept[it->second].load(std::memory_order_relaxed) == reinterpret_cast<uintptr_t>(storage) ? 1 : 0;
     }
     return out;
   }
