@@ -92,7 +92,8 @@ class MeanState:
 
 
 def mean_allreduce(state: MeanState, bucket: dist.GradBucket) -> torch.futures.Future[Any]:
-    """What DDP does without a hook: scale by 1/world size, then sum across ranks.
+    """What DDP does without a hook: scale (by 1/world size, or as ``MeanState`` says), then sum
+    across ranks.
 
     Bit-identical to DDP's built-in path, which multiplies each gradient by the reciprocal as it
     copies it into the bucket (a divide gives other bits whenever the world size is not a power

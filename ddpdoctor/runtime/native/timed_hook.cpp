@@ -1,5 +1,5 @@
 // ddpdoctor's per-bucket timing at C++ cost: a DDP comm hook that does what DDP does without a
-// hook (scale the bucket by 1/world size, sum it across ranks) and stamps three instants per
+// hook (scale the bucket as DDP would, see DdpScale; sum it across ranks) and stamps three instants per
 // bucket on the monotonic clock: ready (the reducer hands the bucket over), launch (the
 // all-reduce is enqueued) and done (the all-reduce completed, stamped on the comm library's
 // thread). Each bucket's stamps go into a fixed-size ring that Python drains once per step.
