@@ -1,5 +1,5 @@
-"""Real DDP jobs under ``ddpdoctor run``, each beside the same job run plain: rank 0's losses must
-be bit-identical, the log must be timed on the job's clock (CUDA events on a GPU), and the report
+"""Real DDP jobs under ``ddpdoctor run``, each beside the same job run plain: rank 0's losses and
+final parameters must be bit-identical, the log must be timed on the job's clock (CUDA events on a GPU), and the report
 must read it. The scenarios are PyTorch's own DDP features that a user turns on, and what real
 training loops put around DDP: a sparse embedding's gradient, SyncBatchNorm (GPU only),
 ``ZeroRedundancyOptimizer``, gradient clipping between the backward and the optimizer step, a
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import gc
+import hashlib
 import os
 import re
 import subprocess
@@ -42,8 +43,10 @@ SCENARIOS = [
     "autocast",
     "checkpoint",
     "bucket_view",
+    "bucket_view_kept",
     "eval_between",
     "join",
+    "join_divisor",
     "sparse_embedding",
     "sync_bn",
     "zero",
@@ -105,7 +108,7 @@ def _job(scenario: str, device_kind: str) -> None:
         kwargs["static_graph"] = True
     if scenario == "find_unused":
         kwargs["find_unused_parameters"] = True
-    if scenario == "bucket_view":
+    if scenario in ("bucket_view", "bucket_view_kept"):
         kwargs["gradient_as_bucket_view"] = True
     if scenario == "gan":
         # the discriminator runs forward twice before its backward: a buffer broadcast at the
@@ -129,7 +132,7 @@ def _job(scenario: str, device_kind: str) -> None:
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
     # join: uneven inputs, one batch fewer per rank (world size 1 still runs Join's hooks)
-    count = STEPS - rank if scenario == "join" else STEPS
+    count = STEPS - rank if scenario in ("join", "join_divisor") else STEPS
     batches = [(torch.randn(32, 64, generator=gen), torch.randn(32, 8, generator=gen)) for _ in range(count)]
     losses: list[torch.Tensor] = []
 
@@ -151,7 +154,9 @@ def _job(scenario: str, device_kind: str) -> None:
         if scenario == "grad_clip":
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        # bucket_view_kept: the gradients stay the buckets' views between steps (DDP then divides
+        # them in place, which gives other bits than a multiply at 3 ranks)
+        opt.zero_grad(set_to_none=scenario != "bucket_view_kept")
         losses.append(loss.detach())
         if scenario == "eval_between" and i % 3 == 2:
             ddp.eval()
@@ -182,8 +187,9 @@ def _job(scenario: str, device_kind: str) -> None:
         noise = [torch.randn(32, 16, generator=gen) for _ in range(count)]
         for i, (x, _) in enumerate(batches):
             gan_step(i, x)
-    elif scenario == "join":
-        with Join([ddp]):
+    elif scenario in ("join", "join_divisor"):
+        # join_divisor: DDP divides by the ranks still training once one has joined
+        with Join([ddp], divide_by_initial_world_size=scenario == "join"):
             for i, (x, y) in enumerate(batches):
                 step(i, x, y)
     else:
@@ -192,6 +198,10 @@ def _job(scenario: str, device_kind: str) -> None:
     if rank == 0:
         for i, value in enumerate(losses):
             print(f"loss {i} {float(value).hex()}", flush=True)
+        # and the final parameters' bytes: a difference in their last bits may not reach a loss
+        values = (v for p in ddp.parameters() for v in p.detach().float().flatten().tolist())
+        digest = hashlib.sha256(" ".join(float(v).hex() for v in values).encode())
+        print(f"loss params {digest.hexdigest()[:32]}", flush=True)
 
 
 def _losses(stdout: str) -> list[str]:
