@@ -217,15 +217,11 @@ class Monitor:
             warn(f"ddpdoctor: per-bucket timing is off: {attachment.timing_off}", CommHookWarning, stacklevel=5)
         elif attachment.hook_state is not None:
             self.recorder.set_comm_hook(attachment.hook_state.user_hook_name)
-            size = ddp.process_group.size()
-            if (
-                size & (size - 1)
-                and getattr(ddp, "gradient_as_bucket_view", False)
-                and not attachment.exact_scaling()[1]
-            ):
+            if native_hook.views_divided_inexactly(ddp) and not attachment.exact_scaling()[1]:
                 warn(
-                    f"ddpdoctor: gradient_as_bucket_view=True at a world size of {size}: without its native "
-                    "extension ddpdoctor's comm hook multiplies every gradient by 1/world size, where DDP "
+                    f"ddpdoctor: gradient_as_bucket_view=True at a world size of {ddp.process_group.size()}: "
+                    "without its native extension ddpdoctor's comm hook multiplies every gradient by 1/world "
+                    "size, where DDP "
                     "divides the gradients kept between steps (zero_grad(set_to_none=False)) in place: their "
                     "last bits can differ. Let the extension load (a C++ compiler, DDPDOCTOR_NATIVE not 0), or "
                     "let zero_grad set the gradients to None.",

@@ -280,6 +280,14 @@ def ddp_scale(module: ModuleType, ddp: Any) -> Any:
     return module.DdpScale(ddp.reducer, size, params, watch)
 
 
+def views_divided_inexactly(ddp: Any) -> bool:
+    """Whether DDP may divide gradients that stay their bucket views (``gradient_as_bucket_view``)
+    by a world size that is not a power of two, which a multiply by its reciprocal does not match
+    to the bit: where only ``DdpScale``'s watch gives DDP's bits."""
+    size = ddp.process_group.size()
+    return bool(getattr(ddp, "gradient_as_bucket_view", False)) and size & (size - 1) != 0
+
+
 def python_route_scale(ddp: Any, cuda: bool) -> Any | None:
     """The Python route's ``DdpScale`` (``ddp_scale``), or None where the extension is not loaded.
 
@@ -291,10 +299,8 @@ def python_route_scale(ddp: Any, cuda: bool) -> Any | None:
     """
     if not enabled_by_env():
         return None
-    if cuda and native_cache.cached_build() is None:
-        size = ddp.process_group.size()
-        if not getattr(ddp, "gradient_as_bucket_view", False) or size & (size - 1) == 0:
-            return None
+    if cuda and native_cache.cached_build() is None and not views_divided_inexactly(ddp):
+        return None
     try:
         return ddp_scale(load(), ddp)
     except Exception:  # noqa: BLE001 - no extension: the world size's reciprocal, as before (MeanState)

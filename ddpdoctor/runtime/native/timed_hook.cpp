@@ -895,7 +895,10 @@ class GradWatch {
     const c10::StorageImpl* storage = bucket.getBufferRef().storage().unsafeGetStorageImpl();
     std::vector<char> out(params.size(), 0);
     const uint64_t round = records_->round.load(std::memory_order_relaxed);
-    for (size_t j = 0; j < params.size() && records_->any_seen.load(std::memory_order_relaxed) == round; ++j) {
+    if (records_->any_seen.load(std::memory_order_relaxed) != round) {
+      return out;  // no pre-hook ran this round (compiled autograd): every gradient as copied
+    }
+    for (size_t j = 0; j < params.size(); ++j) {
       const at::Tensor& grad = params[j].grad();
       if (!grad.defined() || grad.storage().unsafeGetStorageImpl() != storage) {
         continue;  // no gradient (the bucket holds zeros) or not a view of this bucket
@@ -1824,7 +1827,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::shared_ptr<c10d::Reducer>&, int64_t, const std::vector<at::Tensor>&, bool>(),
            py::arg("reducer"), py::arg("world_size"), py::arg("params"), py::arg("watch"))
       .def("__call__", &DdpScale::apply, py::arg("bucket"))
-      .def("divisor", &DdpScale::divisor)
       .def_property_readonly("watches", &DdpScale::watches)
       .def_property_readonly_static("reads_divisor", [](py::object) { return kReadsDivisor; });
   m.def("accepts", &accepts, py::arg("reducer"), py::arg("group"));
