@@ -4,6 +4,7 @@ the second's, steps from 0 in each. The report reads the last job and says the o
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpdoctor
 from ddpdoctor.cli.main import main
 from ddpdoctor.runlog import load_run
+from ddpdoctor.runlog.run import SAME_JOB_NS
 from tests.ddp_harness import run_ranks
 
 JOBS = ((3, 9), (2, 5))  # (world size, steps): the second job has fewer ranks and steps
@@ -29,10 +31,26 @@ def _job(rank: int, world_size: int, run_dir: str, steps: int) -> int:
     return steps
 
 
+def _after_the_job_gap(run_dir: Path) -> None:
+    """Return once more than ``SAME_JOB_NS`` has passed since the last End record in ``run_dir``.
+
+    Jobs are told apart by time (``job_table``): a process that starts within that gap of the
+    job before belongs to it. A launcher takes seconds to start a job; the fork server here starts
+    ranks in a fraction of one, and a second job that began 0.93 s after the first ended was read
+    as the same job (a flaky fixture, torch 2.5.1). Waits for that wall-clock gap, no longer."""
+    ends = [log.end.t_wall_ns for log in load_run(run_dir).ranks.values() if log.end is not None]
+    assert ends, "the first job wrote no End record"
+    wait_s = (max(ends) + SAME_JOB_NS - time.time_ns()) / 1e9 + 0.05
+    if wait_s > 0:
+        time.sleep(wait_s)
+
+
 @pytest.fixture(scope="module")
 def reused(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("reused") / "run"
-    for world, steps in JOBS:
+    for k, (world, steps) in enumerate(JOBS):
+        if k:
+            _after_the_job_gap(run_dir)
         run_ranks(_job, world, args=(str(run_dir), steps), timeout=120)
     return run_dir
 
