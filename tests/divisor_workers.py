@@ -70,6 +70,9 @@ def train(ddp: DDP, rank: int, case: dict[str, Any]) -> list[float]:
                     p.grad = torch.zeros_like(p)
             else:
                 opt.zero_grad(set_to_none=case.get("set_to_none", False))
+            if case.get("branch_grads"):  # the script's own nonzero .grad on every branch parameter
+                for q in ddp.module.branch.parameters():
+                    q.grad = q.detach() * 7
             if case.get("drop_one"):  # one gradient of a bucket starts from None, its neighbours kept
                 ddp.module.body[2].bias.grad = None
             if case.get("accumulate") and step % 2:
@@ -89,6 +92,9 @@ CASES: dict[str, dict[str, Any]] = {
     "script_grads": {"script_grads": True},
     "no_sync": {"accumulate": True},
     "unused": {"skip": True, "ddp": {"find_unused_parameters": True}},
+    # the odd steps leave the branch out; its .grad is the script's own tensor (not the bucket's
+    # view), which DDP copies into the bucket (and multiplies) though no backward accumulated it
+    "unused_script_grads": {"skip": True, "branch_grads": True, "ddp": {"find_unused_parameters": True}},
     "static_graph": {"ddp": {"static_graph": True}},
     "bfloat16": {"dtype": torch.bfloat16},
     # divide_by_initial_world_size=False: DDP divides by the ranks still training
@@ -98,9 +104,9 @@ CASES: dict[str, dict[str, Any]] = {
     "sparse": {"sparse": True, "gab": False},
 }
 #: The cases the Python route (the extension loaded, a route the native hook does not take) runs too.
-PYTHON_ROUTE = ("kept", "mixed", "join", "sparse")
+PYTHON_ROUTE = ("kept", "mixed", "unused_script_grads", "join", "sparse")
 #: The cases of the GPU test (gloo over CUDA tensors; the buckets take the Python route there).
-CUDA_CASES = ("kept", "mixed", "script_grads", "no_sync", "unused", "static_graph", "join")
+CUDA_CASES = ("kept", "mixed", "script_grads", "no_sync", "unused", "unused_script_grads", "static_graph", "join")
 
 
 def _ddp(case: dict[str, Any], device: torch.device) -> DDP:

@@ -371,3 +371,19 @@ def test_a_step_is_anchored_where_it_starts_not_after_the_batch_its_forward_emit
         assert a.end_us is not None
         assert abs((b.t0_mono_ns - a.t0_mono_ns) / 1000.0 - a.end_us) < 500.0, (a.step, b.t0_mono_ns - a.t0_mono_ns)
         assert abs((b.t0_wall_ns - a.t0_wall_ns) / 1000.0 - a.end_us) < 500.0, a.step
+
+
+def test_buffer_slots_read_the_buffers_of_named_buffers_and_see_one_assigned_anew() -> None:
+    from ddpdoctor.runtime.sampled_checks import buffer_slots
+
+    shared = torch.zeros(3)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model[1].register_buffer("constant", shared)
+    model[1].register_buffer("missing", None)
+    model.register_buffer("again", shared)  # the same tensor twice: listed once, as named_buffers does
+    slots = buffer_slots(model)
+    assert [id(d[n]) for d, n in slots] == [id(b) for _, b in model.named_buffers()]
+    assert len(slots) == 7
+    fresh = torch.ones(4)
+    model[2].running_mean = fresh  # assigned anew: the slot reads the new tensor
+    assert any(d[n] is fresh for d, n in slots)

@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
@@ -786,13 +787,18 @@ bool power_of_two(int64_t n) {
 // accumulation (DDP then divides it in place): known only before the accumulation, so a pre-hook
 // on each parameter's gradient accumulator records there the storage of the .grad that the
 // accumulation will keep (none where it makes a new tensor), with the round it belongs to. A
-// round ends when the bucket flagged last is scaled; a parameter not accumulated in the round (not
-// used by this backward) is taken as its bucket view, which a gradient kept since an earlier round
-// is under gradient_as_bucket_view. A round in which no pre-hook ran at all (compiled autograd
-// traced the backward: it runs no C++ hook of ours) takes every gradient as copied, as before.
+// round ends when the bucket flagged last is scaled. The first pre-hook of a round records every
+// parameter's .grad as it is then, before any accumulation: a parameter this backward does not
+// use (find_unused_parameters, static_graph) keeps that record, and DDP, which marks it ready
+// without accumulating, divides it only where that .grad already is its bucket view (a tensor the
+// script set is copied, and multiplied). A parameter with no record of the round (none taken: a
+// watch made mid-round) is taken as its bucket view. A round in which no pre-hook ran at all
+// (compiled autograd traced the backward: it runs no C++ hook of ours) takes every gradient as
+// copied, as before.
 //
-// No lock: each pre-hook writes its own parameter's words, and DDP's reducer takes its mutex after
-// each accumulation and around the hook that reads them, which orders the two.
+// No lock: each pre-hook writes its own parameter's words (the first of a round, claimed by one
+// compare-exchange, writes every parameter's before its own), and DDP's reducer takes its mutex
+// after each accumulation and around the hook that reads them, which orders the two.
 struct GradRecords {
   explicit GradRecords(size_t n) : seen(new std::atomic<uint64_t>[n]), kept(new std::atomic<uintptr_t>[n]) {
     for (size_t i = 0; i < n; ++i) {
@@ -805,6 +811,26 @@ struct GradRecords {
   std::unique_ptr<std::atomic<uint64_t>[]> seen;   // per parameter: the round of its record
   std::unique_ptr<std::atomic<uintptr_t>[]> kept;  // per parameter: the kept .grad's storage, or 0
   std::unordered_map<const c10::TensorImpl*, size_t> slot;  // (written at construction only)
+  // per parameter, not owned (a closed monitor's scale keeps no weights alive; written at
+  // construction only)
+  std::vector<std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>>> params;
+
+  // Every parameter's .grad as the round begins (the first pre-hook of the round, before its own
+  // record): what DDP compares with the bucket view for a parameter it marks ready unaccumulated.
+  void take_all(uint64_t round) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto impl = params[i] ? params[i]->lock() : c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>();
+      if (!impl.defined()) {
+        continue;  // (no record: taken as the bucket's view, as before)
+      }
+      const at::Tensor param(std::move(impl));
+      const at::Tensor& grad = param.mutable_grad();
+      const bool strided = grad.defined() && grad.layout() == c10::kStrided;
+      kept[i].store(strided ? reinterpret_cast<uintptr_t>(grad.storage().unsafeGetStorageImpl()) : 0,
+                    std::memory_order_relaxed);
+      seen[i].store(round, std::memory_order_relaxed);
+    }
+  }
 };
 
 class GradRecord : public UntracedPreHook {
@@ -819,12 +845,13 @@ class GradRecord : public UntracedPreHook {
     const at::Tensor& grad = param_.mutable_grad();
     const bool kept = grad.defined() && grad.layout() == c10::kStrided && !at::GradMode::is_enabled();
     const uint64_t round = records_->round.load(std::memory_order_relaxed);
+    uint64_t last = records_->any_seen.load(std::memory_order_relaxed);
+    if (last != round && records_->any_seen.compare_exchange_strong(last, round, std::memory_order_relaxed)) {
+      records_->take_all(round);  // the round's first pre-hook
+    }
     const auto storage = kept ? reinterpret_cast<uintptr_t>(grad.storage().unsafeGetStorageImpl()) : 0;
     records_->kept[slot_].store(storage, std::memory_order_relaxed);
     records_->seen[slot_].store(round, std::memory_order_relaxed);
-    if (records_->any_seen.load(std::memory_order_relaxed) != round) {
-      records_->any_seen.store(round, std::memory_order_relaxed);
-    }
     return grads;
   }
 
@@ -851,6 +878,7 @@ struct Unowned<c10::intrusive_ptr<T, N>> {
 class GradWatch {
  public:
   explicit GradWatch(const std::vector<at::Tensor>& params) : records_(std::make_shared<GradRecords>(params.size())) {
+    records_->params.resize(params.size());
     for (size_t i = 0; i < params.size(); ++i) {
       const at::Tensor& p = params[i];
       if (!p.defined() || !p.requires_grad() || !p.is_leaf()) {
@@ -861,6 +889,7 @@ class GradWatch {
         continue;
       }
       records_->slot.emplace(p.unsafeGetTensorImpl(), i);
+      records_->params[i].emplace(p.getIntrusivePtr());
       auto hook = std::make_unique<GradRecord>(records_, p, i);
       torch::autograd::FunctionPreHook* raw = hook.get();
       node->add_pre_hook(std::move(hook));
@@ -905,7 +934,7 @@ class GradWatch {
       }
       auto it = records_->slot.find(params[j].unsafeGetTensorImpl());
       if (it == records_->slot.end() || records_->seen[it->second].load(std::memory_order_relaxed) != round) {
-        out[j] = 1;  // not accumulated this round: the gradient it had, kept as the bucket's view
+        out[j] = 1;  // no record this round: taken as the gradient it had, kept as the bucket's view
         continue;
       }
       out[j] = records_->kept[it->second].load(std::memory_order_relaxed) == reinterpret_cast<uintptr_t>(storage) ? 1 : 0;
