@@ -17,12 +17,13 @@ from typing import Any
 
 from ddpdoctor.analysis.bucket_sim import MIB, current_prediction, hook_cost, predict_cap, samples_of
 from ddpdoctor.analysis.bucket_size import MIN_SAMPLES
+from ddpdoctor.analysis.comm_hooks import comm_hook_name
+from ddpdoctor.analysis.comm_hooks import compressing as is_compressing
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.from_run import what_if_run
 from ddpdoctor.runlog import Run
 
 #: Hooks that already compress: nothing to predict.
-COMPRESSING = ("compress", "powersgd", "quantiz")
 HOOK_FIX = (
     "Halve the bytes on the wire with a compression hook (gradients are all-reduced in 16 bits, then cast "
     "back):\n"
@@ -49,12 +50,8 @@ def _job(run: Run) -> tuple[Any, list[Any], Any] | None:
 def communication_predictions(run: Run, exposed: Finding) -> dict[str, Any]:
     """Predicted step times (ms) with a compression hook and with the recommended bucket size."""
     step_ms = exposed.evidence.get("step_ms")
-    header = next((log.header for log in run.ranks.values() if log.header is not None), None)
-    hook_name = str((header.ddp_options.get("comm_hook") if header else None) or "")
-    for log in run.ranks.values():
-        if log.layouts and log.layouts[-1].comm_hook:
-            hook_name = log.layouts[-1].comm_hook
-    compressing = any(word in hook_name.lower() for word in COMPRESSING)
+    hook_name = comm_hook_name(run.ranks.values())
+    compressing = is_compressing(hook_name)
     out: dict[str, Any] = {"comm_hook": hook_name or "default"}
     w = what_if_run(run)
     job = _job(run) if w is not None else None

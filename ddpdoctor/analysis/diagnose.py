@@ -16,6 +16,7 @@ from ddpdoctor.analysis.buffers import (
     cross_rank_floor_ms,
 )
 from ddpdoctor.analysis.comm_advice import advise_communication
+from ddpdoctor.analysis.comm_hooks import comm_hook_name
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding, Severity
 from ddpdoctor.analysis.from_run import bucket_size_in_run, hangs_in_run, lost_in_run
 from ddpdoctor.analysis.groups import ddp_groups, group_arrivals
@@ -144,7 +145,7 @@ def diagnose(run: Run, arrived: list[list[StepArrivals]] | None = None) -> list[
         if group_header is not None:
             broadcast_seen = any(s.bcast_bytes for log in logs for s in log.steps)
             prints = {r: run.ranks[r].fingerprints for r in members}
-            derived += compare_fingerprints(group_header, prints, broadcast_seen)
+            derived += compare_fingerprints(group_header, prints, broadcast_seen, comm_hook_name(logs))
             # whether the broadcast is redundant: the group's replicas against each other only
             verdicts.append(broadcast_redundancy(group_header, prints))
         group_steps = {r: steps_by_rank[r] for r in members}

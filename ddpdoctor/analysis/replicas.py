@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
+from ddpdoctor.analysis.comm_hooks import local_sgd
 from ddpdoctor.analysis.findings import Finding, Severity
 from ddpdoctor.analysis.sizes import name_list
 from ddpdoctor.events import Fingerprint, Header
@@ -31,6 +32,45 @@ BUFFER_UNSEEN_FIX = (
     "    for b in model.module.buffers():\n"
     "        torch.distributed.broadcast(b, src=0)"
 )
+
+
+#: What to do under local SGD, where the replicas meet only at the model averagings.
+LOCAL_SGD_FIX = (
+    "Nothing, if the replicas are averaged as planned. ddpdoctor's checks run at fixed steps, not right "
+    "after an averaging, so they cannot tell a real divergence from local SGD's own. To check the replicas "
+    "where they must agree, call it right after the averaging (every rank):\n"
+    "    averager.average_parameters(model.parameters())\n"
+    "    ddpdoctor.check_replicas(model)"
+)
+
+
+def _apart_by_design(bad: dict[str, tuple[int, list[int], float]], hook: str, compared: list[int]) -> Finding:
+    """replica-divergence under local SGD: information, not an error."""
+    names = list(bad)
+    first = min(v[0] for v in bad.values())
+    ranks = sorted({r for v in bad.values() for r in v[1]})
+    return Finding(
+        code="replica-divergence",
+        severity="info",
+        ranks=ranks,
+        step=first,
+        title=f"{len(names)} parameter(s) differ across ranks between model averagings (local SGD)",
+        detail=(
+            f"{name_list(names)} differ across ranks from step {first} (steps compared: {_steps_text(compared)}). "
+            f"The comm hook {hook} all-reduces within subgroups only once local SGD starts, so the replicas "
+            "train apart and meet at each model averaging: that is what it intends."
+        ),
+        evidence={
+            "names": names,
+            "first_step": first,
+            "compared_steps": compared[:100],
+            "ranks_differing": ranks,
+            "comm_hook": hook,
+            "local_sgd": True,
+            "max_relative_difference": max(v[2] for v in bad.values()),
+        },
+        fix=LOCAL_SGD_FIX,
+    )
 
 
 def _odd_ranks(values: Mapping[int, tuple[float, ...]]) -> list[int]:
@@ -66,13 +106,15 @@ def fingerprints_by_step(prints: Mapping[int, list[Fingerprint]]) -> dict[int, d
 
 
 def compare_fingerprints(
-    header: Header, prints: dict[int, list[Fingerprint]], broadcast_seen: bool = False
+    header: Header, prints: dict[int, list[Fingerprint]], broadcast_seen: bool = False, comm_hook: str = ""
 ) -> list[Finding]:
     """Parameters and buffers that differ across ranks at a step every rank fingerprinted.
 
     ``broadcast_seen``: a step of the run shows DDP broadcasting the buffers. A fingerprint
     taken right after a broadcast shows it too; under gradient accumulation none is, as DDP
-    broadcasts in the first micro-step's forward and the checks run in the synchronizing one."""
+    broadcasts in the first micro-step's forward and the checks run in the synchronizing one.
+    ``comm_hook``: the group's comm hook; under local SGD (``comm_hooks.local_sgd``) parameters
+    that differ are what the hook intends between model averagings, said as information."""
     if len(prints) < 2:
         return []
     by_step = fingerprints_by_step(prints)
@@ -123,8 +165,12 @@ def compare_fingerprints(
             "warning",
         ),
     )
+    local = local_sgd(comm_hook)
     for code, bad, what, fix, severity in checks:
         if not bad:
+            continue
+        if local and code == "replica-divergence":
+            out.append(_apart_by_design(bad, comm_hook, compared))
             continue
         names = list(bad)
         first = min(v[0] for v in bad.values())
