@@ -120,3 +120,46 @@ def test_a_close_that_fails_at_exit_is_said_on_stderr(tmp_path: Path) -> None:
     assert proc.returncode == 0
     assert "closing a log at exit failed (OSError: disk gone)" in proc.stderr
     assert "LogWriteWarning" in proc.stderr
+
+
+def _exit_with(tmp_path: Path, ending: str) -> tuple[subprocess.CompletedProcess[str], End | None]:
+    """A one-rank job that trains a step, then ends with ``ending`` (Python source)."""
+    code = (
+        textwrap.dedent(f"""
+        import os, sys, torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        import ddpdoctor
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        ddp = DDP(torch.nn.Linear(4, 4))
+        ddpdoctor.instrument(ddp, run_dir={str(tmp_path)!r})
+        ddp(torch.randn(2, 4)).sum().backward()
+        print("trained", flush=True)
+    """)
+        + ending
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    tail = RankFileTail(tmp_path / "rank-00000.jsonl", 0, 0)
+    tail.poll(final=True)
+    return proc, tail.log.end
+
+
+def test_an_uncaught_exception_ends_the_log_as_failed_and_the_process_as_it_would(tmp_path: Path) -> None:
+    import ddpdoctor
+
+    proc, end = _exit_with(tmp_path, 'raise RuntimeError("out of data")\n')
+    assert "trained" in proc.stdout, proc.stderr[-2000:]
+    assert proc.returncode == 1 and "RuntimeError: out of data" in proc.stderr
+    assert end is not None and end.reason == "error: RuntimeError"
+    from ddpdoctor.cli.render_text import render
+
+    report = ddpdoctor.analyze(ddpdoctor.load_run(tmp_path))
+    assert report.ranks[0]["status"] == "failed"
+    assert "1 steps, ended, rank 0 failed (an exception ended training)" in render(report)
+
+
+def test_sys_exit_and_a_keyboard_interrupt_end_the_log_as_before(tmp_path: Path) -> None:
+    proc, end = _exit_with(tmp_path / "exit", "sys.exit(3)\n")
+    assert proc.returncode == 3 and end is not None and end.reason == "exit"
+    proc, end = _exit_with(tmp_path / "interrupt", "raise KeyboardInterrupt\n")
+    assert proc.returncode != 0 and end is not None and end.reason == "signal"

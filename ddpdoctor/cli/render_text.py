@@ -113,6 +113,17 @@ def bare_text(stats: dict[str, Any]) -> str | None:
     )
 
 
+def ended_text(report: Report, unfinished: str) -> str:
+    """How the run ended: finished, or ``unfinished``; with the ranks an exception ended."""
+    if not report.run["finished"]:
+        return unfinished
+    failed = [r["rank"] for r in report.ranks if r.get("status") == "failed"]
+    if not failed:
+        return "finished"
+    ranks = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
+    return f"ended, {ranks} failed (an exception ended training)"
+
+
 def render(report: Report) -> str:
     """The whole report as readable text."""
     run, stats = report.run, report.stats
@@ -121,8 +132,7 @@ def render(report: Report) -> str:
         f"ddpdoctor report: {run['dir']}",
         f"  world size {world_text(run)}, backend {run['backend']}, torch {run['torch']}, "
         f"device {run['device']}, hosts {', '.join(run['hosts']) or '?'}",
-        f"  {stats['steps']} steps, "
-        f"{'finished' if run['finished'] else 'not finished (still running, or a rank died)'}",
+        f"  {stats['steps']} steps, {ended_text(report, 'not finished (still running, or a rank died)')}",
         *([f"  {bare}"] if (bare := bare_text(stats)) else []),
         *([f"  {models}"] if (models := models_text(run)) else []),
         *([f"  {jobs}"] if (jobs := jobs_text(run)) else []),
@@ -182,7 +192,7 @@ def render_markdown(report: Report) -> str:
         f"# ddpdoctor report: `{run['dir']}`",
         "",
         f"World size {world_text(run)}, backend {run['backend']}, torch {run['torch']}, device {run['device']}, "
-        f"{stats['steps']} steps, {'finished' if run['finished'] else 'not finished'}.",
+        f"{stats['steps']} steps, {ended_text(report, 'not finished')}.",
     ]
     if run["missing_ranks"]:
         lines.append(f"Missing rank files: {run['missing_ranks']}.")

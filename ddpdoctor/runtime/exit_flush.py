@@ -2,7 +2,9 @@
 
 The contract (issue 13): a signal does to the process exactly what it does without ddpdoctor.
 
-- At interpreter exit every live monitor is closed (``End`` record, reason ``exit``).
+- At interpreter exit every live monitor is closed (``End`` record, reason ``exit``; ``error:
+  NAME`` where an uncaught exception ended the main thread, ``signal`` for a KeyboardInterrupt:
+  read from what the interpreter records of it, ``sys.last_value``, with no hook of ours).
 - SIGTERM with the *default* disposition (the process dies): ddpdoctor installs a handler that
   closes every monitor (reason ``signal``), restores the default and re-raises SIGTERM, so the
   process still dies by SIGTERM, with its log complete.
@@ -27,6 +29,7 @@ import ctypes
 import os
 import signal
 import socket
+import sys
 import threading
 import weakref
 from types import FrameType
@@ -38,6 +41,21 @@ if TYPE_CHECKING:
     from ddpdoctor.runtime.protocols import Closable
 
 GRACE_S = 2.0
+
+
+def exit_reason() -> str:
+    """Why the interpreter exits, for the End record: ``exit``, or ``error: NAME`` where an
+    uncaught exception ended the main thread (the interpreter stores it in ``sys.last_value``,
+    ``sys.last_exc`` from 3.12, before it prints it and exits; ``sys.exit`` stores nothing), or
+    ``signal`` for a KeyboardInterrupt (SIGINT)."""
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if exc is None:
+        return "exit"
+    if isinstance(exc, KeyboardInterrupt):
+        return "signal"
+    return f"error: {type(exc).__name__}"
+
+
 #: How long the main thread gets to run ddpdoctor's handler before the watcher acts.
 MAIN_THREAD_WAIT_S = 0.3
 
@@ -60,12 +78,15 @@ class ExitFlush:
             if self._installed:
                 return
             self._installed = True
-        atexit.register(self.close_all, "exit")
+        atexit.register(self._at_exit)
         if threading.current_thread() is threading.main_thread():
             self._install_sigterm()
 
     def unregister(self, monitor: Closable) -> None:
         self._monitors.discard(monitor)
+
+    def _at_exit(self) -> None:
+        self.close_all(exit_reason())
 
     def close_all(self, reason: str) -> None:
         """Close every live monitor (flushing its sink) with ``reason`` in its End record.
