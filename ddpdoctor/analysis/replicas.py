@@ -44,11 +44,11 @@ LOCAL_SGD_FIX = (
 )
 
 
-def _apart_by_design(bad: dict[str, tuple[int, list[int], float]], hook: str, compared: list[int]) -> Finding:
+def _apart_by_design(
+    bad: dict[str, tuple[int, list[int], float]], first: int, ranks: list[int], hook: str, compared: list[int]
+) -> Finding:
     """replica-divergence under local SGD: information, not an error."""
     names = list(bad)
-    first = min(v[0] for v in bad.values())
-    ranks = sorted({r for v in bad.values() for r in v[1]})
     return Finding(
         code="replica-divergence",
         severity="info",
@@ -169,12 +169,12 @@ def compare_fingerprints(
     for code, bad, what, fix, severity in checks:
         if not bad:
             continue
-        if local and code == "replica-divergence":
-            out.append(_apart_by_design(bad, comm_hook, compared))
-            continue
         names = list(bad)
         first = min(v[0] for v in bad.values())
         ranks = sorted({r for v in bad.values() for r in v[1]})
+        if local and code == "replica-divergence":
+            out.append(_apart_by_design(bad, first, ranks, comm_hook, compared))
+            continue
         before = [s for s in compared if s < first]
         last_equal = before[-1] if before else None
         since = (
