@@ -163,3 +163,44 @@ def test_sys_exit_and_a_keyboard_interrupt_end_the_log_as_before(tmp_path: Path)
     assert proc.returncode == 3 and end is not None and end.reason == "exit"
     proc, end = _exit_with(tmp_path / "interrupt", "raise KeyboardInterrupt\n")
     assert proc.returncode != 0 and end is not None and end.reason == "signal"
+
+
+def test_the_report_names_the_rank_whose_exception_came_first(tmp_path: Path) -> None:
+    """Rank 1 raises; rank 0 then fails in the all-reduce it waits in (its peer is gone). Both
+    logs end as failed, and the report says rank 1 failed first."""
+    code = textwrap.dedent(f"""
+        import os, torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        import ddpdoctor
+        dist.init_process_group("gloo")
+        ddp = DDP(torch.nn.Linear(4, 4))
+        ddpdoctor.instrument(ddp, run_dir={str(tmp_path)!r})
+        for step in range(1000):
+            if dist.get_rank() == 1 and step == 3:
+                raise RuntimeError("rank 1's own error")
+            ddp(torch.randn(2, 4)).sum().backward()
+    """)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+        assert codes == [1, 1], [p.stderr.read()[-1500:] if p.stderr else b"" for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    import ddpdoctor
+    from ddpdoctor.cli.render_text import render
+
+    report = ddpdoctor.analyze(ddpdoctor.load_run(tmp_path))
+    assert [r["status"] for r in report.ranks] == ["failed", "failed"]
+    assert report.run["first_failed"] == {"rank": 1, "reason": "error: RuntimeError"}
+    assert "ranks 0, 1 failed (an exception ended training; rank 1 first: error: RuntimeError)" in render(report)

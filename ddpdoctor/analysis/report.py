@@ -7,6 +7,7 @@ from statistics import median
 from typing import Any
 
 from ddpdoctor.analysis.blame import blame
+from ddpdoctor.analysis.clock_align import ClockOffsets
 from ddpdoctor.analysis.diagnose import diagnose
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.groups import ddp_groups, group_arrivals
@@ -63,6 +64,20 @@ def _rank_status(log: RankLog, lost: set[int]) -> str:
     if log.end.reason.startswith("error"):
         return "failed"
     return "terminated" if log.end.reason == "signal" else "finished"
+
+
+def _first_failed(run: Run, clocks: ClockOffsets) -> dict[str, Any] | None:
+    """The rank whose log an exception ended first (aligned clocks), with its reason; None when
+    no exception ended one."""
+    ended = [
+        (clocks.aligned_us(r, log.end.t_wall_ns, 0.0), r, log.end.reason)
+        for r, log in run.ranks.items()
+        if log.end is not None and log.end.reason.startswith("error")
+    ]
+    if not ended:
+        return None
+    _, rank, reason = min(ended)
+    return {"rank": rank, "reason": reason}
 
 
 def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: str, lost: set[int]) -> dict[str, Any]:
@@ -168,6 +183,9 @@ def analyze(run: Run) -> Report:
         "corrupt_lines": run.corrupt_lines,
         "unknown_lines": run.unknown_lines,
         "finished": bool(run.ranks) and all(log.end is not None for log in run.ranks.values()),
+        # of the ranks an exception ended, the first on the aligned clocks (where it began: the
+        # others' collectives fail once it is gone)
+        "first_failed": _first_failed(run, clocks),
         # >1: step statistics come from every n-th step of each rank (and its last steps)
         "steps_sampled_every": max((log.step_stride for log in run.ranks.values()), default=1),
     }

@@ -121,6 +121,9 @@ def ended_text(report: Report, unfinished: str) -> str:
     if not failed:
         return "finished"
     ranks = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
+    first = report.run.get("first_failed")
+    if len(failed) > 1 and first:
+        return f"ended, {ranks} failed (an exception ended training; rank {first['rank']} first: {first['reason']})"
     return f"ended, {ranks} failed (an exception ended training)"
 
 

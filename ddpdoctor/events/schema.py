@@ -202,7 +202,9 @@ class End(_Record, tag="end", kw_only=True):
     t_mono_ns: int
     t_wall_ns: int
     steps: int
-    reason: str  # "close", "exit", "signal", or "error: <exception type>" (left a with-block by an exception)
+    # "close", "exit", "signal", or "error: <exception type>" (an exception left a with-block, or
+    # ended the script uncaught)
+    reason: str
 
 
 class GradFlags(_Record, tag="grad_flags", kw_only=True):
