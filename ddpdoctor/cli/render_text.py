@@ -108,8 +108,8 @@ def bare_text(stats: dict[str, Any]) -> str | None:
         return None
     return (
         f"{bare} of them had no backward of their own (a forward with grad on not followed by "
-        "loss.backward(): an evaluation without torch.no_grad(), or a model called twice before one "
-        "backward); the medians leave them out"
+        "loss.backward(): an evaluation without torch.no_grad(), a model called twice before one "
+        "backward, or a forward that raised and was caught, a skipped batch); the medians leave them out"
     )
 
 
