@@ -204,3 +204,43 @@ def test_the_report_names_the_rank_whose_exception_came_first(tmp_path: Path) ->
     assert [r["status"] for r in report.ranks] == ["failed", "failed"]
     assert report.run["first_failed"] == {"rank": 1, "reason": "error: RuntimeError"}
     assert "ranks 0, 1 failed (an exception ended training; rank 1 first: error: RuntimeError)" in render(report)
+
+
+FORKING = textwrap.dedent("""
+    import signal, sys, time, multiprocessing as mp, torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import ddpdoctor
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    ddp = DDP(torch.nn.Linear(4, 4))
+    ddpdoctor.instrument(ddp, run_dir=sys.argv[1])
+
+    def train(n):
+        for _ in range(n):
+            ddp(torch.randn(2, 4)).sum().backward()
+
+    def child_state(_):
+        return signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.set_wakeup_fd(-1)
+
+    train(3)
+    pool = mp.get_context("fork").Pool(2)
+    print("child", pool.map(child_state, range(2)), flush=True)
+    pool.apply_async(time.sleep, (60,))
+    pool.terminate()  # SIGTERM to its workers
+    pool.join()
+    train(3)
+    print("trained on", flush=True)
+""")
+
+
+def test_a_pool_worker_terminated_leaves_the_rank_running(tmp_path: Path) -> None:
+    """``Pool.terminate`` SIGTERMs its forked workers: the rank trains on, as without ddpdoctor
+    (the workers' signal wakeups went to the socket of the rank's watcher thread, which took them
+    for the rank's own SIGTERM and killed it)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run(
+        [sys.executable, "-c", FORKING, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
+    kinds = [line.split('"kind":"', 1)[1].split('"', 1)[0] for line in (tmp_path / "rank-00000.jsonl").open()]
+    assert proc.returncode == 0 and "trained on" in proc.stdout, proc.stderr[-2000:]
+    assert "child [(True, -1), (True, -1)]" in proc.stdout  # SIGTERM's default, no wakeup fd
+    assert kinds.count("end") == 1

@@ -78,6 +78,7 @@ class ExitFlush:
             if self._installed:
                 return
             self._installed = True
+        atexit.unregister(self._at_exit)  # (a forked child inherits the parent's registration)
         atexit.register(self._at_exit)
         if threading.current_thread() is threading.main_thread():
             self._install_sigterm()
@@ -175,23 +176,47 @@ class ExitFlush:
             libc.signal(int(signal.SIGTERM), 0)  # SIG_DFL, settable from any thread at the C level
             os.kill(os.getpid(), signal.SIGTERM)
 
+    def forked(self) -> None:
+        """In a forked child (a DataLoader's or a Pool's worker): it closes and flushes none of
+        the parent's logs, and its signals are as they would be without ddpdoctor. ddpdoctor's
+        SIGTERM handler gives way to the default it replaced, and the wakeup fd, whose socket the
+        fork shares with the parent, is let go: a worker's SIGTERM (``Pool.terminate``) written
+        there would read, in the parent's watcher thread, as the parent's own, which it then
+        closed and killed."""
+        self._monitors = weakref.WeakSet()
+        self._lock = threading.Lock()  # (a thread of the parent may have held it at the fork)
+        self._handled = threading.Event()
+        try:
+            if self.owns_sigterm():
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except (ValueError, OSError):
+            pass
+        self._handler_installed = False
+        self._release_wakeup()
+        self._installed = False
+
+    def _release_wakeup(self) -> None:
+        """Let go of ddpdoctor's wakeup fd (where it is still the one set) and close its sockets."""
+        if self._wakeup is None:
+            return
+        reader, writer = self._wakeup
+        try:
+            current = signal.set_wakeup_fd(-1)
+            if current not in (-1, writer.fileno()):
+                signal.set_wakeup_fd(current)  # someone replaced ours since: theirs stays
+        except (ValueError, OSError):
+            pass
+        writer.close()
+        reader.close()
+        self._wakeup = None
+
     def shutdown(self) -> None:
         """Undo what ``register`` did where it is still ours (tests, embedding applications)."""
-        atexit.unregister(self.close_all)
+        atexit.unregister(self._at_exit)
         if threading.current_thread() is threading.main_thread():
             if self.owns_sigterm():
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            if self._wakeup is not None:
-                reader, writer = self._wakeup
-                try:
-                    current = signal.set_wakeup_fd(-1)
-                    if current not in (-1, writer.fileno()):
-                        signal.set_wakeup_fd(current)  # someone replaced ours since: theirs stays
-                except (ValueError, OSError):
-                    pass
-                writer.close()
-                reader.close()
-                self._wakeup = None
+            self._release_wakeup()
         self._handler_installed = False
         self._installed = False
         self._monitors = weakref.WeakSet()

@@ -335,6 +335,17 @@ class Monitor:
                 self.attachment = None  # type: ignore[assignment]
                 self._close(f"error: {exc.step}", 5.0, final=False)
 
+    def forked(self) -> None:
+        """In a forked child (``services.Services.forked``): this copy goes quiet for good. It is
+        closed (no End record: the log is the parent's), every probe is off, and it reads no
+        native stamps; it writes nothing, and what the model does in the child is not recorded."""
+        self.closed = True
+        self._close_lock = threading.Lock()  # (a thread of the parent may have held it at the fork)
+        for name in self.probes.NAMES:
+            self.probes.switch_off(name)
+        self._native_timing = None
+        self._opt_stamps = None
+
     def quiesce(self) -> None:
         """End a sample in progress (its hooks go): before the instance is copied or pickled."""
         checks = getattr(self, "checks", None)

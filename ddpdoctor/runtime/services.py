@@ -15,6 +15,7 @@ stops everything it started (a fresh instance is made on the next use).
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any
@@ -83,6 +84,17 @@ class Services:
         out = [s._thread for s in (self._sampler, self._watchdog) if s is not None]
         return [t for t in out if t.is_alive()]
 
+    def forked(self) -> None:
+        """In a forked child: every monitor copied into it goes quiet (``Monitor.forked``), and
+        the child keeps none of the parent's exit and signal set-up (``ExitFlush.forked``). Its
+        threads were not copied; nothing of them is joined."""
+        for monitor in list(self._members):
+            try:
+                monitor.forked()
+            except Exception:  # noqa: BLE001, S110 - in a child being born: never raise into it
+                pass
+        self.exit_flush.forked()
+
     def shutdown(self) -> None:
         """Close every monitor, remove the optimizer hooks and signal handler, stop the threads."""
         self.exit_flush.close_all("close")
@@ -107,6 +119,19 @@ def services() -> Services:
         if _services is None:
             _services = Services()
         return _services
+
+
+def _after_fork_in_child() -> None:
+    """A forked child is not the process its parent's monitors watch: it drops this process's
+    services (their threads did not survive the fork) and a monitor made in it starts fresh ones."""
+    global _services, _lock
+    _lock = threading.Lock()  # (a thread of the parent may have held it at the fork)
+    current, _services = _services, None
+    if current is not None:
+        current.forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def shutdown() -> None:
