@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 GRACE_S = 2.0
 
+#: How long the main thread gets to run ddpdoctor's handler before the watcher acts.
+MAIN_THREAD_WAIT_S = 0.3
+
 
 def exit_reason() -> str:
     """Why the interpreter exits, for the End record: ``exit``, or ``error: NAME`` where an
@@ -54,10 +57,6 @@ def exit_reason() -> str:
     if isinstance(exc, KeyboardInterrupt):
         return "signal"
     return f"error: {type(exc).__name__}"
-
-
-#: How long the main thread gets to run ddpdoctor's handler before the watcher acts.
-MAIN_THREAD_WAIT_S = 0.3
 
 
 class ExitFlush:
@@ -183,17 +182,9 @@ class ExitFlush:
         fork shares with the parent, is let go: a worker's SIGTERM (``Pool.terminate``) written
         there would read, in the parent's watcher thread, as the parent's own, which it then
         closed and killed."""
-        self._monitors = weakref.WeakSet()
         self._lock = threading.Lock()  # (a thread of the parent may have held it at the fork)
         self._handled = threading.Event()
-        try:
-            if self.owns_sigterm():
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        except (ValueError, OSError):
-            pass
-        self._handler_installed = False
-        self._release_wakeup()
-        self._installed = False
+        self._undo()  # (the forking thread is the child's main thread)
 
     def _release_wakeup(self) -> None:
         """Let go of ddpdoctor's wakeup fd (where it is still the one set) and close its sockets."""
@@ -213,6 +204,11 @@ class ExitFlush:
     def shutdown(self) -> None:
         """Undo what ``register`` did where it is still ours (tests, embedding applications)."""
         atexit.unregister(self._at_exit)
+        self._undo()
+
+    def _undo(self) -> None:
+        """SIGTERM's handler and the wakeup fd given back where they are still ours (from the main
+        thread, the only one that may set them), and every monitor forgotten."""
         if threading.current_thread() is threading.main_thread():
             if self.owns_sigterm():
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)

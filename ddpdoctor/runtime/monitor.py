@@ -221,10 +221,9 @@ class Monitor:
                 warn(
                     f"ddpdoctor: gradient_as_bucket_view=True at a world size of {ddp.process_group.size()}: "
                     "without its native extension ddpdoctor's comm hook multiplies every gradient by 1/world "
-                    "size, where DDP "
-                    "divides the gradients kept between steps (zero_grad(set_to_none=False)) in place: their "
-                    "last bits can differ. Let the extension load (a C++ compiler, DDPDOCTOR_NATIVE not 0), or "
-                    "let zero_grad set the gradients to None.",
+                    "size, where DDP divides the gradients kept between steps (zero_grad(set_to_none=False)) in "
+                    "place: their last bits can differ. Let the extension load (a C++ compiler, DDPDOCTOR_NATIVE "
+                    "not 0), or let zero_grad set the gradients to None.",
                     CommHookWarning,
                     stacklevel=5,
                 )
