@@ -122,8 +122,9 @@ def test_a_close_that_fails_at_exit_is_said_on_stderr(tmp_path: Path) -> None:
     assert "LogWriteWarning" in proc.stderr
 
 
-def _exit_with(tmp_path: Path, ending: str) -> tuple[subprocess.CompletedProcess[str], End | None]:
-    """A one-rank job that trains a step, then ends with ``ending`` (Python source)."""
+def _exit_with(tmp_path: Path, ending: str, before: str = "") -> tuple[subprocess.CompletedProcess[str], End | None]:
+    """A one-rank job that runs ``before`` (one line of Python source), trains a step, then ends
+    with ``ending`` (Python source)."""
     code = (
         textwrap.dedent(f"""
         import os, sys, torch, torch.distributed as dist
@@ -131,6 +132,7 @@ def _exit_with(tmp_path: Path, ending: str) -> tuple[subprocess.CompletedProcess
         import ddpdoctor
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
         dist.init_process_group("gloo", rank=0, world_size=1)
+        {before}
         ddp = DDP(torch.nn.Linear(4, 4))
         ddpdoctor.instrument(ddp, run_dir={str(tmp_path)!r})
         ddp(torch.randn(2, 4)).sum().backward()
@@ -163,6 +165,16 @@ def test_sys_exit_and_a_keyboard_interrupt_end_the_log_as_before(tmp_path: Path)
     assert proc.returncode == 3 and end is not None and end.reason == "exit"
     proc, end = _exit_with(tmp_path / "interrupt", "raise KeyboardInterrupt\n")
     assert proc.returncode != 0 and end is not None and end.reason == "signal"
+
+
+def test_an_exception_stored_before_monitoring_began_is_not_this_exit(tmp_path: Path) -> None:
+    # what an interactive session's earlier traceback, or a test runner's failed test, leaves
+    stale = "sys.last_value = ValueError('an earlier cell'); sys.last_type = ValueError"
+    proc, end = _exit_with(tmp_path / "clean", "", before=stale)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert end is not None and end.reason == "exit"
+    proc, end = _exit_with(tmp_path / "crash", 'raise RuntimeError("out of data")\n', before=stale)
+    assert proc.returncode == 1 and end is not None and end.reason == "error: RuntimeError"
 
 
 def test_the_report_names_the_rank_whose_exception_came_first(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ The contract (issue 13): a signal does to the process exactly what it does witho
 
 - At interpreter exit every live monitor is closed (``End`` record, reason ``exit``; ``error:
   NAME`` where an uncaught exception ended the main thread, ``signal`` for a KeyboardInterrupt:
-  read from what the interpreter records of it, ``sys.last_value``, with no hook of ours).
+  read from what the interpreter records of it, ``sys.last_value``, with no hook of ours; one
+  stored there before monitoring began is not counted).
 - SIGTERM with the *default* disposition (the process dies): ddpdoctor installs a handler that
   closes every monitor (reason ``signal``), restores the default and re-raises SIGTERM, so the
   process still dies by SIGTERM, with its log complete.
@@ -46,13 +47,22 @@ GRACE_S = 2.0
 MAIN_THREAD_WAIT_S = 0.3
 
 
-def exit_reason() -> str:
+def last_exception() -> BaseException | None:
+    """The exception the interpreter last stored as uncaught (``sys.last_exc`` from 3.12,
+    ``sys.last_value`` before), if any."""
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+
+
+def exit_reason(stale: int | None = None) -> str:
     """Why the interpreter exits, for the End record: ``exit``, or ``error: NAME`` where an
     uncaught exception ended the main thread (the interpreter stores it in ``sys.last_value``,
     ``sys.last_exc`` from 3.12, before it prints it and exits; ``sys.exit`` stores nothing), or
-    ``signal`` for a KeyboardInterrupt (SIGINT)."""
-    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    if exc is None:
+    ``signal`` for a KeyboardInterrupt (SIGINT).
+
+    ``stale``: the ``id`` of the exception stored there before monitoring began (an interactive
+    session's earlier traceback, a test runner's failed test), which says nothing of this exit."""
+    exc = last_exception()
+    if exc is None or id(exc) == stale:
         return "exit"
     if isinstance(exc, KeyboardInterrupt):
         return "signal"
@@ -69,6 +79,8 @@ class ExitFlush:
         self._handled = threading.Event()
         self._handler_installed = False
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        #: ``id`` of the uncaught exception already stored when monitoring began (``exit_reason``)
+        self._stale: int | None = None
 
     def register(self, monitor: Closable) -> None:
         """Have ``monitor`` closed at exit and flushed on SIGTERM."""
@@ -77,6 +89,8 @@ class ExitFlush:
             if self._installed:
                 return
             self._installed = True
+            stale = last_exception()
+            self._stale = None if stale is None else id(stale)
         atexit.unregister(self._at_exit)  # (a forked child inherits the parent's registration)
         atexit.register(self._at_exit)
         if threading.current_thread() is threading.main_thread():
@@ -86,7 +100,7 @@ class ExitFlush:
         self._monitors.discard(monitor)
 
     def _at_exit(self) -> None:
-        self.close_all(exit_reason())
+        self.close_all(exit_reason(self._stale))
 
     def close_all(self, reason: str) -> None:
         """Close every live monitor (flushing its sink) with ``reason`` in its End record.
