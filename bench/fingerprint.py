@@ -1,13 +1,18 @@
 """What a sampled step's fingerprint costs the training thread: Python against the native call.
 
-A fingerprint is each parameter's and buffer's L2 norm and sum (``runtime/fingerprints.py``),
+A fingerprint is each parameter's and buffer's L2 norm and exact bits, and each buffer's sum
+(``runtime/fingerprints.py``),
 taken at every sampled step (one in ``check_every``, 50 by default). Two routes give equal
-values: ``fingerprints.tensor_values`` (Python, the fallback and CUDA's) and the extension's
+values: ``fingerprints.float_values`` and ``tensor_bits`` (Python, the fallback and CUDA's) and the extension's
 ``tensor_values`` (one C++ call, CPU tensors). Both run here on the same tensors, interleaved,
 over three models' parameters and buffers; the figure is the median of ``--rounds`` rounds of
 ``--calls`` calls each, in µs per fingerprint. The values are checked equal first.
 
-    python bench/fingerprint.py [--rounds 7] [--calls 50]
+``--baseline-so PATH``: an earlier build of the extension (from ``~/.cache/torch_extensions``),
+timed in the same rounds: what a change to the native fingerprint costs, side by side (a build
+before the exact bits computes a norm and a sum of every tensor).
+
+    python bench/fingerprint.py [--rounds 7] [--calls 50] [--baseline-so PATH]
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ddpdoctor.runtime import native_hook
-from ddpdoctor.runtime.fingerprints import tensor_values
+from ddpdoctor.runtime.fingerprints import float_values, fold_bits, tensor_bits
 
 
 def _mlp(layers: int, width: int, bn: bool) -> nn.Module:
@@ -67,25 +72,38 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--baseline-so", type=Path, default=None)
     args = parser.parse_args()
     native = native_hook.load().tensor_values
+    baseline = native_hook._import(args.baseline_so.stem, args.baseline_so).tensor_values if args.baseline_so else None
 
-    def python(tensors: list[torch.Tensor]) -> tuple[list[float], list[float]]:
-        rows = tensor_values(tensors)
-        return rows[:, 0].tolist(), rows[:, 1].tolist()
+    def python(tensors: list[torch.Tensor], sums_from: int) -> tuple[list[float], list[float], list[int]]:
+        row = float_values(tensors, sums_from).tolist()
+        return row[: len(tensors)], row[len(tensors) :], [fold_bits(b) for b in tensor_bits(tensors).tolist()]
 
     print(f"torch {torch.__version__}, median of {args.rounds} rounds of {args.calls} calls, µs per fingerprint")
-    print(f"{'model':<55} {'tensors':>7} {'Python':>9} {'native':>9} {'ratio':>6}")
+    print(
+        f"{'model':<55} {'tensors':>7} {'Python':>9} {'native':>9} {'ratio':>6}"
+        + (f" {'baseline':>9} {'native/baseline':>16}" if baseline else "")
+    )
     for name, build in MODELS.items():
         model = build()
-        tensors = [*model.parameters(), *model.buffers()]
-        assert python(tensors) == native(tensors), name
-        py_us, native_us = [], []
+        params = list(model.parameters())
+        tensors = [*params, *model.buffers()]
+        n = len(params)  # a sum of the buffers alone, as the sampled checks take it
+        assert python(tensors, n) == native(tensors, n), name
+        py_us, native_us, base_us = [], [], []
         for _ in range(args.rounds):
-            py_us.append(_time(python, tensors, args.calls))
-            native_us.append(_time(native, tensors, args.calls))
+            py_us.append(_time(lambda t, n=n: python(t, n), tensors, args.calls))
+            native_us.append(_time(lambda t, n=n: native(t, n), tensors, args.calls))
+            if baseline is not None:
+                base_us.append(_time(baseline, tensors, args.calls))
         p, n = statistics.median(py_us), statistics.median(native_us)
-        print(f"{name:<55} {len(tensors):>7} {p:>9.0f} {n:>9.0f} {n / p:>6.2f}")
+        line = f"{name:<55} {len(tensors):>7} {p:>9.0f} {n:>9.0f} {n / p:>6.2f}"
+        if base_us:
+            b = statistics.median(base_us)
+            line += f" {b:>9.0f} {n / b:>16.2f}"
+        print(line)
 
 
 if __name__ == "__main__":

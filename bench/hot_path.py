@@ -52,6 +52,7 @@ from bench.harness import free_port, init_gloo
 from ddpdoctor.runtime import (
     clocks,
     comm_hook,
+    fingerprints,
     live_findings,
     native_hook,
     optimizer_hooks,
@@ -104,6 +105,8 @@ NESTED = [
     (sampled_checks.SampledChecks, "sample_if_due", "  sample due (from next_sample on)", "forward pre-hook"),
     (sampled_checks.SampledChecks, "begin_sample", "    sample begins (sampled steps only)", "forward pre-hook"),
     (sampled_checks.SampledChecks, "end_sample", "    sample ends (the step after)", "forward pre-hook"),
+    (sampled_checks.SampledChecks, "_buffers", "  fp: buffers", "fingerprint (sampled steps only)"),
+    (fingerprints.Fingerprinter, "take", "  fp: take", "fingerprint (sampled steps only)"),
 ]
 
 

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 import ddpdoctor
-from ddpdoctor.events import FindingRecord, Record, Step, Window, decode
+from ddpdoctor.events import SCHEMA_VERSION, FindingRecord, Record, Step, Window, decode
 from ddpdoctor.events.layout import LOG_MODE_ENV, rank_file_name
 from ddpdoctor.runlog import DirSource, load_run
 from ddpdoctor.sinks import FileSink, Sink
@@ -64,7 +64,7 @@ def test_a_compact_log_reads_back_as_the_full_log(tmp_path: Path) -> None:
             assert y.ready_span_us() == pytest.approx(x.ready_span_us(), abs=0.5)
             assert y.bucket_count() == x.bucket_count() and y.bucket_bytes() == x.bucket_bytes()
         lines = _lines(tmp_path / "compact" / rank_file_name(rank))
-        assert lines[0]["kind"] == "header" and lines[0]["schema"] == 2
+        assert lines[0]["kind"] == "header" and lines[0]["schema"] == SCHEMA_VERSION == 3
         for w in (r for r in lines if r["kind"] == "window"):
             assert all(len(w[c]) == w["n"] for c in ("t0", "fwd", "bwd_end", "ready_first", "sync_end", "end"))
     # the findings and the statistics do not depend on what the file kept
@@ -270,4 +270,4 @@ def test_the_log_option_picks_what_the_file_keeps(tmp_path: Path) -> None:
         assert {*range(FIRST_FULL), 15} <= set(kept) and rows  # (a noisy host may add incidents)
         assert sorted(set(kept) | set(rows)) == list(range(24))
         headers = [r for r in full + compact if r["kind"] == "header"]
-        assert [h["schema"] for h in headers] == [2, 2]
+        assert [h["schema"] for h in headers] == [SCHEMA_VERSION] * 2

@@ -660,32 +660,45 @@ def test_a_backward_without_an_optimizer_step_keeps_its_marks(native_built: Path
 
 
 def test_tensor_values_equal_the_python_fingerprint(native_built: Path) -> None:
-    """The fingerprint in one C++ call gives the values Python's gives, float for float, for every
-    kind of tensor a model holds: ranks are compared for equality, and a rank whose extension did
-    not build fingerprints in Python."""
-    from ddpdoctor.runtime.fingerprints import Fingerprinter, tensor_values
+    """The fingerprint in one C++ call gives the values Python's gives, float for float and bit
+    for bit, for every kind of tensor a model holds: ranks are compared for equality, and a rank
+    whose extension did not build fingerprints in Python."""
+    from ddpdoctor.runtime.fingerprints import Fingerprinter, float_values, fold_bits, tensor_bits
 
     values = native_hook._import(native_built.stem, native_built).tensor_values
     torch.manual_seed(0)
     tensors = [
         torch.nn.Parameter(torch.randn(64, 32)),
         torch.randn(64, 32).t(),  # not contiguous
+        torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        torch.randn(4, 1).expand(4, 6),  # overlapping: copied
+        torch.randn(10, 10)[::2, 1:],  # a strided slice: copied
         torch.randn(1000).half(),
         torch.randn(300).bfloat16(),
         torch.randn(77, dtype=torch.float64) * 1e6,
+        torch.full((5,), -1.0, dtype=torch.float64),  # words that wrap past 2**64
         torch.arange(7),  # a BatchNorm's num_batches_tracked
         torch.tensor([True, False, True]),
+        torch.randint(-30000, 30000, (9,), dtype=torch.int16),
+        torch.randint(0, 255, (9,), dtype=torch.uint8),
         torch.zeros(0),
         torch.randn(3, dtype=torch.complex64),
         torch.eye(3).to_sparse(),
         torch.tensor(2.5),
     ]
-    rows = tensor_values(tensors)
-    assert values(tensors) == (rows[:, 0].tolist(), rows[:, 1].tolist())
-    assert values([]) == ([], [])
-    got: list[Any] = []
-    Fingerprinter(lambda meta, norms, sums: got.append((meta, norms, sums)), values).take(tensors, "m")
-    assert got == [("m", rows[:, 0].tolist(), rows[:, 1].tolist())]
+    bits = [fold_bits(b) for b in tensor_bits(tensors).tolist()]
+    assert all(0 <= b < 2**53 for b in bits)
+    assert len(set(bits[:13])) == 13  # distinct tensors, distinct bits
+    for sums_from in (0, 5, len(tensors)):
+        row = float_values(tensors, sums_from).tolist()
+        expected = (row[: len(tensors)], row[len(tensors) :], bits)
+        assert len(expected[1]) == len(tensors) - sums_from
+        assert values(tensors, sums_from) == expected
+        got: list[Any] = []
+        for native in (values, None):  # the extension's, then the Python route
+            Fingerprinter(lambda *delivered, got=got: got.append(delivered), native).take(tensors, sums_from, "m")
+        assert got == [("m", *expected), ("m", *expected)]
+    assert values([], 0) == ([], [], [])
 
 
 def test_optimizer_stamps_set_the_common_case_as_the_python_rule_does(native_built: Path) -> None:

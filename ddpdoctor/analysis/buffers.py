@@ -8,7 +8,7 @@ from typing import Any
 
 from ddpdoctor.analysis.evidence import BufferEvidence
 from ddpdoctor.analysis.findings import Finding, Severity
-from ddpdoctor.analysis.replicas import fingerprints_by_step
+from ddpdoctor.analysis.replicas import fingerprints_by_step, tensor_keys
 from ddpdoctor.analysis.sizes import human_bytes, name_list
 from ddpdoctor.events import Fingerprint, Header, Step
 
@@ -231,7 +231,7 @@ def broadcast_redundancy(header: Header, prints: dict[int, list[Fingerprint]]) -
         if not moved:
             continue
         changing.append(b.name)
-        if any(len({(fp.buffer_norms[i], fp.buffer_sums[i]) for fp in by_step[s].values()}) > 1 for s in steps):
+        if any(len(set(tensor_keys(by_step[s], i, buffer=True)[0].values())) > 1 for s in steps):
             differing.append(b.name)
     if not changing:
         return None

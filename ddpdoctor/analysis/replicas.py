@@ -73,6 +73,29 @@ def _apart_by_design(
     )
 
 
+def tensor_keys(
+    at: Mapping[int, Fingerprint], i: int, buffer: bool
+) -> tuple[dict[int, tuple[float, ...]], list[float]]:
+    """What each rank's fingerprint of tensor ``i`` (a parameter, or a buffer) is compared by, and
+    the ranks' norms of it (how large a difference is).
+
+    The bits where every rank has them: they are exact, so equal tensors compare equal whatever
+    each rank's thread count or vector instructions (a float sum's last bits move with them). The
+    norm and the sum where a rank's log has no bits (written before them)."""
+    cols = {
+        r: (fp.buffer_norms, fp.buffer_sums, fp.buffer_bits)
+        if buffer
+        else (fp.param_norms, fp.param_sums, fp.param_bits)
+        for r, fp in at.items()
+    }
+    if all(i < len(c[2]) for c in cols.values()):
+        keys: dict[int, tuple[float, ...]] = {r: (c[2][i],) for r, c in cols.items()}
+    else:
+        cols = {r: c for r, c in cols.items() if i < len(c[0]) and i < len(c[1])}
+        keys = {r: (c[0][i], c[1][i]) for r, c in cols.items()}
+    return keys, [c[0][i] for c in cols.values() if i < len(c[0])]
+
+
 def _odd_ranks(values: Mapping[int, tuple[float, ...]]) -> list[int]:
     """Ranks whose value is not the most common one (all of them on a tie)."""
     counts = Counter(values.values())
@@ -86,6 +109,13 @@ def _rel_diff(values: list[float]) -> float:
     lo, hi = min(values), max(values)
     scale = max(abs(lo), abs(hi), 1e-30)
     return (hi - lo) / scale
+
+
+def _size_text(rel: float) -> str:
+    """How far apart the ranks' norms are, in words."""
+    if rel == 0.0:
+        return "their norms agree to float32's precision: the values differ in their last bits"
+    return f"largest relative difference of the norms {rel:.2e}"
 
 
 def _steps_text(steps: list[int]) -> str:
@@ -135,25 +165,17 @@ def compare_fingerprints(
         for i, name in enumerate(params):
             if name in bad_params:
                 continue
-            vals = {
-                r: (fp.param_norms[i], fp.param_sums[i])
-                for r, fp in at.items()
-                if i < len(fp.param_norms) and i < len(fp.param_sums)
-            }
+            vals, norms = tensor_keys(at, i, buffer=False)
             if len(set(vals.values())) > 1:
-                bad_params[name] = (step, _odd_ranks(vals), _rel_diff([v[0] for v in vals.values()]))
+                bad_params[name] = (step, _odd_ranks(vals), _rel_diff(norms))
         for i, buf in enumerate(buffers):
             if buf.broadcast and broadcasting:
                 continue  # rank 0's copy is broadcast at every forward: differences do not last
             if buf.name in bad_buffers:
                 continue
-            vals = {
-                r: (fp.buffer_norms[i], fp.buffer_sums[i])
-                for r, fp in at.items()
-                if i < len(fp.buffer_norms) and i < len(fp.buffer_sums)
-            }
+            vals, norms = tensor_keys(at, i, buffer=True)
             if len(set(vals.values())) > 1:
-                bad_buffers[buf.name] = (step, _odd_ranks(vals), _rel_diff([v[0] for v in vals.values()]))
+                bad_buffers[buf.name] = (step, _odd_ranks(vals), _rel_diff(norms))
     out = []
     checks: tuple[tuple[str, dict[str, tuple[int, list[int], float]], str, str, Severity], ...] = (
         ("replica-divergence", bad_params, "parameter", RESYNC_FIX, "error"),
@@ -191,8 +213,8 @@ def compare_fingerprints(
                 title=f"{len(names)} {what}(s) differ across ranks from step {first}",
                 detail=(
                     f"{name_list(names)} are not identical on every rank: {since} "
-                    f"(ranks {ranks} differ from the others; largest relative difference "
-                    f"{max(v[2] for v in bad.values()):.2e}; steps compared: {_steps_text(compared)}). "
+                    f"(ranks {ranks} differ from the others; {_size_text(max(v[2] for v in bad.values()))}; "
+                    f"steps compared: {_steps_text(compared)}). "
                     "The cause ran between step "
                     f"{last_equal if last_equal is not None else 'the start'} and step {first}."
                 ),

@@ -11,6 +11,10 @@ Adding a field with a default keeps old logs readable; renaming or removing one 
 Version 2 added the ``window`` record: the file writer keeps full ``step`` records at sampled
 steps and around anything anomalous, and rolls the other steps up into windows of per-step
 columns (``sinks.compact``). Version 1 logs (a ``step`` record for every step) read as before.
+
+Version 3 compares ranks by exact fingerprints: a ``fingerprint`` record carries each tensor's
+bits, and a parameter's float sum is no longer written (its bits say all it said, exactly).
+Version 2 logs (norms and sums only) are compared by their norms and sums, as before.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class _Record(msgspec.Struct, tag_field="kind", omit_defaults=True, kw_only=True):
@@ -218,16 +222,22 @@ class GradFlags(_Record, tag="grad_flags", kw_only=True):
 class Fingerprint(_Record, tag="fingerprint", kw_only=True):
     """Cheap fingerprints of parameters and buffers, taken by every rank at the same sampled steps.
 
-    Lists follow the header's ``params`` and ``buffers`` order: the L2 norm and the sum of each
-    tensor, and each buffer's version counter (in-place changes since creation, less the bumps of
-    DDP's own buffer broadcasts, which some torch releases count).
+    Lists follow the header's ``params`` and ``buffers`` order: the L2 norm of each tensor, its
+    bits (the sum of its elements' bit patterns as integers, folded to 53 bits: exact, so equal
+    tensors give equal bits on every rank, where a float sum's last bits depend on the rank's
+    thread count), each buffer's sum (compared with the header's checksum) and version counter
+    (in-place changes since creation, less the bumps of DDP's own buffer broadcasts, which some
+    torch releases count). Ranks are compared by the bits; logs of schema 2 and before, which
+    have none, by the norm and the sum (``param_sums``, no longer written).
     """
 
     step: int
     param_norms: list[float] = []
     param_sums: list[float] = []
+    param_bits: list[int] = []
     buffer_norms: list[float] = []
     buffer_sums: list[float] = []
+    buffer_bits: list[int] = []
     buffer_versions: list[int] = []
     after_broadcast: bool = False  # taken after DDP broadcast the buffers in this forward
     # taken at the end of the rank's run (close or exit), ``step`` = steps it ran: ranks with

@@ -13,17 +13,18 @@ from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.events import BufferInfo, Fingerprint, Header, ParamInfo
 from ddpdoctor.runtime import torch_compat
 from ddpdoctor.runtime.attach import monitor_of
-from ddpdoctor.runtime.fingerprints import tensor_values
+from ddpdoctor.runtime.fingerprints import float_values, fold_bits, tensor_bits
 from ddpdoctor.runtime.live_findings import warn_finding
 
 
 def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True) -> list[Finding]:
     """Compare every parameter and buffer across ranks; call on every rank (it is a collective).
 
-    Works on a DDP model or a plain module. Each rank computes an L2 norm and a sum per tensor
-    and the ranks exchange them (one small ``all_gather_object``), so the check costs one pass
-    over the weights. Buffers that DDP broadcasts at every forward are not compared (they differ
-    between forwards by design).
+    Works on a DDP model or a plain module. Each rank computes an L2 norm and the exact bits
+    (``fingerprints.tensor_bits``) per tensor, and a sum per buffer, and the ranks exchange them
+    (one small ``all_gather_object``), so the check costs a pass or two over the weights.
+    Buffers that DDP broadcasts at every forward are not compared (they differ between forwards
+    by design).
 
     Returns:
         ``replica-divergence`` / ``buffer-divergence`` findings naming the tensors and the ranks
@@ -41,9 +42,12 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
         if ddp is not None and torch_compat.buffer_sync(ddp)
         else set()
     )
+    tensors = [p for _, p in params] + [b for _, b in buffers]
+    n = len(params)
     with torch.no_grad():
-        values = tensor_values([p for _, p in params] + [b for _, b in buffers]).cpu()
-    norms, sums = values[:, 0].tolist(), values[:, 1].tolist()
+        values = float_values(tensors, n).tolist()
+        bits = [fold_bits(b) for b in tensor_bits(tensors).tolist()]
+    norms, sums = values[: len(tensors)], values[len(tensors) :]
     world = dist.get_world_size(group)
     try:  # findings name global ranks, as the logs do (DDP over a subgroup: not 0..n-1)
         members = [int(r) for r in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)]
@@ -52,8 +56,7 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
     if len(members) != world:
         members = list(range(world))
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (norms, sums), group=group)
-    n = len(params)
+    dist.all_gather_object(gathered, (norms, sums, bits), group=group)
     header = Header(
         rank=dist.get_rank(),
         params=[
@@ -85,9 +88,10 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
                 rank=r,
                 step=step,
                 param_norms=g[0][:n],
-                param_sums=g[1][:n],
+                param_bits=g[2][:n],
                 buffer_norms=g[0][n:],
-                buffer_sums=g[1][n:],
+                buffer_sums=g[1],
+                buffer_bits=g[2][n:],
                 after_broadcast=True,
             )
         ]

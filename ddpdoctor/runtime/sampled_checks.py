@@ -91,7 +91,7 @@ class SampledChecks:
         ddp_index: int,
         same_flags: Callable[[list[Any], bytes], bool] | None = None,
         param_sample: Callable[[list[Any]], Any] | None = None,
-        tensor_values: Callable[[list[Any]], tuple[list[float], list[float]]] | None = None,
+        tensor_values: Callable[[list[Any], int], tuple[list[float], list[float], list[int]]] | None = None,
     ) -> None:
         self._ddp: Any = weakref.ref(ddp)
         self.check_every = max(1, int(check_every))
@@ -298,7 +298,7 @@ class SampledChecks:
             # what DDP's own broadcasts added is no change of the buffer's (see the module docstring)
             versions = [v - self.broadcasts * d for v, d in zip(versions, bumps, strict=False)]
         meta = (step, len(self.params), versions, after_broadcast, final)
-        self.fingerprinter.take(self.params + buffers, meta)
+        self.fingerprinter.take(self.params + buffers, len(self.params), meta)
 
     def final(self, step: int) -> None:
         """The fingerprint at the end of the run (``close`` or a clean exit), delivered now.
@@ -314,7 +314,7 @@ class SampledChecks:
         self.fingerprint(step, self.buffers_from_broadcast, final=True)
         self.fingerprinter.drain()
 
-    def _deliver_fingerprint(self, meta: Any, norms: list[float], sums: list[float]) -> None:
+    def _deliver_fingerprint(self, meta: Any, norms: list[float], sums: list[float], bits: list[int]) -> None:
         step, n, versions, after_broadcast, final = meta
         self._emit(
             Fingerprint(
@@ -322,9 +322,10 @@ class SampledChecks:
                 ddp=self.ddp_index,
                 step=step,
                 param_norms=norms[:n],
-                param_sums=sums[:n],
+                param_bits=bits[:n],
                 buffer_norms=norms[n:],
-                buffer_sums=sums[n:],
+                buffer_sums=sums,
+                buffer_bits=bits[n:],
                 buffer_versions=versions,
                 after_broadcast=after_broadcast,
                 final=final,

@@ -31,6 +31,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
+#include <ATen/Parallel.h>
 #include <ATen/ScalarOps.h>
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <c10/util/SmallVector.h>
@@ -1169,32 +1170,104 @@ bool same_requires_grad(const py::list& tensors, const py::bytes& expected) {
   return true;
 }
 
-// The fingerprint of each tensor (SampledChecks, at sampled steps): its L2 norm and its sum, in
-// float32 as Python's ``fingerprints.tensor_values`` computes them (the same ATen kernels, so a rank
-// on this route and a rank on the Python one give equal values: ranks are compared for equality).
-// Zeros for a sparse, complex or empty tensor. In Python each tensor cost five operator calls
-// through the Python dispatcher: 1.1 ms for the 58 tensors of an 8-layer BatchNorm MLP.
-std::pair<std::vector<double>, std::vector<double>> tensor_values(const std::vector<at::Tensor>& tensors) {
+// The exact fingerprint of one tensor, its bits (``fingerprints.tensor_bits``): the sum of its
+// elements' bit patterns, each read as an integer of the element's width (1 byte unsigned; 2, 4 and
+// 8 bytes signed), modulo 2**64, folded to 53 bits (``fingerprints.fold_bits``). Integer addition
+// is associative, so the value is the same whatever order the elements are added in: a rank with
+// more intra-op threads, other vector instructions or the Python route gets the same value, where
+// ATen's float sum of a large tensor differs in its last bits (ranks are compared for equality).
+template <typename Word>
+uint64_t word_sum(const void* data, int64_t n) {
+  const Word* w = static_cast<const Word*>(data);
+  // four running sums (unsigned: wrapping is defined), so the loop vectorizes
+  uint64_t a = 0, b = 0, c = 0, d = 0;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    a += static_cast<uint64_t>(static_cast<int64_t>(w[i]));
+    b += static_cast<uint64_t>(static_cast<int64_t>(w[i + 1]));
+    c += static_cast<uint64_t>(static_cast<int64_t>(w[i + 2]));
+    d += static_cast<uint64_t>(static_cast<int64_t>(w[i + 3]));
+  }
+  for (; i < n; ++i) {
+    a += static_cast<uint64_t>(static_cast<int64_t>(w[i]));
+  }
+  return a + b + c + d;
+}
+
+int64_t fold_bits(uint64_t sum) {
+  return static_cast<int64_t>((sum ^ (sum >> 53)) & ((uint64_t{1} << 53) - 1));
+}
+
+int64_t tensor_bits(const at::Tensor& t) {
+  if (t.is_sparse() || t.is_complex() || t.numel() == 0 || t.is_quantized()) {
+    return 0;
+  }
+  // a dense tensor without overlaps (contiguous, channels_last, a transpose) holds its elements in
+  // numel slots from its first; another (an expanded or sliced view) is copied first
+  const at::Tensor dense = t.is_non_overlapping_and_dense() ? t : t.contiguous();
+  const char* data = static_cast<const char*>(dense.const_data_ptr());
+  const int64_t size = dense.element_size();
+  uint64_t (*sum)(const void*, int64_t) = nullptr;
+  switch (size) {
+    case 1:
+      sum = &word_sum<uint8_t>;
+      break;
+    case 2:
+      sum = &word_sum<int16_t>;
+      break;
+    case 4:
+      sum = &word_sum<int32_t>;
+      break;
+    case 8:
+      sum = &word_sum<int64_t>;
+      break;
+    default:
+      return 0;
+  }
+  // split across the intra-op threads as ATen splits its own sums (the order does not matter)
+  const uint64_t total = at::parallel_reduce(
+      int64_t{0}, dense.numel(), at::internal::GRAIN_SIZE, uint64_t{0},
+      [&](int64_t begin, int64_t end, uint64_t) { return sum(data + begin * size, end - begin); },
+      [](uint64_t a, uint64_t b) { return a + b; });
+  return fold_bits(total);
+}
+
+// The fingerprint of each tensor (SampledChecks, at sampled steps): its L2 norm, in float32 as
+// Python's ``fingerprints.float_values`` computes it (the same ATen kernel), and its bits (above),
+// which is what ranks are compared by; the float sum of each tensor from ``sums_from`` on (the
+// buffers). Zeros for a sparse, complex or empty tensor. In Python each tensor cost five operator
+// calls through the Python dispatcher: 1.1 ms for the 58 tensors of an 8-layer BatchNorm MLP.
+std::tuple<std::vector<double>, std::vector<double>, std::vector<int64_t>> tensor_values(
+    const std::vector<at::Tensor>& tensors, int64_t sums_from) {
   at::NoGradGuard no_grad;
   std::vector<double> norms;
   std::vector<double> sums;
+  std::vector<int64_t> bits;
   norms.reserve(tensors.size());
-  sums.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) {
+  bits.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const bool summed = static_cast<int64_t>(i) >= sums_from;
     if (t.is_sparse() || t.is_complex() || t.numel() == 0) {
       norms.push_back(0.0);
-      sums.push_back(0.0);
+      if (summed) {
+        sums.push_back(0.0);
+      }
+      bits.push_back(0);
       continue;
     }
     // no detach: nothing is recorded under the guard; the 0-dim results are read in place
     // (``item`` is one more operator call each)
     const at::Tensor f = t.to(at::kFloat);
     const at::Tensor norm = at::linalg_vector_norm(f, 2);
-    const at::Tensor sum = f.sum();
     norms.push_back(static_cast<double>(*norm.const_data_ptr<float>()));
-    sums.push_back(static_cast<double>(*sum.const_data_ptr<float>()));
+    if (summed) {
+      const at::Tensor sum = f.sum();
+      sums.push_back(static_cast<double>(*sum.const_data_ptr<float>()));
+    }
+    bits.push_back(tensor_bits(t));
   }
-  return {std::move(norms), std::move(sums)};
+  return {std::move(norms), std::move(sums), std::move(bits)};
 }
 
 // -- the step record, built in C++ --------------------------------------------------------------
@@ -1859,7 +1932,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("watches", &DdpScale::watches)
       .def_property_readonly_static("reads_divisor", [](py::object) { return kReadsDivisor; });
   m.def("accepts", &accepts, py::arg("reducer"), py::arg("group"));
-  m.def("tensor_values", &tensor_values, py::arg("tensors"), "(norms, sums) of CPU tensors, as fingerprints.tensor_values");
+  m.def("tensor_values", &tensor_values, py::arg("tensors"), py::arg("sums_from"),
+        "(norms, sums from sums_from on, bits) of CPU tensors, as fingerprints.float_values and tensor_bits");
   for (PyMethodDef* def = kModuleFunctions; def->ml_name != nullptr; ++def) {
     m.add_object(def->ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(def, nullptr, m.ptr())));
   }

@@ -1,0 +1,96 @@
+"""Ranks are compared by exact fingerprints: identical replicas read identical on ranks whose float
+sums of a tensor differ in their last bits (another intra-op thread count), and one element moved
+by one ulp on one rank still reads apart."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpdoctor
+from ddpdoctor.runtime.fingerprints import fold_bits, tensor_bits
+from tests.ddp_harness import run_ranks
+
+#: elements of the large layer's weight: above ATen's grain for a parallel sum (32768), so a
+#: rank's float sum of it is split by its intra-op thread count
+WIDE = 1024
+
+
+def test_bits_do_not_depend_on_the_thread_count() -> None:
+    torch.manual_seed(0)
+    t = torch.randn(WIDE * WIDE + 3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = (float(t.sum()), fold_bits(int(tensor_bits([t])[0])))
+        torch.set_num_threads(2)
+        two = (float(t.sum()), fold_bits(int(tensor_bits([t])[0])))
+    finally:
+        torch.set_num_threads(threads)
+    assert one[1] == two[1]
+    moved = t.clone()
+    moved[12345] = torch.nextafter(moved[12345], torch.tensor(math.inf))  # one float32 ulp
+    assert fold_bits(int(tensor_bits([moved])[0])) != one[1]
+
+
+def threads_per_rank(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Rank r trains with r + 1 intra-op threads; then rank 1 moves one weight by one ulp."""
+    torch.set_num_threads(rank + 1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDE, WIDE), torch.nn.ReLU(), torch.nn.Linear(WIDE, 4))
+    ddp = DDP(model)
+    monitor = ddpdoctor.instrument(ddp, run_dir=tmp + "/run")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    for step in range(4):
+        torch.manual_seed(100 * rank + step)
+        loss = ddp(torch.randn(8, WIDE)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    monitor.close()
+    weight = model[0].weight
+    out: dict[str, Any] = {
+        "rank": rank,
+        "sum": float(weight.detach().sum()),
+        "bytes": weight.detach().numpy().tobytes(),
+        "identical": [f.code for f in ddpdoctor.check_replicas(ddp, warn=False)],
+    }
+    if rank == 1:
+        with torch.no_grad():
+            weight[3, 5] = torch.nextafter(weight[3, 5], torch.tensor(math.inf))
+    moved = ddpdoctor.check_replicas(ddp, warn=False)
+    out["moved"] = [(f.code, f.evidence.get("names")) for f in moved]
+    out["moved_detail"] = [f.detail for f in moved]
+    return out
+
+
+@pytest.fixture(scope="module")
+def threads_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    tmp = tmp_path_factory.mktemp("threads")
+    return run_ranks(threads_per_rank, 2, args=(str(tmp),), timeout=240), tmp
+
+
+def test_ranks_that_sum_apart_read_identical(threads_run: Any) -> None:
+    results, tmp = threads_run
+    zero, one = results
+    assert zero["bytes"] == one["bytes"]  # DDP kept the replicas identical ...
+    assert zero["sum"] != one["sum"]  # ... and their float sums differ (the case this is about)
+    assert zero["identical"] == one["identical"] == []
+    run = ddpdoctor.load_run(tmp / "run")
+    prints = {r: run.ranks[r].fingerprints for r in (0, 1)}
+    assert len(prints[0]) >= 4
+    assert all(len(fp.param_bits) == len(fp.param_norms) == 4 and fp.param_sums == [] for fp in prints[0] + prints[1])
+    report = ddpdoctor.analyze(run)
+    assert [f.code for f in report.findings if f.code in ("replica-divergence", "buffer-divergence")] == []
+
+
+def test_one_ulp_on_one_rank_reads_apart(threads_run: Any) -> None:
+    results, _ = threads_run
+    for r in results:
+        assert r["moved"] == [("replica-divergence", ["0.weight"])]
+        assert "the values differ in their last bits" in r["moved_detail"][0]
