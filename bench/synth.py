@@ -172,6 +172,7 @@ def rank_records(
     yield layout(rank, buckets=buckets)
     period_ns = int(step_ms(straggler_ms if straggler is not None else 0.0) * 1e6)
     norms = [1.0 + i / 10 for i in range(buckets * 2)]
+    bits = [0x1F3A5C7E9B2D4 + 977 * i for i in range(buckets * 2)]  # (53-bit values, as the runtime's)
     for i in range(steps):
         yield step_record(rank, world, i, buckets=buckets, straggler=straggler, straggler_ms=straggler_ms, seed=seed)
         if i % 20 == 0:
@@ -187,9 +188,10 @@ def rank_records(
                 rank=rank,
                 step=i,
                 param_norms=norms,
-                param_sums=norms,
+                param_bits=bits,
                 buffer_norms=[0.5],
                 buffer_sums=[0.5],
+                buffer_bits=[0x10E0000000000],
                 buffer_versions=[i],
                 after_broadcast=True,
             )
