@@ -138,7 +138,9 @@ def fingerprints_by_step(prints: Mapping[int, list[Fingerprint]]) -> dict[int, d
 def compare_fingerprints(
     header: Header, prints: dict[int, list[Fingerprint]], broadcast_seen: bool = False, comm_hook: str = ""
 ) -> list[Finding]:
-    """Parameters and buffers that differ across ranks at a step every rank fingerprinted.
+    """Parameters and buffers that differ across ranks at a step every rank fingerprinted (not
+    those DDP was told to ignore, ``parameters_to_ignore``: the script keeps them, per rank or
+    in step, as it chooses).
 
     ``broadcast_seen``: a step of the run shows DDP broadcasting the buffers. A fingerprint
     taken right after a broadcast shows it too; under gradient accumulation none is, as DDP
@@ -148,7 +150,6 @@ def compare_fingerprints(
     if len(prints) < 2:
         return []
     by_step = fingerprints_by_step(prints)
-    params = [p.name for p in header.params]
     buffers = header.buffers
     bad_params: dict[str, tuple[int, list[int], float]] = {}
     bad_buffers: dict[str, tuple[int, list[int], float]] = {}
@@ -162,16 +163,17 @@ def compare_fingerprints(
         if set(at) != set(prints):
             continue
         compared.append(step)
-        for i, name in enumerate(params):
-            if name in bad_params:
-                continue
+        for i, param in enumerate(header.params):
+            name = param.name
+            if param.ignored or name in bad_params:
+                continue  # (DDP leaves what it is told to ignore to the script: it may differ by design)
             vals, norms = tensor_keys(at, i, buffer=False)
             if len(set(vals.values())) > 1:
                 bad_params[name] = (step, _odd_ranks(vals), _rel_diff(norms))
         for i, buf in enumerate(buffers):
             if buf.broadcast and broadcasting:
                 continue  # rank 0's copy is broadcast at every forward: differences do not last
-            if buf.name in bad_buffers:
+            if buf.ignored or buf.name in bad_buffers:
                 continue
             vals, norms = tensor_keys(at, i, buffer=True)
             if len(set(vals.values())) > 1:

@@ -53,6 +53,7 @@ class BufferInfo(msgspec.Struct, omit_defaults=True):
     broadcast: bool  # part of what DDP broadcasts from rank 0 at each forward
     version: int = 0  # the tensor's version counter: it moves on every in-place change
     checksum: float = 0.0  # sum of the values, a cheap fingerprint
+    ignored: bool = False  # listed in DDP's parameters_to_ignore (which names buffers too)
 
 
 class Header(_Record, tag="header", kw_only=True):

@@ -98,6 +98,7 @@ def build_header(
                     broadcast=will_sync and id(b) in broadcast_ids,
                     version=int(b._version),
                     checksum=_checksum(b) if b.device.type == "cpu" else 0.0,
+                    ignored=n in ignore,
                 )
             )
     return Header(

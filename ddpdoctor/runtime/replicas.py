@@ -24,7 +24,7 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
     (``fingerprints.tensor_bits``) per tensor, and a sum per buffer, and the ranks exchange them
     (one small ``all_gather_object``), so the check costs a pass or two over the weights.
     Buffers that DDP broadcasts at every forward are not compared (they differ between forwards
-    by design).
+    by design), nor what DDP was told to ignore (``parameters_to_ignore``).
 
     Returns:
         ``replica-divergence`` / ``buffer-divergence`` findings naming the tensors and the ranks
@@ -36,6 +36,8 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
     if group is None and ddp is not None:
         group = ddp.process_group
     params = list(module.named_parameters())
+    # DDP leaves these to the script (``_set_params_and_buffers_to_ignore_for_model``): not compared
+    ignored = set(getattr(ddp, "parameters_to_ignore", None) or []) if ddp is not None else set()
     buffers = list(module.named_buffers())
     broadcast = (
         {id(b) for b in getattr(ddp, "modules_buffers", [])}
@@ -66,6 +68,7 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
                 dtype=str(p.dtype).removeprefix("torch."),
                 numel=p.numel(),
                 requires_grad=p.requires_grad,
+                ignored=name in ignored,
             )
             for name, p in params
         ],
@@ -76,6 +79,7 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
                 dtype=str(b.dtype).removeprefix("torch."),
                 bytes=b.numel() * b.element_size(),
                 broadcast=id(b) in broadcast,
+                ignored=name in ignored,
             )
             for name, b in buffers
         ],

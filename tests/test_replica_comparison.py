@@ -1,6 +1,7 @@
-"""Ranks are compared by exact fingerprints: identical replicas read identical on ranks whose float
-sums of a tensor differ in their last bits (another intra-op thread count), and one element moved
-by one ulp on one rank still reads apart."""
+"""How ranks' replicas are compared (real gloo ranks): by exact fingerprints, so identical replicas
+read identical on ranks whose float sums of a tensor differ in their last bits (another intra-op
+thread count), and one element moved by one ulp on one rank still reads apart; and not where DDP
+was told to leave a parameter or buffer to the script (``parameters_to_ignore``)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,34 @@ def test_bits_do_not_depend_on_the_thread_count() -> None:
     assert fold_bits(int(tensor_bits([moved])[0])) != one[1]
 
 
+def ignored_per_rank(rank: int, tmp: str) -> dict[str, Any]:
+    """A parameter and a buffer of each rank's own, kept out of DDP; rank 1 then edits a weight
+    DDP keeps in step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    with torch.no_grad():
+        model[1].weight.add_(rank)  # a shard of its own on each rank
+    model.register_buffer("seen", torch.full((3,), float(rank)))
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ["1.weight", "seen"])
+    ddp = DDP(model)
+    monitor = ddpdoctor.instrument(ddp, run_dir=tmp + "/ignored")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(6):
+        torch.manual_seed(100 * rank + step)
+        loss = ddp(torch.randn(4, 8)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == 4 and rank == 1:
+            with torch.no_grad():
+                model[0].bias[0] += 1.0
+    monitor.close()
+    return {"checked": [(f.code, f.evidence.get("names")) for f in ddpdoctor.check_replicas(ddp, warn=False)]}
+
+
 def threads_per_rank(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    """Rank r trains with r + 1 intra-op threads; then rank 1 moves one weight by one ulp."""
+    """Rank r trains with r + 1 intra-op threads; then rank 1 moves one weight by one ulp. Then
+    ``ignored_per_rank``."""
     torch.set_num_threads(rank + 1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(WIDE, WIDE), torch.nn.ReLU(), torch.nn.Linear(WIDE, 4))
@@ -66,6 +93,7 @@ def threads_per_rank(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     moved = ddpdoctor.check_replicas(ddp, warn=False)
     out["moved"] = [(f.code, f.evidence.get("names")) for f in moved]
     out["moved_detail"] = [f.detail for f in moved]
+    out["ignored"] = ignored_per_rank(rank, tmp)
     return out
 
 
@@ -94,3 +122,13 @@ def test_one_ulp_on_one_rank_reads_apart(threads_run: Any) -> None:
     for r in results:
         assert r["moved"] == [("replica-divergence", ["0.weight"])]
         assert "the values differ in their last bits" in r["moved_detail"][0]
+
+
+def test_what_ddp_ignores_is_not_compared(threads_run: Any) -> None:
+    results, tmp = threads_run
+    report = ddpdoctor.analyze(ddpdoctor.load_run(tmp / "ignored"))
+    found = [(f.code, f.evidence.get("names")) for f in report.findings if f.code.endswith("-divergence")]
+    # the weight DDP keeps in step and rank 1 edited is found; its own shard and buffer are not
+    assert found == [("replica-divergence", ["0.bias"])]
+    for r in results:
+        assert r["ignored"]["checked"] == [("replica-divergence", ["0.bias"])]
