@@ -82,6 +82,8 @@ def _check_pair(results: list[dict[str, Any]], tmp_path: Path, backend: str, wor
             assert s.bcast_us is not None and s.bcast_us > 0  # BatchNorm's buffers, every step
             assert s.bwd_end_us is not None and s.opt_start_us is not None
         assert log.fingerprints, "sampled fingerprints, copied behind an event"
+        # the exact bits, summed on the GPU, copied with the norms
+        assert all(fp.param_bits and len(fp.param_bits) == len(fp.param_norms) for fp in log.fingerprints)
         assert log.end is not None
 
 

@@ -64,6 +64,14 @@ def ignored_per_rank(rank: int, tmp: str) -> dict[str, Any]:
     return {"checked": [(f.code, f.evidence.get("names")) for f in ddpdoctor.check_replicas(ddp, warn=False)]}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bits_on_the_gpu_equal_the_cpus() -> None:
+    torch.manual_seed(0)
+    tensors = [torch.randn(WIDE, WIDE + 1), torch.randn(77).bfloat16(), torch.arange(5), torch.randn(9).double()]
+    on_gpu = tensor_bits([t.cuda() for t in tensors]).cpu().tolist()
+    assert on_gpu == tensor_bits(tensors).tolist()
+
+
 def threads_per_rank(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     """Rank r trains with r + 1 intra-op threads; then rank 1 moves one weight by one ulp. Then
     ``ignored_per_rank``."""
