@@ -112,6 +112,23 @@ def test_constant_buffers_need_both_version_and_values_unchanged() -> None:
     assert every.evidence["names"] == ["table", "stat"] and "broadcast_buffers=False" in every.fix
     # where a framework wraps the model, the user never calls DDP: its own switch is named too
     assert "TrainingArguments(ddp_broadcast_buffers=False)" in every.fix
+    # the exact bits, where the log has them, see a change below the float values' resolution
+    moved = [msgspec.structs.replace(p, buffer_bits=[7, p.step]) for p in still]
+    (f,) = constant_buffers(HEADER, moved, [_step(i, bcast=500.0) for i in range(6)], 0)
+    assert f.evidence["names"] == ["table"]
+
+
+def test_replicas_are_compared_by_their_bits_where_the_logs_have_them() -> None:
+    def fp(rank: int, bits: int) -> Fingerprint:  # float sums apart (another thread count), bits equal
+        return Fingerprint(
+            rank=rank, step=5, param_norms=[1.0, 1.0], param_sums=[1.0 + rank, 1.0], param_bits=[bits, 9]
+        )
+
+    assert compare_fingerprints(HEADER, {0: [fp(0, 3)], 1: [fp(1, 3)]}) == []
+    (f,) = compare_fingerprints(HEADER, {0: [fp(0, 3)], 1: [fp(1, 4)]})
+    assert (f.evidence["names"], "last bits" in f.detail) == (["a"], True)
+    old = {r: [msgspec.structs.replace(fp(r, 3), param_bits=[])] for r in (0, 1)}  # a schema 2 log
+    assert compare_fingerprints(HEADER, old)[0].evidence["names"] == ["a"]
 
 
 def test_replica_comparison_names_the_odd_rank_out() -> None:

@@ -112,7 +112,7 @@ class BufferEvidence:
         self.last_step: int | None = None  # ... and of the latest
         self.last_complete = False  # the latest listed a version for every buffer of the header
         self.usable = 0  # fingerprints with versions and values for every buffer
-        self._reference: list[tuple[float, float]] = []  # values in the first usable fingerprint
+        self._reference: list[tuple[float, float, int]] = []  # values in the first usable fingerprint
         self._constant: list[bool] = []  # per buffer: unchanged in every usable fingerprint
 
     def add(self, record: Fingerprint) -> None:
@@ -125,7 +125,9 @@ class BufferEvidence:
         if not len(record.buffer_versions) == len(record.buffer_norms) == len(record.buffer_sums) == n:
             return
         self.usable += 1
-        values = list(zip(record.buffer_norms, record.buffer_sums, strict=False))
+        # (with the exact bits where the log has them: a change below the float sums' resolution too)
+        bits = record.buffer_bits if len(record.buffer_bits) == n else [0] * n
+        values = list(zip(record.buffer_norms, record.buffer_sums, bits, strict=False))
         if not self._reference:
             self._reference = values
             self._constant = [True] * n

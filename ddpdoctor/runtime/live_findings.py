@@ -153,8 +153,9 @@ class LiveFindings:
                 unused_parameters(self.header, self.unused, list(self.steps), self.rank, self.flags.any_frozen)
             )
         elif isinstance(record, Fingerprint) and self.prints is not None and self.header is not None:
-            self.prints.add(record)
-            self.raise_findings(constant_buffers(self.header, self.prints, list(self.steps), self.rank))
+            if self.header.buffers:  # (what the check reads: none for a model without buffers)
+                self.prints.add(record)
+                self.raise_findings(constant_buffers(self.header, self.prints, list(self.steps), self.rank))
         elif isinstance(record, Header):
             # a new DDP instance (rewrap): what was stale about the old one no longer applies
             self.header = record
