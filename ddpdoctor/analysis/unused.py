@@ -17,6 +17,12 @@ from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.sizes import human_bytes, name_list, param_bytes
 from ddpdoctor.events import Header, Step, Unused
 
+#: What the sampled checks cannot see, said wherever a finding rests on them alone.
+SOMETIMES_UNUSED = (
+    "The checks sample steps: parameters unused only on some batches (a branch taken now and then, a "
+    "mixture-of-experts expert that got no tokens) may not show in them, and the flag is what makes such "
+    "a model train."
+)
 #: Sampled steps without any unused parameter before find_unused_parameters=True is called needless.
 MIN_CLEAN_SAMPLES = 3
 
@@ -94,10 +100,15 @@ def unused_parameters(
             detail=(
                 f"In {n_samples} sampled steps no parameter was unused. The flag makes DDP search the autograd "
                 f"graph after every forward{cost}"
-                " and all-reduce a usage bitmap: pure overhead here."
+                " and all-reduce a usage bitmap: pure overhead, unless parameters go unused on steps between the "
+                f"samples. {SOMETIMES_UNUSED}"
             ),
             evidence={"samples": n_samples, "post_forward_ms": cost_ms, "share_of_step": share},
-            fix="model = DistributedDataParallel(net, find_unused_parameters=False)  # the default",
+            fix=(
+                "model = DistributedDataParallel(net, find_unused_parameters=False)  # the default\n"
+                "Only if no parameter can go unused on any batch: otherwise DDP stops at the first such step "
+                '("Expected to have finished reduction in the prior iteration").'
+            ),
         )
     ]
 
@@ -135,7 +146,7 @@ def static_unused_set(header: Header, samples: list[Unused], steps: list[Step], 
             detail=(
                 f"{name_list(names)} got no gradient at each of the {len(usable)} sampled steps, always the same set. "
                 f"DDP still searches the autograd graph after every forward to find them{cost}, and all-reduces "
-                f"their {human_bytes(nbytes)} of zeros. A static set needs no search."
+                f"their {human_bytes(nbytes)} of zeros. A static set needs no search. {SOMETIMES_UNUSED}"
             ),
             evidence={
                 "names": names,
@@ -147,7 +158,8 @@ def static_unused_set(header: Header, samples: list[Unused], steps: list[Step], 
                 "static_set": True,
             },
             fix=(
-                "Tell DDP the graph is static (it records the unused set once):\n"
+                "If the set is the same on every batch, tell DDP the graph is static (it records the unused set "
+                "once):\n"
                 "    model = DistributedDataParallel(net, static_graph=True)\n"
                 f"or remove the unused parameters from the model ({name_list(names)}) and use "
                 "find_unused_parameters=False, which also stops their all-reduce."
