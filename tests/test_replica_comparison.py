@@ -64,6 +64,23 @@ def ignored_per_rank(rank: int, tmp: str) -> dict[str, Any]:
     return {"checked": [(f.code, f.evidence.get("names")) for f in ddpdoctor.check_replicas(ddp, warn=False)]}
 
 
+def test_bits_without_numpy_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch runs without numpy: the CPU sums then take ATen's integer path, to the same values."""
+    from ddpdoctor.runtime import fingerprints
+
+    torch.manual_seed(0)
+    tensors = [
+        torch.randn(300, 7),
+        torch.randn(33).half(),
+        torch.arange(9),
+        torch.tensor([True, False]),
+        torch.zeros(0),
+    ]
+    with_numpy = tensor_bits(tensors).tolist()
+    monkeypatch.setattr(fingerprints, "_np", None)
+    assert tensor_bits(tensors).tolist() == with_numpy
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bits_on_the_gpu_equal_the_cpus() -> None:
     torch.manual_seed(0)
