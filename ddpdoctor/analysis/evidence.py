@@ -65,10 +65,24 @@ class FlagEvidence:
 class UnusedEvidence:
     """Sampled unused-parameter checks of one DDP instance."""
 
-    __slots__ = ("samples", "first_step", "unused", "_always", "post_forward_us")
+    __slots__ = (
+        "samples",
+        "first_step",
+        "unused",
+        "_always",
+        "post_forward_us",
+        "steps_read",
+        "steps_with_unused",
+        "set_changes",
+    )
 
     def __init__(self) -> None:
         self.samples = 0
+        # DDP's map of used parameters, read at every step (find_unused_parameters on CPU): the
+        # steps read, those with a parameter no rank used, changes of that set between steps
+        self.steps_read = 0
+        self.steps_with_unused = 0
+        self.set_changes = 0
         self.first_step: int | None = None  # step of the first sample
         self.unused = NameEvidence()  # parameters without a gradient in some sample
         self._always: set[str] | None = None  # ... in every sample so far
@@ -83,6 +97,9 @@ class UnusedEvidence:
         self._always = names if self._always is None else self._always & names
         if record.post_forward_us is not None:
             self.post_forward_us.append(record.post_forward_us)
+        self.steps_read += record.steps_read
+        self.steps_with_unused += record.steps_with_unused
+        self.set_changes += record.unused_set_changes
 
     def never_used(self) -> list[str]:
         """Parameters without a gradient in every sample, in first-seen order."""

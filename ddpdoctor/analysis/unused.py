@@ -42,8 +42,9 @@ def unused_parameters(
     if names:
         nbytes = param_bytes(header, names)
         if find_unused:
-            # never used in any sample: dead weight; used in some: conditional branches, DDP copes
-            never = evidence.never_used()
+            # never used in any sample: dead weight; used in some: conditional branches, DDP copes.
+            # (DDP's own map, where read at every step, may show steps where every parameter was used)
+            never = evidence.never_used() if evidence.steps_with_unused >= evidence.steps_read else []
             return [
                 Finding(
                     code="unused-parameters",
@@ -83,8 +84,8 @@ def unused_parameters(
                 ),
             )
         ]
-    if not find_unused or frozen or n_samples < MIN_CLEAN_SAMPLES:
-        return []
+    if not find_unused or frozen or n_samples < MIN_CLEAN_SAMPLES or evidence.steps_with_unused:
+        return []  # (DDP's own map saw a parameter unused between the samples: the flag is needed)
     post = evidence.post_forward_median_us()
     step_us = [s.end_us for s in steps if s.end_us is not None]
     cost_ms = post / 1000.0 if post is not None else None
@@ -100,10 +101,20 @@ def unused_parameters(
             detail=(
                 f"In {n_samples} sampled steps no parameter was unused. The flag makes DDP search the autograd "
                 f"graph after every forward{cost}"
-                " and all-reduce a usage bitmap: pure overhead, unless parameters go unused on steps between the "
-                f"samples. {SOMETIMES_UNUSED}"
+                " and all-reduce a usage bitmap: pure overhead"
+                + (
+                    f". DDP's own map of used parameters, read at every step up to the last sample "
+                    f"({evidence.steps_read} steps), found none unused either."
+                    if evidence.steps_read
+                    else f", unless parameters go unused on steps between the samples. {SOMETIMES_UNUSED}"
+                )
             ),
-            evidence={"samples": n_samples, "post_forward_ms": cost_ms, "share_of_step": share},
+            evidence={
+                "samples": n_samples,
+                "steps_read": evidence.steps_read,
+                "post_forward_ms": cost_ms,
+                "share_of_step": share,
+            },
             fix=(
                 "model = DistributedDataParallel(net, find_unused_parameters=False)  # the default\n"
                 "Only if no parameter can go unused on any batch: otherwise DDP stops at the first such step "
@@ -126,6 +137,11 @@ def static_unused_set(header: Header, samples: list[Unused], steps: list[Step], 
     usable = [s for s in samples if s.step >= 1]  # DDP's first iteration is not a steady one
     if len(usable) < MIN_CLEAN_SAMPLES:
         return []
+    # DDP's own map, read at every step (find_unused_parameters on CPU): the set must not have
+    # changed between the steps, nor been empty at any (from the second sample on, as above)
+    read = sum(s.steps_read for s in usable[1:])
+    if sum(s.unused_set_changes for s in usable[1:]) or read > sum(s.steps_with_unused for s in usable[1:]):
+        return []
     sets = {frozenset(s.names) for s in usable}
     if len(sets) != 1 or not next(iter(sets)):
         return []
@@ -146,7 +162,13 @@ def static_unused_set(header: Header, samples: list[Unused], steps: list[Step], 
             detail=(
                 f"{name_list(names)} got no gradient at each of the {len(usable)} sampled steps, always the same set. "
                 f"DDP still searches the autograd graph after every forward to find them{cost}, and all-reduces "
-                f"their {human_bytes(nbytes)} of zeros. A static set needs no search. {SOMETIMES_UNUSED}"
+                f"their {human_bytes(nbytes)} of zeros. A static set needs no search. "
+                + (
+                    f"DDP's own map of used parameters, read at every step between the samples ({read} steps), "
+                    "found the set unchanged too."
+                    if read
+                    else SOMETIMES_UNUSED
+                )
             ),
             evidence={
                 "names": names,

@@ -37,6 +37,7 @@ from ddpdoctor.events.schedule import is_sampled, next_sampled  # shared with th
 from ddpdoctor.runtime import clocks, torch_compat
 from ddpdoctor.runtime.clocks import HostClock
 from ddpdoctor.runtime.fingerprints import Fingerprinter
+from ddpdoctor.runtime.used_map import UsedMap
 
 _requires_grad = operator.attrgetter("requires_grad")
 #: Synchronizing forwards in a row that sample again after a sample saw no gradient at all
@@ -144,6 +145,9 @@ class SampledChecks:
         #: the routine forward asks ``sample_if_due`` from this step on (the schedule's next
         #: sampled step, or one before it), not at every step
         self.next_sample = 0
+        #: DDP's map of the parameters each step used, read at every synchronizing step where
+        #: that is cheap (find_unused_parameters on CPU), counted into the next Unused record
+        self.used = UsedMap.of(ddp, self.params)
 
     @property
     def ddp(self) -> Any:
@@ -159,6 +163,8 @@ class SampledChecks:
     def on_step_start(self, step: int, t0_mono_ns: int, sync: bool, new_step: bool) -> None:
         """A training forward begins (``new_step``: the first of its step)."""
         if new_step:
+            if sync and self.used is not None:
+                self.used.step()  # (the step before's map: counted in the sample it ends, if any)
             if self.sample is not None:
                 self.end_sample()
             if self.fingerprinter.pending:
@@ -172,7 +178,11 @@ class SampledChecks:
     def sample_if_due(self, step: int, t0_mono_ns: int) -> None:
         """``on_step_start``'s sampling for a synchronizing forward with no sample in progress
         and none void, at or after ``next_sample`` (the routine forward's)."""
-        self.next_sample = next_sampled(step + 1, self.check_every)
+        if self.used is not None:  # read at every step: the routine forward asks at every step
+            self.used.step()
+            self.next_sample = step + 1
+        else:
+            self.next_sample = next_sampled(step + 1, self.check_every)
         if is_sampled(step, self.check_every):
             self.begin_sample(step, t0_mono_ns)
 
@@ -357,6 +367,7 @@ class SampledChecks:
         names = [name for i, name in sample.hooked if i not in sample.seen]
         t0, seen = sample.t0_mono_ns, sample.seen
         ready = [round((seen[i] - t0) / 1000.0, 1) if i in seen else None for i in range(len(self.params))]
+        read, with_unused, changes = self.used.take() if self.used is not None else (0, 0, 0)
         self._emit(
             Unused(
                 rank=self.rank,
@@ -365,5 +376,8 @@ class SampledChecks:
                 names=names,
                 post_forward_us=sample.post_forward_us,
                 param_ready_us=ready,
+                steps_read=read,
+                steps_with_unused=with_unused,
+                unused_set_changes=changes,
             )
         )

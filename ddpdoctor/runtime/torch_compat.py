@@ -89,6 +89,10 @@ def _probe_grad_ready() -> None:
     _need(torch.Tensor, "register_post_accumulate_grad_hook")
 
 
+def _probe_used_map() -> None:
+    _need(dist.Reducer, "_get_local_used_map")
+
+
 def _probe_default_store() -> None:
     _need(dist.distributed_c10d, "_get_default_store")
 
@@ -102,6 +106,7 @@ PROBES: dict[str, tuple[Callable[[], None], str]] = {
     "logging_data": (_probe_logging_data, "DDP's logging data (bucket layout, hook names)"),
     "grad_ready": (_probe_grad_ready, "unused-parameter checks"),
     "default_store": (_probe_default_store, "a run dir agreed through the rendezvous store"),
+    "used_map": (_probe_used_map, "find_unused_parameters checked at every step, not only sampled ones"),
 }
 
 _results: dict[str, str | None] = {}  # feature -> None (works) or why not
