@@ -55,6 +55,7 @@ def unused_runs(rank: int, world_size: int, tmp: str) -> None:
     _train(rank, tmp + "/between", BRANCH_AT, never=False)  # the head's use falls between samples
     _train(rank, tmp + "/static", (), never=True)  # the same two heads unused at every step
     _train(rank, tmp + "/all_used", tuple(range(STEPS)), never=False)  # every parameter, every step
+    _train(rank, tmp + "/rare", BRANCH_AT, never=True)  # one head never used, one between samples
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +100,12 @@ def test_a_static_set_is_said_where_every_step_had_it(runs: Path) -> None:
 def test_a_flag_never_needed_is_said_with_every_step_read(runs: Path) -> None:
     f = _findings(runs / "all_used")["find-unused-unneeded"]
     assert f.evidence["steps_read"] >= STEPS - 6 and "found none unused either" in f.detail
+
+
+def test_never_used_means_on_no_step(runs: Path) -> None:
+    f = _findings(runs / "rare")["unused-parameters"]
+    # both heads unused at every sample; DDP's map saw "sometimes" used between them
+    assert sorted(f.evidence["names"]) == ["never.bias", "never.weight", "sometimes.bias", "sometimes.weight"]
+    assert sorted(f.evidence["never_used"]) == ["never.bias", "never.weight"]
+    log = ddpdoctor.load_run(runs / "rare").ranks[1]
+    assert {n for u in log.unused for n in u.used_between} == {"sometimes.weight", "sometimes.bias"}

@@ -74,6 +74,7 @@ class UnusedEvidence:
         "steps_read",
         "steps_with_unused",
         "set_changes",
+        "used_between",
     )
 
     def __init__(self) -> None:
@@ -83,6 +84,7 @@ class UnusedEvidence:
         self.steps_read = 0
         self.steps_with_unused = 0
         self.set_changes = 0
+        self.used_between: set[str] = set()  # unused at a sample, used on a step between samples
         self.first_step: int | None = None  # step of the first sample
         self.unused = NameEvidence()  # parameters without a gradient in some sample
         self._always: set[str] | None = None  # ... in every sample so far
@@ -100,10 +102,12 @@ class UnusedEvidence:
         self.steps_read += record.steps_read
         self.steps_with_unused += record.steps_with_unused
         self.set_changes += record.unused_set_changes
+        self.used_between.update(record.used_between)
 
     def never_used(self) -> list[str]:
-        """Parameters without a gradient in every sample, in first-seen order."""
-        always = self._always or set()
+        """Parameters without a gradient in every sample (and, where DDP's map was read at every
+        step, on no step between them), in first-seen order."""
+        always = (self._always or set()) - self.used_between
         return [n for n in self.unused.names if n in always]
 
     def post_forward_median_us(self) -> float | None:

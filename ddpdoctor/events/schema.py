@@ -262,6 +262,8 @@ class Unused(_Record, tag="unused", kw_only=True):
     steps_read: int = 0
     steps_with_unused: int = 0
     unused_set_changes: int = 0
+    # of ``names``, those the map saw used on some rank at some step since the previous sample
+    used_between: list[str] = []
 
 
 class FindingRecord(_Record, tag="finding", kw_only=True):

@@ -367,7 +367,10 @@ class SampledChecks:
         names = [name for i, name in sample.hooked if i not in sample.seen]
         t0, seen = sample.t0_mono_ns, sample.seen
         ready = [round((seen[i] - t0) / 1000.0, 1) if i in seen else None for i in range(len(self.params))]
-        read, with_unused, changes = self.used.take() if self.used is not None else (0, 0, 0)
+        read, with_unused, changes, ever = self.used.take() if self.used is not None else (0, 0, 0, None)
+        # of the parameters unused at this sample, those DDP's map saw used on a step in between:
+        # its order is DDP's, that of the reduced parameters (ignored, frozen at wrap: not in it)
+        between = self._used_between(names, ever) if ever is not None and names else []
         self._emit(
             Unused(
                 rank=self.rank,
@@ -379,5 +382,13 @@ class SampledChecks:
                 steps_read=read,
                 steps_with_unused=with_unused,
                 unused_set_changes=changes,
+                used_between=between,
             )
         )
+
+    def _used_between(self, names: list[str], ever: list[bool]) -> list[str]:
+        order = [n for n, r in zip(self.names, self.reduced, strict=False) if r]
+        if len(order) != len(ever):
+            return []  # not DDP's order as the header saw it (a parameter frozen since): said nothing
+        used = {n for n, e in zip(order, ever, strict=True) if e}
+        return [n for n in names if n in used]

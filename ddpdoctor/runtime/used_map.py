@@ -30,7 +30,7 @@ class UsedMap:
     """Counts, since the last ``take``, the steps read, those with a parameter no rank used, and
     the steps whose set of such parameters differs from the step before."""
 
-    __slots__ = ("_ddp", "_world", "_first", "steps", "unused", "changes", "_last")
+    __slots__ = ("_ddp", "_world", "_first", "steps", "unused", "changes", "_last", "_ever")
 
     def __init__(self, ddp: Any, world: int) -> None:
         # the DDP instance, weakly (as the monitor holds it); its reducer is read at each step,
@@ -44,6 +44,7 @@ class UsedMap:
         self.unused = 0
         self.changes = 0
         self._last: bytes | None = None  # the last step's pattern of unused parameters
+        self._ever: Any = None  # per parameter (DDP's order): used on some step read since ``take``
 
     @classmethod
     def of(cls, ddp: Any, params: list[Any]) -> UsedMap | None:
@@ -74,7 +75,9 @@ class UsedMap:
         values = counts.numpy()
         if values.min() < 0 or values.max() > self._world or not values.any():
             return  # not a map DDP wrote (or no parameter used at all): nothing to read
-        pattern = (values == 0).tobytes()
+        unused = values == 0
+        pattern = unused.tobytes()
+        self._ever = ~unused if self._ever is None else self._ever | ~unused
         self.steps += 1
         if 1 in pattern:
             self.unused += 1
@@ -82,9 +85,12 @@ class UsedMap:
             self.changes += 1
         self._last = pattern
 
-    def take(self) -> tuple[int, int, int]:
-        """(steps read, of them with a parameter no rank used, changes of that set) since the
-        last call; the counts start again."""
-        out = (self.steps, self.unused, self.changes)
+    def take(self) -> tuple[int, int, int, list[bool] | None]:
+        """(steps read, of them with a parameter no rank used, changes of that set, per parameter
+        in DDP's order whether some rank used it on some step read) since the last call (None:
+        no step read); the counts start again."""
+        ever = None if self._ever is None else self._ever.tolist()
+        out = (self.steps, self.unused, self.changes, ever)
         self.steps = self.unused = self.changes = 0
+        self._ever = None
         return out
