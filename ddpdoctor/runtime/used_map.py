@@ -15,6 +15,7 @@ device (the sampled checks alone speak there, and say what they cannot see).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ddpdoctor.runtime import torch_compat
@@ -26,6 +27,10 @@ except ImportError:  # pragma: no cover - numpy is installed wherever torch's wh
     _np = None
 
 
+def _gone() -> None:
+    return None
+
+
 class UsedMap:
     """Counts, since the last ``take``, the steps read, those with a parameter no rank used, and
     the steps whose set of such parameters differs from the step before."""
@@ -35,7 +40,7 @@ class UsedMap:
     def __init__(self, ddp: Any, world: int) -> None:
         # the DDP instance, weakly (as the monitor holds it); its reducer is read at each step,
         # so one rebuilt since (a comm hook registered before attach) is the one read
-        self._ddp = weakref.ref(ddp)
+        self._ddp: Callable[[], Any] = weakref.ref(ddp)
         self._world = world  # each count is of ranks: 0 to the world size
         # the first read after attach is not counted: before DDP's first backward the map is
         # uninitialized memory (and after it, one step less is read)
@@ -68,7 +73,11 @@ class UsedMap:
         ddp = self._ddp()
         if ddp is None:
             return
-        counts = ddp.reducer._get_local_used_map()
+        try:
+            counts = ddp.reducer._get_local_used_map()
+        except Exception:  # noqa: BLE001 - a reducer that cannot say: the map is read no more (the sampled checks go on)
+            self._ddp = _gone
+            return
         if self._first or counts.device.type != "cpu" or counts.numel() == 0:
             self._first = False
             return
