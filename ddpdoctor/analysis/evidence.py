@@ -73,17 +73,15 @@ class UnusedEvidence:
         "post_forward_us",
         "steps_read",
         "steps_with_unused",
-        "set_changes",
         "used_between",
     )
 
     def __init__(self) -> None:
         self.samples = 0
         # DDP's map of used parameters, read at every step (find_unused_parameters on CPU): the
-        # steps read, those with a parameter no rank used, changes of that set between steps
+        # steps read, those with a parameter no rank used
         self.steps_read = 0
         self.steps_with_unused = 0
-        self.set_changes = 0
         self.used_between: set[str] = set()  # unused at a sample, used on a step between samples
         self.first_step: int | None = None  # step of the first sample
         self.unused = NameEvidence()  # parameters without a gradient in some sample
@@ -101,12 +99,14 @@ class UnusedEvidence:
             self.post_forward_us.append(record.post_forward_us)
         self.steps_read += record.steps_read
         self.steps_with_unused += record.steps_with_unused
-        self.set_changes += record.unused_set_changes
         self.used_between.update(record.used_between)
 
     def never_used(self) -> list[str]:
         """Parameters without a gradient in every sample (and, where DDP's map was read at every
-        step, on no step between them), in first-seen order."""
+        step, on no step between them: none where a step used every parameter), in first-seen
+        order."""
+        if self.steps_with_unused < self.steps_read:
+            return []
         always = (self._always or set()) - self.used_between
         return [n for n in self.unused.names if n in always]
 

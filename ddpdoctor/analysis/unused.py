@@ -42,9 +42,9 @@ def unused_parameters(
     if names:
         nbytes = param_bytes(header, names)
         if find_unused:
-            # never used in any sample: dead weight; used in some: conditional branches, DDP copes.
-            # (DDP's own map, where read at every step, may show steps where every parameter was used)
-            never = evidence.never_used() if evidence.steps_with_unused >= evidence.steps_read else []
+            # never used (in any sample, and on no step DDP's map was read at): dead weight; used in
+            # some: conditional branches, DDP copes
+            never = evidence.never_used()
             return [
                 Finding(
                     code="unused-parameters",
