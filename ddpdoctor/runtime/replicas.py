@@ -13,7 +13,7 @@ from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.events import BufferInfo, Fingerprint, Header, ParamInfo
 from ddpdoctor.runtime import torch_compat
 from ddpdoctor.runtime.attach import monitor_of
-from ddpdoctor.runtime.fingerprints import float_values, fold_bits, tensor_bits
+from ddpdoctor.runtime.fingerprints import Fingerprinter
 from ddpdoctor.runtime.live_findings import warn_finding
 
 
@@ -44,12 +44,13 @@ def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True)
         if ddp is not None and torch_compat.buffer_sync(ddp)
         else set()
     )
-    tensors = [p for _, p in params] + [b for _, b in buffers]
     n = len(params)
-    with torch.no_grad():
-        values = float_values(tensors, n).tolist()
-        bits = [fold_bits(b) for b in tensor_bits(tensors).tolist()]
-    norms, sums = values[: len(tensors)], values[len(tensors) :]
+    # the sampled checks' fingerprint (its Python route), waited for: this check is a collective
+    got: list[tuple[list[float], list[float], list[int]]] = []
+    fingerprinter = Fingerprinter(lambda _meta, *values: got.append(values))
+    fingerprinter.take([p for _, p in params] + [b for _, b in buffers], n, None)
+    fingerprinter.drain()
+    norms, sums, bits = got[0]
     world = dist.get_world_size(group)
     try:  # findings name global ranks, as the logs do (DDP over a subgroup: not 0..n-1)
         members = [int(r) for r in dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)]
