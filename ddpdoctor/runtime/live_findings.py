@@ -117,28 +117,37 @@ class LiveFindings:
 
     def observe_steps(self, records: list[Step] | tuple[Step, ...]) -> None:
         """Step records, oldest first (the batched emission's): each checked as ``observe``
-        would, the window as of that step."""
+        would, the window as of that step. Taken in runs up to the next check's step (this runs
+        for every step record, on the training thread: a run costs a few operations, not a few
+        per record)."""
         window = self.steps
-        # the counters in locals, written back for each check and at the end (this runs for
-        # every step record, on the training thread)
-        observed, since = self._observed, self._since_check
+        n = len(records)
+        done = 0
         due = EVERY if self._checked else WARMUP  # first at WARMUP steps (a short job still hears it)
-        try:
-            for record in records:
-                window.append(record)
-                observed += 1
-                # what the step-based checks look for: without either in the window they find nothing
-                if record.bcast_us is not None:
-                    self._last_bcast = observed
+        while done < n:
+            take = min(n - done, max(1, due - self._since_check))
+            run = records if take == n else records[done : done + take]
+            window.extend(run)
+            base = self._observed
+            # what the step-based checks look for: the last step of the run with a buffer
+            # broadcast, and with synchronized buckets but no optimizer step (none of either in
+            # the window: the check finds nothing)
+            for k in range(take - 1, -1, -1):
+                if run[k].bcast_us is not None:
+                    self._last_bcast = base + k + 1
+                    break
+            for k in range(take - 1, -1, -1):
+                record = run[k]
                 if record.opt_start_us is None and record.b_ready_us:
-                    self._last_unstepped = observed
-                since += 1
-                if since >= due:  # then every EVERY steps
-                    self._observed, self._since_check = observed, 0
-                    self._checked, since, due = True, 0, EVERY
-                    self._check_steps()
-        finally:
-            self._observed, self._since_check = observed, since
+                    self._last_unstepped = base + k + 1
+                    break
+            self._observed = base + take
+            self._since_check += take
+            done += take
+            if self._since_check >= due:  # then every EVERY steps
+                self._since_check = 0
+                self._checked, due = True, EVERY
+                self._check_steps()
 
     def observe(self, record: Record) -> None:
         """One record the monitor emitted."""

@@ -5,7 +5,8 @@ with what DDP was built with; a change emits a ``grad_flags`` record.
 
 Sampled steps (``schedule``: dense early, then every ``check_every``): post-accumulate-grad hooks
 on the reduced parameters (which got no gradient: ``unused``, and when each was ready), a one-shot
-forward pre-hook on the *wrapped* module (after DDP's buffer broadcast) that takes fingerprints,
+forward pre-hook on the *wrapped* module (after DDP's buffer broadcast) that takes fingerprints
+(taken at once instead where DDP has no buffers to broadcast),
 and a one-shot timing of DDP's ``_post_forward`` (the graph search ``find_unused_parameters``
 costs). A sample in which no parameter got a gradient (the model ran forward again before any
 backward: a GAN's discriminator on real then fake data) says nothing and is dropped; the next
@@ -235,11 +236,17 @@ class SampledChecks:
                     sample.handles.append(
                         self.params[i].register_post_accumulate_grad_hook(lambda _p, i=i: seen.__setitem__(i, now()))
                     )
-        # after DDP's own pre-forward (buffer broadcast), right before the wrapped module runs
-        sample.handles.append(self.ddp.module.register_forward_pre_hook(self._on_module_pre))
+        ddp = self.ddp
+        if getattr(ddp, "broadcast_buffers", True) and getattr(ddp, "modules_buffers", True):
+            # after DDP's own pre-forward (buffer broadcast), right before the wrapped module runs
+            sample.handles.append(ddp.module.register_forward_pre_hook(self._on_module_pre))
+        else:
+            # DDP broadcasts no buffer in this forward, so the fingerprint is the same taken now:
+            # no hook to register and remove (registering one costs more than the fingerprint's
+            # own call on a small model: torch's registration code runs cold, once a sample)
+            self.fingerprint(step, False)
         if not self._post_forward:
             return
-        ddp = self.ddp
         original = ddp._post_forward
         clock = HostClock()
 
@@ -349,24 +356,34 @@ class SampledChecks:
             return
         for handle in sample.handles:
             handle.remove()
+        hooked = sample.hooked
         if sample.native is not None:  # its hooks come off; the arrivals it stamped, per parameter hooked
             arrivals = sample.native.end(clocks._OFFSET_NS)
-            sample.seen.update((i, t) for (i, _), t in zip(sample.hooked, arrivals, strict=True) if t is not None)
+        else:  # (the Python hooks': by parameter index)
+            seen = sample.seen
+            arrivals = [seen.get(i) for i, _ in hooked]
         ddp = self.ddp
         if ddp is not None:
             ddp.__dict__.pop("_post_forward", None)
         if not self._grad_ready:
             return
-        if sample.hooked and not sample.seen:
+        # per parameter, when its gradient arrived (µs from the step's start; None: not hooked, or
+        # no gradient), and the names of those hooked that got none: one pass, once a sample
+        t0 = sample.t0_mono_ns
+        ready: list[float | None] = [None] * len(self.params)
+        names = []
+        for (i, name), t in zip(hooked, arrivals, strict=True):
+            if t is None:
+                names.append(name)
+            else:
+                ready[i] = round((t - t0) / 1000.0, 1)
+        if hooked and len(names) == len(hooked):
             # no parameter of the model got a gradient: no backward ran between this forward and
             # the next (DDP all-reduces after the backward of its last forward), which says
             # nothing about unused parameters; the next synchronizing forward samples instead
             self._void += 1
             return
         self._void = 0
-        names = [name for i, name in sample.hooked if i not in sample.seen]
-        t0, seen = sample.t0_mono_ns, sample.seen
-        ready = [round((seen[i] - t0) / 1000.0, 1) if i in seen else None for i in range(len(self.params))]
         read, with_unused, changes, ever = self.used.take() if self.used is not None else (0, 0, 0, None)
         # of the parameters unused at this sample, those DDP's map saw used on a step in between:
         # its order is DDP's, that of the reduced parameters (ignored, frozen at wrap: not in it)
