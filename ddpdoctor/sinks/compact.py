@@ -51,8 +51,12 @@ from ddpdoctor.events import (
 from ddpdoctor.events.schedule import DEFAULT_EVERY, is_sampled
 
 FIRST_FULL = 8
-RING = 8
-AFTER = 8
+#: Steps written in full before and after something happens. Eight and eight wrote 163-182 bytes a
+#: rank-step on a healthy 2-rank run here (a slow all-reduce wait every 80 steps or so on a shared
+#: 2-core machine, 13 full records each); four and four, 130-143 (BENCHMARKS.md). The steps
+#: between are still there as window rows, with their phases.
+RING = 4
+AFTER = 4
 WINDOW_ROWS = 256
 WINDOW_S = 2.0
 #: A phase is anomalous above SLOW_FACTOR x its running median + max(SLOW_FLOOR_US,
