@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import free_port, init_gloo
 from bench.overhead import SPECS, _batches
+from ddpdoctor.events.layout import rank_file_path
 
 
 def _rank(rank: int, world: int, port: int, model: str, steps: int, out: str) -> None:
@@ -61,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="log-bytes-") as out:
         mp.start_processes(_rank, args=(2, free_port(), args.model, args.steps, out), nprocs=2, start_method="spawn")
-        for path in sorted(Path(out).glob("rank-*.jsonl")):
+        for path in (rank_file_path(Path(out), r) for r in range(2)):
             sizes: collections.Counter[str] = collections.Counter()
             counts: collections.Counter[str] = collections.Counter()
             for line in path.read_bytes().splitlines(keepends=True):
