@@ -14,6 +14,7 @@ where DDP broadcasts.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpdoctor
-from ddpdoctor.events import Fingerprint
+from ddpdoctor.categories import ProbeDisabledWarning
+from ddpdoctor.events import Fingerprint, ProbeOff
 from ddpdoctor.sinks.memory import MemorySink
 from tests.ddp_harness import run_ranks
 
@@ -102,3 +104,47 @@ def test_buffers_not_broadcast_are_each_ranks_own() -> None:
     # nothing broadcast: each rank's own statistics, from its own data
     assert ranks[0]["buffer_bits"] != ranks[1]["buffer_bits"]
     assert ranks[0]["param_bits"] == ranks[1]["param_bits"]
+
+
+def _failing(rank: int, world_size: int) -> dict[str, Any]:
+    """The broadcast model, its fingerprint made to fail (as ``tensor_values`` does on a buffer
+    it cannot convert to float), beside the same model plain: the same losses, step for step."""
+    losses: dict[str, list[float]] = {}
+    out: dict[str, Any] = {}
+    for instrumented in (False, True):
+        ddp = DDP(_model("bn"))
+        sink = MemorySink()
+        monitor = None
+        if instrumented:
+            monitor = ddpdoctor.instrument(ddp, sink=sink, check_every=32, proc_interval=3600.0)
+
+            def refuse(*_: Any) -> None:
+                raise RuntimeError("this buffer cannot be read as float")
+
+            monitor.checks.fingerprinter.take = refuse  # type: ignore[method-assign]
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        torch.manual_seed(10 + rank)
+        seen = losses.setdefault("ddpdoctor" if instrumented else "plain", [])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(20):
+                x, y = torch.randn(8, 16), torch.randn(8, 4)
+                opt.zero_grad()
+                loss = ((ddp(x) - y) ** 2).mean()
+                loss.backward()
+                opt.step()
+                seen.append(float(loss))
+        if monitor is not None:
+            monitor.close()
+            out["probes_off"] = [r.probe for r in sink.records if isinstance(r, ProbeOff)]
+            out["warned"] = any(issubclass(w.category, ProbeDisabledWarning) for w in caught)
+            out["checks_on"] = monitor.probes.on["checks"]
+            out["steps"] = monitor.steps
+    out["same_losses"] = losses["plain"] == losses["ddpdoctor"]
+    return out
+
+
+def test_a_fingerprint_failing_in_its_hook_switches_the_checks_off_and_training_goes_on() -> None:
+    for r in run_ranks(_failing, world_size=2, timeout=240):
+        assert r["same_losses"] and r["steps"] >= 19
+        assert r["probes_off"] == ["checks"] and r["warned"] and not r["checks_on"]

@@ -204,6 +204,7 @@ class Monitor:
             same_flags=getattr(extension, "same_requires_grad", None),
             param_sample=getattr(extension, "ParamSample", None),
             tensor_values=getattr(extension, "tensor_values", None),
+            failed=self.probes.failed,
         )
         if attachment.native is not None:
             self.checks.compiled_possible = attachment.native.compiled_possible

@@ -26,6 +26,7 @@ removed when it ends.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
 import weakref
@@ -94,10 +95,15 @@ class SampledChecks:
         same_flags: Callable[[list[Any], bytes], bool] | None = None,
         param_sample: Callable[[list[Any]], Any] | None = None,
         tensor_values: Callable[[list[Any], int], tuple[list[float], list[float], list[int]]] | None = None,
+        failed: Callable[[str, BaseException], None] | None = None,
     ) -> None:
         self._ddp: Any = weakref.ref(ddp)
         self.check_every = max(1, int(check_every))
         self._emit = emit
+        #: how a failure inside the hook of the checks' own (the fingerprint's, on the wrapped
+        #: module) is reported: the monitor's ``probes.failed``, which switches the checks off.
+        #: Everything else here runs inside the monitor's hooks, which report it alike.
+        self._failed = failed
         self.rank = rank
         self.ddp_index = ddp_index
         named = list(ddp.module.named_parameters())
@@ -290,13 +296,20 @@ class SampledChecks:
         sample = self.sample
         if sample is None:
             return
-        handle = sample.handles.pop()  # this hook: once per sample
-        handle.remove()
-        if self.broadcast_bumps is None and self.bcast_in_forward and sample.pre_versions is not None:
-            after = self._buffer_versions()
-            if len(after) == len(sample.pre_versions):  # only DDP's broadcast ran in between
-                self.broadcast_bumps = [max(0, a - b) for a, b in zip(after, sample.pre_versions, strict=True)]
-        self.fingerprint(sample.step, self.bcast_in_forward)
+        try:
+            handle = sample.handles.pop()  # this hook: once per sample
+            handle.remove()
+            if self.broadcast_bumps is None and self.bcast_in_forward and sample.pre_versions is not None:
+                after = self._buffer_versions()
+                if len(after) == len(sample.pre_versions):  # only DDP's broadcast ran in between
+                    self.broadcast_bumps = [max(0, a - b) for a, b in zip(after, sample.pre_versions, strict=True)]
+            self.fingerprint(sample.step, self.bcast_in_forward)
+        except Exception as exc:  # a failing probe is reported and switched off; it must never break training
+            if self._failed is None:
+                raise
+            with contextlib.suppress(Exception):  # its hooks off: the checks are not asked again
+                self.end_sample()
+            self._failed("checks", exc)
 
     def _buffers(self) -> list[Any]:
         """The module's buffers, in ``named_buffers`` order as of attach (one assigned anew since
