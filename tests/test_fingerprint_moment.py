@@ -13,7 +13,6 @@ where DDP broadcasts.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import Any
 
@@ -24,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpdoctor
 from ddpdoctor.categories import ProbeDisabledWarning
 from ddpdoctor.events import Fingerprint, ProbeOff
+from ddpdoctor.runtime import torch_compat
 from ddpdoctor.sinks.memory import MemorySink
 from tests.ddp_harness import run_ranks
 
@@ -37,15 +37,8 @@ def _model(kind: str) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def _no_broadcast() -> dict[str, bool]:
-    """DDP's switch for the buffer broadcast at every forward (renamed in torch 2.13)."""
-    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
-
-
 def _train(rank: int, world_size: int, kind: str) -> dict[str, Any]:
-    ddp = DDP(_model(kind), **(_no_broadcast() if kind == "bn-no-broadcast" else {}))
+    ddp = DDP(_model(kind), **(torch_compat.buffer_sync_kwargs(False) if kind == "bn-no-broadcast" else {}))
     registered = [0]
     register = ddp.module.register_forward_pre_hook
 

@@ -243,7 +243,7 @@ class SampledChecks:
                         self.params[i].register_post_accumulate_grad_hook(lambda _p, i=i: seen.__setitem__(i, now()))
                     )
         ddp = self.ddp
-        if getattr(ddp, "broadcast_buffers", True) and getattr(ddp, "modules_buffers", True):
+        if torch_compat.buffer_sync(ddp) and getattr(ddp, "modules_buffers", True):
             # after DDP's own pre-forward (buffer broadcast), right before the wrapped module runs
             sample.handles.append(ddp.module.register_forward_pre_hook(self._on_module_pre))
         else:
