@@ -296,35 +296,38 @@ def main() -> int:
     scenarios = args.only or [s for s in SCENARIOS if args.device == "cuda" or s not in CUDA_ONLY]
     failed: list[str] = []
     both_fail: list[str] = []
+    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.parallel) as pool:
-        results = list(pool.map(lambda s: run_scenario(s, args.device, args.nproc, Path(tmp)), scenarios))
-    for r in results:
-        if r["plain_rc"] != 0 and r["rc"] == r["plain_rc"]:
-            both_fail.append(r["scenario"])  # ddpdoctor changed nothing: the job fails without it too
-            print(f"both fail {r['scenario']:<13} rc {r['plain_rc']}/{r['rc']}: {r['plain_stderr'][-1:]}")
-            continue
-        ok = (
-            r["plain_rc"] == 0
-            and r["rc"] == 0
-            and r["report_rc"] == 0
-            and r["same_losses"]
-            and r.get("clock") == ("cuda" if args.device == "cuda" else "host")
-            and r.get("steps", 0) >= STEPS // 2
-        )
-        print(
-            f"{'SAME' if r['same_losses'] else 'DIFF'} {'ok ' if ok else 'BAD'} {r['scenario']:<13}"
-            f" rc {r['plain_rc']}/{r['rc']}/{r['report_rc']} losses {r['n_losses']}"
-            f" clock {r.get('clock')} {r.get('backend')} timing {r.get('timing')} steps {r.get('steps')}"
-            f" per-bucket {r.get('per_bucket')} timed {r.get('timed')} findings {r.get('findings')}"
-            f" plain {r['plain_s']:.1f}s inst {r['inst_s']:.1f}s {r.get('load_error', '')}"
-        )
-        for line in r["new_warnings"]:
-            print(f"    new warning: {line}")
-        if not ok:
-            failed.append(r["scenario"])
-            for key in ("stderr", "plain_stderr", "report"):
-                for line in r[key]:
-                    print(f"    {key}: {line}")
+        # each result printed once it and those before it are in: a run stopped at its time limit
+        # still shows the scenarios that finished
+        for r in pool.map(lambda s: run_scenario(s, args.device, args.nproc, Path(tmp)), scenarios):
+            results.append(r)
+            if r["plain_rc"] != 0 and r["rc"] == r["plain_rc"]:
+                both_fail.append(r["scenario"])  # ddpdoctor changed nothing: the job fails without it too
+                print(f"both fail {r['scenario']:<13} rc {r['plain_rc']}/{r['rc']}: {r['plain_stderr'][-1:]}")
+                continue
+            ok = (
+                r["plain_rc"] == 0
+                and r["rc"] == 0
+                and r["report_rc"] == 0
+                and r["same_losses"]
+                and r.get("clock") == ("cuda" if args.device == "cuda" else "host")
+                and r.get("steps", 0) >= STEPS // 2
+            )
+            print(
+                f"{'SAME' if r['same_losses'] else 'DIFF'} {'ok ' if ok else 'BAD'} {r['scenario']:<13}"
+                f" rc {r['plain_rc']}/{r['rc']}/{r['report_rc']} losses {r['n_losses']}"
+                f" clock {r.get('clock')} {r.get('backend')} timing {r.get('timing')} steps {r.get('steps')}"
+                f" per-bucket {r.get('per_bucket')} timed {r.get('timed')} findings {r.get('findings')}"
+                f" plain {r['plain_s']:.1f}s inst {r['inst_s']:.1f}s {r.get('load_error', '')}"
+            )
+            for line in r["new_warnings"]:
+                print(f"    new warning: {line}")
+            if not ok:
+                failed.append(r["scenario"])
+                for key in ("stderr", "plain_stderr", "report"):
+                    for line in r[key]:
+                        print(f"    {key}: {line}")
     ran = len(results) - len(both_fail)
     print(
         f"{ran - len(failed)}/{ran} scenarios ok"
