@@ -221,21 +221,42 @@ def broadcast_redundancy(header: Header, prints: dict[int, list[Fingerprint]]) -
         return None
     changing, differing = [], []
     for i in broadcast:
-        b = header.buffers[i]
-        seen = [fp for s in steps for fp in by_step[s].values()]
-        moved = any(
-            (fp.buffer_versions[i] if i < len(fp.buffer_versions) else b.version) != b.version
-            or fp.buffer_sums[i] != b.checksum
-            for fp in seen
-        )
-        if not moved:
+        if not _changed(header, prints, i):
             continue
+        b = header.buffers[i]
         changing.append(b.name)
         if any(len(set(tensor_keys(by_step[s], i, buffer=True)[0].values())) > 1 for s in steps):
             differing.append(b.name)
     if not changing:
         return None
     return {"changing": changing, "would_drift": differing, "redundant": not differing, "steps_compared": steps[:100]}
+
+
+def _changed(header: Header, prints: dict[int, list[Fingerprint]], i: int) -> bool:
+    """Whether broadcast buffer ``i`` changed during the run: its version moved from the header's,
+    or its values (sum, and the bits where the log has them) differ between two fingerprints of
+    one rank, or between ranks at one step (DDP made them equal when it was built).
+
+    The header's checksum is no reference: it is a float64 sum, a fingerprint's a float32 one,
+    which differ in the last bits for most float buffers that never change, and a buffer on a GPU
+    has none (0.0)."""
+    version = header.buffers[i].version
+    size = len(header.buffers)
+    by_step: dict[int, set[tuple[float, int | None]]] = {}
+    for fps in prints.values():
+        first: tuple[float, int | None] | None = None
+        for fp in fps:
+            if len(fp.buffer_sums) != size:
+                continue
+            if (fp.buffer_versions[i] if i < len(fp.buffer_versions) else version) != version:
+                return True
+            values = (fp.buffer_sums[i], fp.buffer_bits[i] if len(fp.buffer_bits) == size else None)
+            if first is None:
+                first = values
+            elif values != first:
+                return True
+            by_step.setdefault(fp.step, set()).add(values)
+    return any(len(seen) > 1 for seen in by_step.values())
 
 
 def combined_redundancy(verdicts: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
