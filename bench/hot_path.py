@@ -31,6 +31,7 @@ and every mark is a CUDA event; pass 2 adds rows for the CUDA clock's calls (rec
 and resolving events). The bench waits for the GPU around each timed block, never inside a step.
 
     python bench/hot_path.py [--steps 1000] [--bn] [--route native|python] [--pairs 10] [--block 200] [--device cuda]
+        [--check-every N]
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ def _side_by_side(args: argparse.Namespace) -> tuple[float, float]:
     x, y = _batch(args)
     plain = _ddp(args)
     watched = _ddp(args)
-    monitor = ddpdoctor.instrument(watched, sink=NullSink(), proc_interval=1000)
+    every = {} if args.check_every is None else {"check_every": args.check_every}
+    monitor = ddpdoctor.instrument(watched, sink=NullSink(), proc_interval=1000, **every)
 
     def block(ddp: DDP, opt: torch.optim.Optimizer, steps: int) -> float:
         _sync(args)
@@ -218,6 +220,12 @@ def main() -> None:
     )
     parser.add_argument("--block", type=int, default=200, help="steps per block of the side-by-side timing")
     parser.add_argument(
+        "--check-every",
+        type=int,
+        default=None,
+        help="the sampled checks' interval (default: the product's); a large one leaves the routine steps alone",
+    )
+    parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -238,7 +246,8 @@ def main() -> None:
     for owner, name, label, _ in TOP:
         _wrap(owner, name, label)
     ddp = _ddp(args)
-    monitor = ddpdoctor.instrument(ddp, sink=NullSink(), proc_interval=1000)
+    every = {} if args.check_every is None else {"check_every": args.check_every}
+    monitor = ddpdoctor.instrument(ddp, sink=NullSink(), proc_interval=1000, **every)
     header = monitor.attachment.header
     assert header is not None and header.timing == args.route, "the native hook did not load: see the warning"
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)

@@ -8,6 +8,7 @@ applied and timed. The extension is built once per session (cached in torch's ex
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -660,9 +661,11 @@ def test_a_backward_without_an_optimizer_step_keeps_its_marks(native_built: Path
 
 
 def test_tensor_values_equal_the_python_fingerprint(native_built: Path) -> None:
-    """The fingerprint in one C++ call gives the values Python's gives, float for float and bit
-    for bit, for every kind of tensor a model holds: ranks are compared for equality, and a rank
-    whose extension did not build fingerprints in Python."""
+    """The fingerprint in one C++ call gives the bits Python's gives, bit for bit, and its norms
+    and sums to float32 rounding, for every kind of tensor a model holds: ranks are compared by
+    the bits, and a rank whose extension did not build fingerprints in Python. (A float tensor is
+    read once in C++ and summed in double; ATen sums in float32, in an order of its own.)"""
+    from bench.fingerprint import agree
     from ddpdoctor.runtime.fingerprints import Fingerprinter, float_values, fold_bits, tensor_bits
 
     values = native_hook._import(native_built.stem, native_built).tensor_values
@@ -693,11 +696,20 @@ def test_tensor_values_equal_the_python_fingerprint(native_built: Path) -> None:
         row = float_values(tensors, sums_from).tolist()
         expected = (row[: len(tensors)], row[len(tensors) :], bits)
         assert len(expected[1]) == len(tensors) - sums_from
-        assert values(tensors, sums_from) == expected
+        assert agree(tensors, sums_from, values(tensors, sums_from), expected)
         got: list[Any] = []
         for native in (values, None):  # the extension's, then the Python route
             Fingerprinter(lambda *delivered, got=got: got.append(delivered), native).take(tensors, sums_from, "m")
-        assert got == [("m", *expected), ("m", *expected)]
+        assert [g[0] for g in got] == ["m", "m"]
+        assert agree(tensors, sums_from, got[0][1:], expected) and got[1][1:] == expected
+    # a float tensor's norm and sum are those of its values, to float32 rounding, from the C++ pass
+    t = torch.tensor([3.0, 4.0, -1.0, 0.5], dtype=torch.bfloat16)
+    (norm,), (total,), _ = values([t], 0)
+    assert math.isclose(norm, math.sqrt(26.25), rel_tol=1e-6) and total == 6.5
+    big = torch.randn(30_001)  # the C++ pass across its blocks, with a tail
+    norm, total = values([big], 0)[0][0], values([big], 0)[1][0]
+    assert math.isclose(norm, float(big.double().norm()), rel_tol=1e-6)
+    assert abs(total - float(big.double().sum())) <= 1e-6 * float(big.double().abs().sum())
     assert values([], 0) == ([], [], [])
 
 

@@ -32,8 +32,8 @@ def float_values(tensors: list[torch.Tensor], sums_from: int = 0) -> torch.Tenso
     zeros for a sparse, complex or empty tensor.
 
     ``torch.linalg.vector_norm`` is what ``Tensor.norm()`` runs (the same kernel, equal values),
-    without its Python dispatch; the native extension's ``tensor_values`` runs the same kernels
-    from C++."""
+    without its Python dispatch; the native extension's ``tensor_values`` gives the same values to
+    float32 rounding (a small float tensor read once in C++, another with the same kernels)."""
     norms = []
     sums = []
     vector_norm = torch.linalg.vector_norm
