@@ -64,6 +64,13 @@ def _bcast_stats(steps: list[Step]) -> tuple[float | None, float | None, int, bo
     return (bound if capped else floor, median(total) / 1000.0 if total else None, nbytes, capped)
 
 
+#: The fix's line that turns the broadcast off. ``broadcast_buffers`` is the spelling every
+#: supported torch takes (from 2.13 it warns that it is deprecated); 2.13's
+#: ``forward_sync_buffers=False`` stops the per-forward broadcast and keeps the sync at construction.
+BROADCAST_OFF = (
+    "    model = DistributedDataParallel(net, broadcast_buffers=False)  # torch>=2.13: forward_sync_buffers=False"
+)
+
 #: Where a framework builds the DDP (the user never calls its constructor), its own switch for
 #: ``broadcast_buffers=False``: every fix that turns the broadcast off names them.
 FRAMEWORK_SWITCHES = (
@@ -100,8 +107,8 @@ def constant_buffers(
     if everything:
         fix = (
             "No buffer changes during training: stop broadcasting them at every forward:\n"
-            "    model = DistributedDataParallel(net, broadcast_buffers=False)"
-            "  # torch>=2.13: forward_sync_buffers=False" + FRAMEWORK_SWITCHES
+            + BROADCAST_OFF
+            + FRAMEWORK_SWITCHES
         )
     else:
         listed = ", ".join(repr(n) for n in names[:20])
@@ -186,7 +193,9 @@ def buffer_broadcast_cost(header: Header, steps: list[Step], rank: int, cost_ms:
             fix=(
                 "If the buffers need not match on every rank during training (BatchNorm statistics matter at eval "
                 "and checkpoint time), stop the per-forward broadcast and sync them once when needed:\n"
-                "    model = DistributedDataParallel(net, broadcast_buffers=False)" + FRAMEWORK_SWITCHES + "\n"
+                + BROADCAST_OFF
+                + FRAMEWORK_SWITCHES
+                + "\n"
                 "    # before eval / checkpoint:\n"
                 "    for b in model.module.buffers(): torch.distributed.broadcast(b, src=0)"
             ),
@@ -294,8 +303,9 @@ def advise_broadcast(cost: Finding, verdict: dict[str, Any] | None) -> Finding:
         )
         fix = (
             "Every rank updates its buffers identically: stop the per-forward broadcast:\n"
-            "    model = DistributedDataParallel(net, broadcast_buffers=False)"
-            "  # torch>=2.13: forward_sync_buffers=False" + FRAMEWORK_SWITCHES + "\n"
+            + BROADCAST_OFF
+            + FRAMEWORK_SWITCHES
+            + "\n"
             "ddpdoctor's final fingerprint will tell if they ever drift apart (buffer-divergence)."
         )
     else:
