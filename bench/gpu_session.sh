@@ -3,7 +3,10 @@
 # the GPU tests, the GPU overhead bench, then the CPU benches on that machine's quieter cores.
 # Each step is bounded so a hang in one still leaves the others' figures. Results go to $OUT
 # (or ./gpu-session): machine.txt, the JSON figures, and steps.tar (one NAME.txt a step). Wheels
-# missing there (msgspec) travel in .whl/.
+# missing there travel in .whl/ (ignored by git; for its Python 3.12, pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --platform manylinux...): msgspec, textual,
+# platformdirs, mdit-py-plugins, linkify-it-py, uc-micro-py, pytest-asyncio, and pytest, pluggy,
+# iniconfig (pytest-asyncio 1.5 needs pytest 8.4 or later: carried with it), 1.6 MB in all.
 #
 #   bash bench/gpu_session.sh            # all of it
 #   bash bench/gpu_session.sh gpu        # the GPU tests, real jobs and benches only
@@ -36,9 +39,10 @@ step() {  # step NAME SECONDS COMMAND...: run it, bounded, its output to the scr
 mode=${1:-all}
 if [ "$mode" != cpu ]; then
   # (the 3-rank scaling test builds the native extension first: about 40 s on 16 cores)
-  step pytest_gpu 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider -o asyncio_mode=strict --timeout 200 tests/test_cuda.py
+  step pytest_gpu 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider -o asyncio_mode=strict --timeout 200 tests/test_cuda.py \
+    tests/test_replica_comparison.py
   # real jobs under `ddpdoctor run`, each beside the same job plain: bit-identical losses, CUDA timing
-  step real_jobs 150 python3 bench/real_jobs.py --parallel 6
+  step real_jobs 160 python3 bench/real_jobs.py --parallel 8
   if [ "$mode" = floor ]; then  # the attribution with the comm hook's floor rows and a profile of every thread
     # (the profiler's post-processing of 9 transformers ran past 200 s: 2 steps each, after yappi)
     step gpu_attrib_floor 240 python3 bench/gpu_attrib.py --model transformer --pairs 7 --warmup 30 --floor --threads \
