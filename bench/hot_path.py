@@ -171,6 +171,13 @@ def _sync(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
 
 
+def _instrument(ddp: DDP, args: argparse.Namespace) -> Any:
+    """ddpdoctor on ``ddp`` as both passes and the side-by-side timing take it: a NullSink, the
+    process sampler all but off, ``--check-every`` where given."""
+    every = {} if args.check_every is None else {"check_every": args.check_every}
+    return ddpdoctor.instrument(ddp, sink=NullSink(), proc_interval=1000, **every)
+
+
 def _side_by_side(args: argparse.Namespace) -> tuple[float, float]:
     """What instrumenting adds to a whole step, cold caches and all, with no timer anywhere: the
     same model plain and instrumented (two DDP instances, one process group), timed in
@@ -181,8 +188,7 @@ def _side_by_side(args: argparse.Namespace) -> tuple[float, float]:
     x, y = _batch(args)
     plain = _ddp(args)
     watched = _ddp(args)
-    every = {} if args.check_every is None else {"check_every": args.check_every}
-    monitor = ddpdoctor.instrument(watched, sink=NullSink(), proc_interval=1000, **every)
+    monitor = _instrument(watched, args)
 
     def block(ddp: DDP, opt: torch.optim.Optimizer, steps: int) -> float:
         _sync(args)
@@ -246,8 +252,7 @@ def main() -> None:
     for owner, name, label, _ in TOP:
         _wrap(owner, name, label)
     ddp = _ddp(args)
-    every = {} if args.check_every is None else {"check_every": args.check_every}
-    monitor = ddpdoctor.instrument(ddp, sink=NullSink(), proc_interval=1000, **every)
+    monitor = _instrument(ddp, args)
     header = monitor.attachment.header
     assert header is not None and header.timing == args.route, "the native hook did not load: see the warning"
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)

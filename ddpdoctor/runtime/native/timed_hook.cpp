@@ -1289,11 +1289,12 @@ FloatPass float_pass(const char* data, int64_t n) {
 // kernels, vectorized for the machine's widest instructions, read faster than this portable loop.
 constexpr int64_t kFloatPassMax = 32768;
 
-// ``float_pass`` over a dense tensor of a floating dtype, split across the intra-op threads as
-// ATen splits its own reductions; false for another dtype (the caller takes ATen's kernels).
-bool dense_float_pass(const at::Tensor& dense, FloatPass& out) {
+// ``float_pass`` over a float32, float16 or bfloat16 tensor (copied first where it is not dense);
+// false for another dtype (the caller takes ATen's kernels). In one call: up to ``kFloatPassMax``
+// elements, ATen would not split the work across its intra-op threads either.
+bool small_float_pass(const at::Tensor& t, FloatPass& out) {
   FloatPass (*pass)(const char*, int64_t) = nullptr;
-  switch (dense.scalar_type()) {
+  switch (t.scalar_type()) {
     case at::kFloat:
       pass = &float_pass<float, int32_t>;
       break;
@@ -1306,17 +1307,8 @@ bool dense_float_pass(const at::Tensor& dense, FloatPass& out) {
     default:
       return false;
   }
-  const char* data = static_cast<const char*>(dense.const_data_ptr());
-  const int64_t size = dense.element_size();
-  out = at::parallel_reduce(
-      int64_t{0}, dense.numel(), at::internal::GRAIN_SIZE, FloatPass{},
-      [&](int64_t begin, int64_t end, FloatPass) { return pass(data + begin * size, end - begin); },
-      [](FloatPass a, FloatPass b) {
-        a.squares += b.squares;
-        a.sum += b.sum;
-        a.bits += b.bits;
-        return a;
-      });
+  const at::Tensor dense = t.is_non_overlapping_and_dense() ? t : t.contiguous();
+  out = pass(static_cast<const char*>(dense.const_data_ptr()), dense.numel());
   return true;
 }
 
@@ -1346,17 +1338,14 @@ std::tuple<std::vector<double>, std::vector<double>, std::vector<int64_t>> tenso
       bits.push_back(0);
       continue;
     }
-    if (!t.is_quantized() && t.device().is_cpu() && t.numel() <= kFloatPassMax) {
-      const at::Tensor dense = t.is_non_overlapping_and_dense() ? t : t.contiguous();
-      FloatPass pass;
-      if (dense_float_pass(dense, pass)) {
-        norms.push_back(static_cast<double>(static_cast<float>(std::sqrt(pass.squares))));
-        if (summed) {
-          sums.push_back(static_cast<double>(static_cast<float>(pass.sum)));
-        }
-        bits.push_back(fold_bits(pass.bits));
-        continue;
+    FloatPass pass;
+    if (!t.is_quantized() && t.device().is_cpu() && t.numel() <= kFloatPassMax && small_float_pass(t, pass)) {
+      norms.push_back(static_cast<double>(static_cast<float>(std::sqrt(pass.squares))));
+      if (summed) {
+        sums.push_back(static_cast<double>(static_cast<float>(pass.sum)));
       }
+      bits.push_back(fold_bits(pass.bits));
+      continue;
     }
     // no detach: nothing is recorded under the guard; the 0-dim results are read in place
     // (``item`` is one more operator call each)
