@@ -387,3 +387,36 @@ def test_buffer_slots_read_the_buffers_of_named_buffers_and_see_one_assigned_ane
     fresh = torch.ones(4)
     model[2].running_mean = fresh  # assigned anew: the slot reads the new tensor
     assert any(d[n] is fresh for d, n in slots)
+
+
+def test_the_compiled_autograd_flag_reads_as_torch_config_does_through_every_kind_of_setting() -> None:
+    """``compiled_autograd_asked`` reads torch's config in full only when the user's setting
+    moved: after each way a script sets it (assignment, ``patch``, back to the default), its
+    answer is the config module's own."""
+    import torch._dynamo.config as config
+
+    from ddpdoctor.runtime.torch_compat import DYNAMO_CONFIG_MODULE, _ConfigFlag
+
+    flag = _ConfigFlag(DYNAMO_CONFIG_MODULE, "compiled_autograd")
+    original = config.compiled_autograd
+    answers = []
+    try:
+        for _ in range(2):
+            answers.append((flag(), bool(config.compiled_autograd)))
+        config.compiled_autograd = True
+        answers.append((flag(), True))
+        answers.append((flag(), True))
+        config.compiled_autograd = False
+        answers.append((flag(), False))
+        with config.patch(compiled_autograd=True):
+            answers.append((flag(), True))
+        answers.append((flag(), False))
+        config.compiled_autograd = True
+        answers.append((flag(), True))
+    finally:
+        config.compiled_autograd = original
+    answers.append((flag(), bool(original)))
+    assert [a for a, _ in answers] == [want for _, want in answers]
+    # a flag of a module that is not loaded reads False; one that the module lacks, False
+    assert _ConfigFlag("ddpdoctor_no_such_module", "x")() is False
+    assert _ConfigFlag(DYNAMO_CONFIG_MODULE, "ddpdoctor_no_such_flag")() is False
