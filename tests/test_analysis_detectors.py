@@ -85,6 +85,53 @@ def test_broadcast_cost_uses_the_floor_not_the_waits() -> None:
     assert f.severity == "warning" and not f.evidence["capped_by_allreduce"]
 
 
+def _bound_one_bucket_at_a_time(steps: list[Step], nbytes: int) -> float | None:
+    """``allreduce_bound_ms`` as the plain loop over every bucket of every step computes it."""
+    best = None
+    for s in steps:
+        if s.summary or not s.b_done_us:
+            continue
+        for start, done, size in zip(s.b_launch_us or s.b_ready_us, s.b_done_us, s.b_bytes, strict=False):
+            if start is None or done is None or not size:
+                continue
+            ms = (done - start) / 1000.0 * max(1.0, nbytes / size)
+            if best is None or ms < best:
+                best = ms
+    return None if best is None else best * 2.0
+
+
+def test_the_broadcast_bound_equals_the_plain_loop_over_every_bucket() -> None:
+    """The bound read a step's buckets in C-level calls, bucket by bucket only where a step has a
+    None: on windows of every kind (untimed buckets, no launch column, a bucket of no size, summary
+    steps, columns of unequal length, a layout shared or not), the same value to the last bit."""
+    import random
+
+    rng = random.Random(7)
+    shared = [4096, 512, 64, 1 << 20]
+    for trial in range(300):
+        steps = []
+        for i in range(rng.randint(0, 12)):
+            n = rng.randint(0, 5)
+            ready = [rng.uniform(0, 5000) for _ in range(n)]
+            launch = [r + rng.uniform(0, 3000) for r in ready] if rng.random() < 0.7 else []
+            done = [(launch or ready)[b] + rng.uniform(0.5, 4000) for b in range(n)]
+            if rng.random() < 0.2 and n:
+                done[rng.randrange(n)] = None
+            if rng.random() < 0.1 and launch:
+                launch[rng.randrange(n)] = None
+            sizes = shared[:n] if rng.random() < 0.5 else [rng.choice([0, 32, 8192, 1 << 16]) for _ in range(n)]
+            if rng.random() < 0.1 and n:
+                done = done[:-1]  # (a bucket not seen: the columns' lengths differ)
+            steps.append(
+                msgspec.structs.replace(
+                    _step(i), b_ready_us=ready, b_launch_us=launch, b_done_us=done, b_bytes=sizes,
+                    summary=rng.random() < 0.1,
+                )
+            )
+        for nbytes in (0, 16, 50_000, 1 << 22):
+            assert allreduce_bound_ms(steps, nbytes) == _bound_one_bucket_at_a_time(steps, nbytes), (trial, nbytes)
+
+
 def test_broadcast_cost_bound_scales_with_the_buffers_bytes() -> None:
     # 64 KiB of buffers against 64 B buckets all-reduced in 0.1 ms: the bound (2 x 0.1 ms x 1024)
     # is far above the 5 ms floor, which stands: a real cost is still reported

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Sequence
 from statistics import median
 from typing import Any
@@ -29,39 +31,71 @@ _CAPPED = (
 )
 
 
+def _step_transfer_ms(step: Step, launch: list[Any], factors: list[float | None]) -> float | None:
+    """``allreduce_bound_ms``'s quickest bucket of one step (ms, before the factor), bucket by
+    bucket: the way for a step with a bucket not timed end to end (a None) or of no size."""
+    best: float | None = None
+    for start, done, factor in zip(launch, step.b_done_us, factors, strict=False):
+        if start is None or done is None or factor is None:
+            continue
+        ms = (done - start) / 1000.0 * factor
+        if best is None or ms < best:
+            best = ms
+    return best
+
+
 def allreduce_bound_ms(steps: list[Step], nbytes: int) -> float | None:
     """What broadcasting ``nbytes`` can cost at most on this rank, from its own all-reduces:
     ``TRANSFER_BOUND_FACTOR`` times the quickest bucket all-reduce seen (launch to done, scaled up
     to ``nbytes`` when the bucket was smaller). An all-reduce moves at least what a broadcast of as
-    many bytes does, in at least as many hops; None without a bucket timed end to end."""
+    many bytes does, in at least as many hops; None without a bucket timed end to end.
+
+    The live checks run this over their window every few dozen steps of a job that broadcasts
+    buffers, on the training thread: a step's buckets are read in C-level ``map`` calls, with the
+    scale of each bucket size worked out once per layout (the steps of one layout share its list
+    of sizes), and bucket by bucket only where a step has a None. The values are those of the
+    same arithmetic bucket by bucket."""
     best: float | None = None
+    scales: dict[int, list[float | None]] = {}  # by id of a step's list of bucket sizes
+    per_ms = itertools.repeat(1000.0)
     for s in steps:
-        if s.summary or not s.b_done_us:
+        done = s.b_done_us
+        if not done or s.summary:
             continue
         launch = s.b_launch_us or s.b_ready_us
-        for start, done, size in zip(launch, s.b_done_us, s.b_bytes, strict=False):
-            if start is None or done is None or not size:
-                continue
-            ms = (done - start) / 1000.0 * max(1.0, nbytes / size)
-            if best is None or ms < best:
-                best = ms
+        sizes = s.b_bytes
+        factors = scales.get(id(sizes))
+        if factors is None:
+            factors = scales[id(sizes)] = [max(1.0, nbytes / size) if size else None for size in sizes]
+        try:
+            ms: float | None = min(map(operator.mul, map(operator.truediv, map(operator.sub, done, launch), per_ms), factors))
+        except (TypeError, ValueError):  # a None in a column or factor; no bucket in common
+            ms = _step_transfer_ms(s, launch, factors)
+        if ms is not None and (best is None or ms < best):
+            best = ms
     return None if best is None else best * TRANSFER_BOUND_FACTOR
 
 
-def _bcast_stats(steps: list[Step]) -> tuple[float | None, float | None, int, bool]:
+def _bcast_stats(steps: list[Step], min_share: float | None = None) -> tuple[float | None, float | None, int, bool]:
     """(broadcast cost ms, step ms, bytes, whether the cost was capped). The broadcast is the
     step's first collective, so it also absorbs the wait for slower ranks (one that loads its data
     late, say): its cost is its floor (10th percentile), what it takes when this rank arrives
     last, capped by what this rank's all-reduces show a transfer costs (``allreduce_bound_ms``): a
     rank that arrives first at every broadcast has no floor free of waiting. Removing the broadcast
-    would not remove the wait."""
+    would not remove the wait.
+
+    ``min_share``: the caller reads nothing under this share of the step, so where the floor
+    itself is under it the cap (which can only lower the cost) is not worked out."""
     bcast = sorted(s.bcast_us for s in steps if s.bcast_us is not None)
     total = [s.end_us for s in steps if s.end_us is not None]
     nbytes = max((s.bcast_bytes for s in steps), default=0)
     floor = bcast[len(bcast) // 10] / 1000.0 if bcast else None
+    step_ms = median(total) / 1000.0 if total else None
+    if min_share is not None and (floor is None or not step_ms or floor / step_ms < min_share):
+        return (floor, step_ms, nbytes, False)
     bound = allreduce_bound_ms(steps, nbytes) if floor is not None and nbytes else None
     capped = bound is not None and floor is not None and bound < floor
-    return (bound if capped else floor, median(total) / 1000.0 if total else None, nbytes, capped)
+    return (bound if capped else floor, step_ms, nbytes, capped)
 
 
 #: The fix's line that turns the broadcast off. ``broadcast_buffers`` is the spelling every
@@ -162,9 +196,11 @@ def cross_rank_floor_ms(steps_by_rank: dict[int, list[Step]]) -> float | None:
 def buffer_broadcast_cost(header: Header, steps: list[Step], rank: int, cost_ms: float | None = None) -> list[Finding]:
     """The share of step time that goes to DDP's buffer broadcast (``cost_ms``: a cross-rank
     estimate of it, when the other ranks' logs are at hand)."""
-    bcast_ms, step_ms, nbytes, capped = _bcast_stats(steps)
-    if cost_ms is not None:
+    if cost_ms is not None:  # (the cap is not read: the cross-rank estimate replaces this rank's)
+        _, step_ms, nbytes, _ = _bcast_stats(steps, min_share=float("inf"))
         bcast_ms, capped = cost_ms, False
+    else:
+        bcast_ms, step_ms, nbytes, capped = _bcast_stats(steps, min_share=COST_INFO_SHARE)
     if bcast_ms is None or not step_ms or len(steps) < 5:
         return []
     share = bcast_ms / step_ms
