@@ -124,7 +124,11 @@ def test_the_broadcast_bound_equals_the_plain_loop_over_every_bucket() -> None:
                 done = done[:-1]  # (a bucket not seen: the columns' lengths differ)
             steps.append(
                 msgspec.structs.replace(
-                    _step(i), b_ready_us=ready, b_launch_us=launch, b_done_us=done, b_bytes=sizes,
+                    _step(i),
+                    b_ready_us=ready,
+                    b_launch_us=launch,
+                    b_done_us=done,
+                    b_bytes=sizes,
                     summary=rng.random() < 0.1,
                 )
             )

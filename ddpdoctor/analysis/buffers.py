@@ -68,7 +68,8 @@ def allreduce_bound_ms(steps: list[Step], nbytes: int) -> float | None:
         if factors is None:
             factors = scales[id(sizes)] = [max(1.0, nbytes / size) if size else None for size in sizes]
         try:
-            ms: float | None = min(map(operator.mul, map(operator.truediv, map(operator.sub, done, launch), per_ms), factors))
+            took = map(operator.truediv, map(operator.sub, done, launch), per_ms)
+            ms: float | None = min(map(operator.mul, took, factors))
         except (TypeError, ValueError):  # a None in a column or factor; no bucket in common
             ms = _step_transfer_ms(s, launch, factors)
         if ms is not None and (best is None or ms < best):
@@ -196,6 +197,7 @@ def cross_rank_floor_ms(steps_by_rank: dict[int, list[Step]]) -> float | None:
 def buffer_broadcast_cost(header: Header, steps: list[Step], rank: int, cost_ms: float | None = None) -> list[Finding]:
     """The share of step time that goes to DDP's buffer broadcast (``cost_ms``: a cross-rank
     estimate of it, when the other ranks' logs are at hand)."""
+    bcast_ms: float | None
     if cost_ms is not None:  # (the cap is not read: the cross-rank estimate replaces this rank's)
         _, step_ms, nbytes, _ = _bcast_stats(steps, min_share=float("inf"))
         bcast_ms, capped = cost_ms, False
