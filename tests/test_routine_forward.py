@@ -194,5 +194,15 @@ def test_the_routine_forward_writes_what_the_full_path_writes() -> None:
         kinds = [kind for kind, _ in records]
         assert kinds.count("step") >= 40 and "GradFlags" in kinds and "Fingerprint" in kinds
         assert len(records) == len(full_records)
-        for i, (a, b) in enumerate(zip(full_records, records, strict=True)):
-            assert a == b, (rank, i, a, b)
+        # records in their order, but for the sampled checks' (fingerprints, unused parameters):
+        # the log reads those in any order relative to the steps, so the monitor emits them
+        # without the closed steps going first, and where they fall among the steps depends on
+        # when each path emitted its batch. Their own order, kind by kind, is the same.
+        for kind in (None, "Fingerprint", "Unused"):
+            a_of, b_of = (
+                [r for r in rs if (r[0] not in ("Fingerprint", "Unused") if kind is None else r[0] == kind)]
+                for rs in (full_records, records)
+            )
+            assert len(a_of) == len(b_of), (rank, kind)
+            for i, (a, b) in enumerate(zip(a_of, b_of, strict=True)):
+                assert a == b, (rank, kind, i, a, b)

@@ -15,7 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpdoctor
-from ddpdoctor.events import End, GradFlags, ProcSample, Record, Step
+from ddpdoctor.events import End, Fingerprint, GradFlags, ProcSample, Record, Step, Unused
 from ddpdoctor.runtime import monitor as monitor_module
 from ddpdoctor.runtime.clocks import HostClock
 from ddpdoctor.runtime.step_recorder import BATCH_NS, BATCH_STEPS, StepRecorder
@@ -120,6 +120,10 @@ def _batching_worker(rank: int, world_size: int) -> dict[str, Any]:
     sample = ProcSample(rank=rank, t_mono_ns=0, t_wall_ns=0, cpu_pct=0.0, rss_bytes=0)
     monitor.emit(sample)  # fresh steps stay with the training thread
     out["emitted_after_fresh_sample"] = len(sink.of_kind(Step))
+    # a sampled check's records, which the log reads in any order, do not send them out either
+    monitor.emit(Unused(rank=rank, step=11, names=[]))
+    monitor.emit(sink.of_kind(Fingerprint)[-1])  # (the last sample's again: nothing new to find)
+    out["emitted_after_checks"] = len(sink.of_kind(Step))
     monitor_module._STALE_NS = 0
     monitor.emit(sample)  # they have waited long enough: they go out first
     out["emitted_after_stale_sample"] = len(sink.of_kind(Step))
@@ -148,7 +152,7 @@ def test_real_ranks_keep_every_step_in_order_before_other_records() -> None:
         # 12 steps, the last still open: 11 closed; monitor.steps counts those that wait
         assert r["steps_prop"] == 11 and 1 <= r["emitted"] <= 11 and r["waiting"] == (r["emitted"] < 11)
         if r["waiting"]:
-            assert r["emitted_after_fresh_sample"] == r["emitted"] < 11
+            assert r["emitted_after_fresh_sample"] == r["emitted_after_checks"] == r["emitted"] < 11
         assert r["emitted_after_stale_sample"] == 11
         # every step closed before the grad_flags record is written before it
         assert r["steps_before_flags"] == list(range(r["flag_step"])) and r["steps_after_flags"] == [r["flag_step"]]

@@ -226,7 +226,7 @@ class Fingerprint(_Record, tag="fingerprint", kw_only=True):
     Lists follow the header's ``params`` and ``buffers`` order: the L2 norm of each tensor, its
     bits (the sum of its elements' bit patterns as integers, folded to 53 bits: exact, so equal
     tensors give equal bits on every rank, where a float sum's last bits depend on the rank's
-    thread count), each buffer's sum (compared with the header's checksum) and version counter
+    thread count), each buffer's sum (compared between a rank's fingerprints) and version counter
     (in-place changes since creation, less the bumps of DDP's own buffer broadcasts, which some
     torch releases count). Ranks are compared by the bits; logs of schema 2 and before, which
     have none, by the norm and the sum (``param_sums``, no longer written).

@@ -6,7 +6,7 @@ the elements' bit patterns as integers (``tensor_bits``): integer addition is as
 every rank gets the same value for the same tensor however its sum is split. ATen's float sum of
 a large tensor is not: its last bits depend on the intra-op thread count and the vector
 instructions, and ranks whose parameters were identical were reported apart. A buffer's float
-sum is kept: it is compared with the header's checksum of it, on the same rank.
+sum is kept: it tells a buffer that changed between two fingerprints of the same rank.
 
 On CPU the values are read at once. On CUDA they are copied to pinned host memory behind an
 event and read once the event has passed (``poll``), so taking one never blocks the host.

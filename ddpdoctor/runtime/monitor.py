@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning, warn
-from ddpdoctor.events import End, Header, ProbeOff, ProcSample, Record, Step
+from ddpdoctor.events import End, Fingerprint, Header, ProbeOff, ProcSample, Record, Step, Unused
 from ddpdoctor.runtime import clocks, native_hook, run_dir, torch_compat, watchdog
 from ddpdoctor.runtime.attach import AttachError, Attachment, monitor_of
 from ddpdoctor.runtime.clocks import CudaClock, HostClock, mono_ns, wall_ns
@@ -44,6 +44,12 @@ _SYS_MODULES = sys.modules
 _BUFFER_BYTES_EVERY = 100
 #: Closed steps that waited this long (host ns) are emitted by a process sample.
 _STALE_NS = 1_000_000_000
+#: Records emitted without the closed steps going out first: the log reads them in any order
+#: relative to the steps (``sinks.compact``'s pass-through records; readers file them by kind).
+#: A sampled check emits one as its sample begins (the fingerprint) and one as it ends (the
+#: unused parameters): each would otherwise split the batch of closed steps, two emissions more
+#: a sample.
+_UNORDERED = (Step, Fingerprint, Unused)
 #: How long a clean close polls the GPU for the last steps' CUDA marks (seconds).
 _CLOSE_WAIT_S = 2.0
 
@@ -389,12 +395,13 @@ class Monitor:
     def emit(self, record: Record) -> None:
         """Hand a record to the sink and to the live checks (never raises).
 
-        Closed steps waiting for their emission go first, so the log keeps its order. A process
+        Closed steps waiting for their emission go first, so the log keeps its order, except
+        before the records it reads in any order (``_UNORDERED``: a sampled check's). A process
         sample (the sampler's thread, every few seconds) takes them only once they have waited
         ``_STALE_NS``: a job paused between steps (evaluation, a checkpoint) then shows its last
         steps, while the steps of a running job are emitted by the training thread.
         """
-        if type(record) is not Step:
+        if type(record) not in _UNORDERED:
             recorder = getattr(self, "recorder", None)
             if (
                 recorder is not None

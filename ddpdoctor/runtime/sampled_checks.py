@@ -380,16 +380,18 @@ class SampledChecks:
             ddp.__dict__.pop("_post_forward", None)
         if not self._grad_ready:
             return
-        # per parameter, when its gradient arrived (µs from the step's start; None: not hooked, or
-        # no gradient), and the names of those hooked that got none: one pass, once a sample
-        t0 = sample.t0_mono_ns
+        # per parameter, when its gradient arrived (µs from the step's start, to 0.1 µs; None: not
+        # hooked, or no gradient), and the names of those hooked that got none: one pass, once a
+        # sample. In whole 100 ns units, rounded half up, then tenths: ``round(x, 1)`` goes through
+        # the float's decimal digits, 1-2 µs a parameter with cold caches (40 µs a sample of 18)
+        t0 = sample.t0_mono_ns - 50
         ready: list[float | None] = [None] * len(self.params)
         names = []
         for (i, name), t in zip(hooked, arrivals, strict=True):
             if t is None:
                 names.append(name)
             else:
-                ready[i] = round((t - t0) / 1000.0, 1)
+                ready[i] = (t - t0) // 100 / 10
         if hooked and len(names) == len(hooked):
             # no parameter of the model got a gradient: no backward ran between this forward and
             # the next (DDP all-reduces after the backward of its last forward), which says
