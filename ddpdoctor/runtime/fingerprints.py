@@ -14,6 +14,7 @@ event and read once the event has passed (``poll``), so taking one never blocks 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,7 @@ def float_values(tensors: list[torch.Tensor], sums_from: int = 0) -> torch.Tenso
     return torch.stack(norms + sums)
 
 
+_IS_CPU = operator.attrgetter("is_cpu")
 #: the integer a tensor's elements are read as, by element size (``tensor_bits``)
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MASK64 = (1 << 64) - 1
@@ -109,7 +111,7 @@ class Fingerprinter:
     def take(self, tensors: list[torch.Tensor], sums_from: int, meta: Any) -> None:
         """Fingerprint ``tensors``: a norm and the bits of each, a sum of each from ``sums_from``."""
         native = self._native
-        if native is not None and all(t.device.type == "cpu" for t in tensors):
+        if native is not None and all(map(_IS_CPU, tensors)):  # (``is_cpu``: no device object a tensor)
             norms, sums, folded = native(tensors, sums_from)
             self._deliver(meta, norms, sums, folded)
             return
