@@ -138,6 +138,20 @@ def test_build_step_hands_the_bytes_over_and_rejects_what_is_not_a_step(build_st
     assert record.b_bytes is step.nbytes  # handed over, as Python does: the step is closed
     with pytest.raises(AttributeError):
         build_step(object(), Step, 0, 0, "host")
+    # an OpenStep's slots are read at their offsets; a slot left unset reads as the attribute does
+    unset = _steps(5)[2]
+    del unset.fwd_end
+    with pytest.raises(AttributeError, match="fwd_end"):
+        build_step(unset, Step, 0, 0, "host")
+    # a class of another layout (here a subclass with a slot of its own) is read by name: the same record
+    sub = type("Sub", (OpenStep,), {"__slots__": ("extra",)})
+    for original in _steps(5):
+        other = sub(original.index, original.t0)
+        for name in OpenStep.__slots__:
+            setattr(other, name, getattr(original, name))
+        assert msgspec.json.encode(build_step(other, Step, 0, 0, "host")) == msgspec.json.encode(
+            build_step(original, Step, 0, 0, "host")
+        )
     step.ready = (1, 2)  # type: ignore[assignment]
     with pytest.raises(TypeError):
         build_step(step, Step, 0, 0, "host")

@@ -1511,23 +1511,116 @@ void rel_packed(int64_t t0, PyObject* packed, py::list* ready, py::list* launch,
   *latest = complete ? py::object(py::float_(top)) : py::object(py::none());
 }
 
+struct StepSlots {
+  PyTypeObject* cls = nullptr;  // strong
+  Py_ssize_t index, t0, t0_mono_ns, t0_wall_ns, micro, fwd_start, fwd_end, bcast, bcast_bytes, bwd_end, ready,
+      launch, done, nbytes, opt_start, opt_end, end, synced_forward, layout, comm_hook, all_marks, arrived,
+      done_seen, sync, packed;
+  ~StepSlots() {
+    Py_XDECREF(cls);
+  }
+};
+
+Py_ssize_t slot_offset(PyTypeObject* cls, const char* name) {
+  py::object d = py::reinterpret_steal<py::object>(PyObject_GetAttrString(reinterpret_cast<PyObject*>(cls), name));
+  if (!d) {
+    PyErr_Clear();  // (a refusal is a TypeError, whatever the class lacks: Python builds its steps then)
+    throw py::type_error(std::string("step_opener: no slot ") + name);
+  }
+  if (!Py_IS_TYPE(d.ptr(), &PyMemberDescr_Type)) {
+    throw py::type_error(std::string("step_opener: ") + name + " is not a slot");
+  }
+  PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(d.ptr())->d_member;
+  if (member->type != T_OBJECT_EX || (member->flags & READONLY) != 0) {
+    throw py::type_error(std::string("step_opener: ") + name + " is not a plain slot");
+  }
+  return member->offset;
+}
+
+// The slot offsets of ``cls`` (OpenStep): its slots must be exactly these, and it has no __dict__
+// (a TypeError otherwise).
+std::shared_ptr<StepSlots> step_slots(py::handle cls_handle) {
+  static const char* const kNames[] = {"index", "t0", "t0_mono_ns", "t0_wall_ns", "micro", "fwd_start", "fwd_end",
+                                       "bcast", "bcast_bytes", "bwd_end", "ready", "launch", "done", "nbytes",
+                                       "opt_start", "opt_end", "end", "synced_forward", "layout", "comm_hook",
+                                       "all_marks", "arrived", "done_seen", "sync", "packed"};
+  if (!PyType_Check(cls_handle.ptr())) {
+    throw py::type_error("step_opener: a class");
+  }
+  auto* cls = reinterpret_cast<PyTypeObject*>(cls_handle.ptr());
+  py::tuple slots = py::reinterpret_borrow<py::object>(cls_handle).attr("__slots__");
+  if (cls->tp_dictoffset != 0 || cls->tp_base != &PyBaseObject_Type ||
+      static_cast<size_t>(PyTuple_GET_SIZE(slots.ptr())) != std::size(kNames)) {
+    throw py::type_error("step_opener: not the OpenStep this extension knows");
+  }
+  auto s = std::make_shared<StepSlots>();
+  Py_ssize_t* out[] = {&s->index,     &s->t0,        &s->t0_mono_ns, &s->t0_wall_ns, &s->micro,     &s->fwd_start,
+                       &s->fwd_end,   &s->bcast,     &s->bcast_bytes, &s->bwd_end,   &s->ready,     &s->launch,
+                       &s->done,      &s->nbytes,    &s->opt_start,  &s->opt_end,    &s->end,       &s->synced_forward,
+                       &s->layout,    &s->comm_hook, &s->all_marks,  &s->arrived,    &s->done_seen, &s->sync,
+                       &s->packed};
+  for (size_t i = 0; i < std::size(kNames); ++i) {
+    *out[i] = slot_offset(cls, kNames[i]);
+  }
+  s->cls = reinterpret_cast<PyTypeObject*>(Py_NewRef(cls_handle.ptr()));
+  return s;
+}
+
+// The slots of each class whose steps ``build_step`` was given, found once a class: a step of the
+// OpenStep this extension knows is read at its slots' offsets, with no attribute lookup (through
+// the class's dictionary to its descriptor: a record's 18 reads, with the caches as cold as they
+// are in a batch of closed steps). Any other class (null here) is read by name.
+const StepSlots* known_slots(PyTypeObject* type) {
+  static std::vector<std::pair<PyTypeObject*, std::shared_ptr<StepSlots>>> seen;
+  for (const auto& [t, slots] : seen) {
+    if (t == type) {
+      return slots.get();
+    }
+  }
+  std::shared_ptr<StepSlots> slots;
+  try {
+    slots = step_slots(py::handle(reinterpret_cast<PyObject*>(type)));
+  } catch (py::error_already_set&) {
+    PyErr_Clear();  // not the OpenStep this extension knows: read by name
+  } catch (const py::type_error&) {
+  }
+  Py_INCREF(type);  // (kept with its entry, for the life of the process: one a class)
+  seen.emplace_back(type, slots);
+  return slots.get();
+}
+
 // The Step record of a closed OpenStep whose marks are host-clock ns: ``cls(...)`` with the
 // fields StepRecorder._emit_step gives it (its per-bucket lists: bytes handed over, not copied).
 py::object build_step(py::handle step, py::handle cls, py::handle rank, py::handle ddp, py::handle clock) {
   const StepNames& n = step_names();
   PyObject* s = step.ptr();
-  auto get = [s](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_GetAttr(s, name)); };
+  const StepSlots* slots = known_slots(Py_TYPE(s));
+  auto get = [s, slots](PyObject* name, Py_ssize_t StepSlots::*offset) {
+    if (slots == nullptr) {
+      return py::reinterpret_steal<py::object>(PyObject_GetAttr(s, name));
+    }
+    PyObject* value = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(s) + slots->*offset);
+    if (value == nullptr) {  // (an unset slot: as the attribute read raises)
+      PyErr_SetObject(PyExc_AttributeError, name);
+      return py::object();
+    }
+    return py::reinterpret_borrow<py::object>(value);
+  };
   auto must = [](const py::object& o) {
     if (!o) {
       throw py::error_already_set();
     }
     return o.ptr();
   };
-  py::object t0_obj = get(n.t0), fwd_start = get(n.fwd_start), fwd_end = get(n.fwd_end);
-  py::object bwd_end = get(n.bwd_end), opt_start = get(n.opt_start), opt_end = get(n.opt_end), end = get(n.end);
-  py::object bcast = get(n.bcast), ready = get(n.ready), launch = get(n.launch), done = get(n.done);
-  py::object nbytes = get(n.nbytes), index = get(n.index), t0_mono = get(n.t0_mono_ns), t0_wall = get(n.t0_wall_ns);
-  py::object micro = get(n.micro), bcast_bytes = get(n.bcast_bytes), packed = get(n.packed);
+  py::object t0_obj = get(n.t0, &StepSlots::t0), fwd_start = get(n.fwd_start, &StepSlots::fwd_start);
+  py::object fwd_end = get(n.fwd_end, &StepSlots::fwd_end), bwd_end = get(n.bwd_end, &StepSlots::bwd_end);
+  py::object opt_start = get(n.opt_start, &StepSlots::opt_start), opt_end = get(n.opt_end, &StepSlots::opt_end);
+  py::object end = get(n.end, &StepSlots::end), bcast = get(n.bcast, &StepSlots::bcast);
+  py::object ready = get(n.ready, &StepSlots::ready), launch = get(n.launch, &StepSlots::launch);
+  py::object done = get(n.done, &StepSlots::done), nbytes = get(n.nbytes, &StepSlots::nbytes);
+  py::object index = get(n.index, &StepSlots::index), t0_mono = get(n.t0_mono_ns, &StepSlots::t0_mono_ns);
+  py::object t0_wall = get(n.t0_wall_ns, &StepSlots::t0_wall_ns), micro = get(n.micro, &StepSlots::micro);
+  py::object bcast_bytes = get(n.bcast_bytes, &StepSlots::bcast_bytes), packed = get(n.packed, &StepSlots::packed);
   if (PyErr_Occurred()) {
     throw py::error_already_set();  // not an OpenStep
   }
@@ -1763,32 +1856,6 @@ PyMethodDef kTakeInto = {"take_into", reinterpret_cast<PyCFunction>(reinterpret_
 // CLOCK_REALTIME), plus ``offset`` (the tests' shifted clock, as clocks.mono_ns adds it).
 // ``tests/test_native_hook.py`` compares every slot with Python's.
 
-struct StepSlots {
-  PyTypeObject* cls = nullptr;  // strong
-  Py_ssize_t index, t0, t0_mono_ns, t0_wall_ns, micro, fwd_start, fwd_end, bcast, bcast_bytes, bwd_end, ready,
-      launch, done, nbytes, opt_start, opt_end, end, synced_forward, layout, comm_hook, all_marks, arrived,
-      done_seen, sync, packed;
-  ~StepSlots() {
-    Py_XDECREF(cls);
-  }
-};
-
-Py_ssize_t slot_offset(PyTypeObject* cls, const char* name) {
-  py::object d = py::reinterpret_steal<py::object>(PyObject_GetAttrString(reinterpret_cast<PyObject*>(cls), name));
-  if (!d) {
-    PyErr_Clear();  // (a refusal is a TypeError, whatever the class lacks: Python builds its steps then)
-    throw py::type_error(std::string("step_opener: no slot ") + name);
-  }
-  if (!Py_IS_TYPE(d.ptr(), &PyMemberDescr_Type)) {
-    throw py::type_error(std::string("step_opener: ") + name + " is not a slot");
-  }
-  PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(d.ptr())->d_member;
-  if (member->type != T_OBJECT_EX || (member->flags & READONLY) != 0) {
-    throw py::type_error(std::string("step_opener: ") + name + " is not a plain slot");
-  }
-  return member->offset;
-}
-
 // Sets a slot that holds NULL (a fresh object) to a new reference; ``value`` NULL: the error set.
 void put(PyObject* obj, Py_ssize_t offset, PyObject* value) {
   if (value == nullptr) {
@@ -1854,35 +1921,6 @@ PyMethodDef kOpenStep = {"open", reinterpret_cast<PyCFunction>(reinterpret_cast<
                          METH_FASTCALL,
                          "open(index, t0, offset, synced): a new OpenStep, as OpenStep(index, t0) builds it (with "
                          "fwd_start = t0 and synced_forward = True where synced)"};
-
-// The slot offsets of ``cls`` (OpenStep): its slots must be exactly these, and it has no __dict__
-// (a TypeError otherwise).
-std::shared_ptr<StepSlots> step_slots(py::handle cls_handle) {
-  static const char* const kNames[] = {"index", "t0", "t0_mono_ns", "t0_wall_ns", "micro", "fwd_start", "fwd_end",
-                                       "bcast", "bcast_bytes", "bwd_end", "ready", "launch", "done", "nbytes",
-                                       "opt_start", "opt_end", "end", "synced_forward", "layout", "comm_hook",
-                                       "all_marks", "arrived", "done_seen", "sync", "packed"};
-  if (!PyType_Check(cls_handle.ptr())) {
-    throw py::type_error("step_opener: a class");
-  }
-  auto* cls = reinterpret_cast<PyTypeObject*>(cls_handle.ptr());
-  py::tuple slots = py::reinterpret_borrow<py::object>(cls_handle).attr("__slots__");
-  if (cls->tp_dictoffset != 0 || cls->tp_base != &PyBaseObject_Type ||
-      static_cast<size_t>(PyTuple_GET_SIZE(slots.ptr())) != std::size(kNames)) {
-    throw py::type_error("step_opener: not the OpenStep this extension knows");
-  }
-  auto s = std::make_shared<StepSlots>();
-  Py_ssize_t* out[] = {&s->index,     &s->t0,        &s->t0_mono_ns, &s->t0_wall_ns, &s->micro,     &s->fwd_start,
-                       &s->fwd_end,   &s->bcast,     &s->bcast_bytes, &s->bwd_end,   &s->ready,     &s->launch,
-                       &s->done,      &s->nbytes,    &s->opt_start,  &s->opt_end,    &s->end,       &s->synced_forward,
-                       &s->layout,    &s->comm_hook, &s->all_marks,  &s->arrived,    &s->done_seen, &s->sync,
-                       &s->packed};
-  for (size_t i = 0; i < std::size(kNames); ++i) {
-    *out[i] = slot_offset(cls, kNames[i]);
-  }
-  s->cls = reinterpret_cast<PyTypeObject*>(Py_NewRef(cls_handle.ptr()));
-  return s;
-}
 
 // ``open(index, t0, offset, synced)`` for ``cls``: the step ``step_changer`` opens, built alone (its
 // test compares every slot with OpenStep.__init__'s).
