@@ -360,6 +360,121 @@ py::object int_column(const Entries& entries, int64_t Entry::*field, int64_t off
   return owned;
 }
 
+struct StepSlots {
+  PyTypeObject* cls = nullptr;  // strong
+  // (interned name, offset) of every slot: ``get_attr`` and ``set_attr`` find a slot by its name's
+  // pointer (the callers' names are interned too)
+  std::vector<std::pair<PyObject*, Py_ssize_t>> by_name;
+  Py_ssize_t index, t0, t0_mono_ns, t0_wall_ns, micro, fwd_start, fwd_end, bcast, bcast_bytes, bwd_end, ready,
+      launch, done, nbytes, opt_start, opt_end, end, synced_forward, layout, comm_hook, all_marks, arrived,
+      done_seen, sync, packed;
+  ~StepSlots() {
+    Py_XDECREF(cls);
+  }
+};
+
+Py_ssize_t slot_offset(PyTypeObject* cls, const char* name) {
+  py::object d = py::reinterpret_steal<py::object>(PyObject_GetAttrString(reinterpret_cast<PyObject*>(cls), name));
+  if (!d) {
+    PyErr_Clear();  // (a refusal is a TypeError, whatever the class lacks: Python builds its steps then)
+    throw py::type_error(std::string("step_opener: no slot ") + name);
+  }
+  if (!Py_IS_TYPE(d.ptr(), &PyMemberDescr_Type)) {
+    throw py::type_error(std::string("step_opener: ") + name + " is not a slot");
+  }
+  PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(d.ptr())->d_member;
+  if (member->type != T_OBJECT_EX || (member->flags & READONLY) != 0) {
+    throw py::type_error(std::string("step_opener: ") + name + " is not a plain slot");
+  }
+  return member->offset;
+}
+
+// The slot offsets of ``cls`` (OpenStep): its slots must be exactly these, and it has no __dict__
+// (a TypeError otherwise).
+std::shared_ptr<StepSlots> step_slots(py::handle cls_handle) {
+  static const char* const kNames[] = {"index", "t0", "t0_mono_ns", "t0_wall_ns", "micro", "fwd_start", "fwd_end",
+                                       "bcast", "bcast_bytes", "bwd_end", "ready", "launch", "done", "nbytes",
+                                       "opt_start", "opt_end", "end", "synced_forward", "layout", "comm_hook",
+                                       "all_marks", "arrived", "done_seen", "sync", "packed"};
+  if (!PyType_Check(cls_handle.ptr())) {
+    throw py::type_error("step_opener: a class");
+  }
+  auto* cls = reinterpret_cast<PyTypeObject*>(cls_handle.ptr());
+  py::tuple slots = py::reinterpret_borrow<py::object>(cls_handle).attr("__slots__");
+  if (cls->tp_dictoffset != 0 || cls->tp_base != &PyBaseObject_Type ||
+      static_cast<size_t>(PyTuple_GET_SIZE(slots.ptr())) != std::size(kNames)) {
+    throw py::type_error("step_opener: not the OpenStep this extension knows");
+  }
+  auto s = std::make_shared<StepSlots>();
+  Py_ssize_t* out[] = {&s->index,     &s->t0,        &s->t0_mono_ns, &s->t0_wall_ns, &s->micro,     &s->fwd_start,
+                       &s->fwd_end,   &s->bcast,     &s->bcast_bytes, &s->bwd_end,   &s->ready,     &s->launch,
+                       &s->done,      &s->nbytes,    &s->opt_start,  &s->opt_end,    &s->end,       &s->synced_forward,
+                       &s->layout,    &s->comm_hook, &s->all_marks,  &s->arrived,    &s->done_seen, &s->sync,
+                       &s->packed};
+  for (size_t i = 0; i < std::size(kNames); ++i) {
+    *out[i] = slot_offset(cls, kNames[i]);
+    s->by_name.emplace_back(PyUnicode_InternFromString(kNames[i]), *out[i]);  // (interned: kept for good)
+  }
+  s->cls = reinterpret_cast<PyTypeObject*>(Py_NewRef(cls_handle.ptr()));
+  return s;
+}
+
+// The slots of each class whose steps ``build_step`` was given, found once a class: a step of the
+// OpenStep this extension knows is read at its slots' offsets, with no attribute lookup (through
+// the class's dictionary to its descriptor: a record's 18 reads, with the caches as cold as they
+// are in a batch of closed steps). Any other class (null here) is read by name.
+const StepSlots* known_slots(PyTypeObject* type) {
+  static std::vector<std::pair<PyTypeObject*, std::shared_ptr<StepSlots>>> seen;
+  for (const auto& [t, slots] : seen) {
+    if (t == type) {
+      return slots.get();
+    }
+  }
+  std::shared_ptr<StepSlots> slots;
+  try {
+    slots = step_slots(py::handle(reinterpret_cast<PyObject*>(type)));
+  } catch (py::error_already_set&) {
+    PyErr_Clear();  // not the OpenStep this extension knows: read by name
+  } catch (const py::type_error&) {
+  }
+  Py_INCREF(type);  // (kept with its entry, for the life of the process: one a class)
+  seen.emplace_back(type, slots);
+  return slots.get();
+}
+
+// Where ``obj``'s slot ``name`` (interned) is, when ``obj`` is of the OpenStep this extension knows;
+// null otherwise (read and set by name then).
+PyObject** slot_of(PyObject* obj, PyObject* name) {
+  const StepSlots* slots = known_slots(Py_TYPE(obj));
+  if (slots == nullptr) {
+    return nullptr;
+  }
+  for (const auto& [n, offset] : slots->by_name) {
+    if (n == name) {
+      return reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
+    }
+  }
+  return nullptr;
+}
+
+// ``step.<name>`` (a new reference; an unset slot raises AttributeError, as the read by name does).
+// An OpenStep's slot is read at its offset: the change of step and the record's build run with
+// cold caches, where a read by name goes through the class's dictionary to a descriptor.
+py::object get_attr(py::handle step, PyObject* name) {
+  if (PyObject** slot = slot_of(step.ptr(), name)) {
+    if (*slot == nullptr) {
+      PyErr_SetObject(PyExc_AttributeError, name);
+      throw py::error_already_set();
+    }
+    return py::reinterpret_borrow<py::object>(*slot);
+  }
+  py::object value = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), name));
+  if (!value) {
+    throw py::error_already_set();
+  }
+  return value;
+}
+
 // The ring's entries of the last backward, taken for ``step``, with what drain_into and
 // drain_packed decide by: whether they are in index order, and the step's ready list as it is.
 struct Taken {
@@ -374,16 +489,22 @@ Taken take_for(Ring& ring, py::handle step) {
   Taken t;
   t.backward_end = ring.take(t.entries);
   t.in_order = in_index_order(t.entries);
-  t.ready = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), ready_name));
-  if (!t.ready) {
-    throw py::error_already_set();
-  }
+  t.ready = get_attr(step, ready_name);
   return t;
 }
 
 // ``step.<name> = value`` (``value`` NULL: the error set).
 void set_attr(py::handle step, PyObject* name, PyObject* value) {
-  if (value == nullptr || PyObject_SetAttr(step.ptr(), name, value) != 0) {
+  if (value == nullptr) {
+    throw py::error_already_set();
+  }
+  if (PyObject** slot = slot_of(step.ptr(), name)) {  // (an OpenStep's: at its offset, as get_attr)
+    PyObject* old = *slot;
+    *slot = Py_NewRef(value);
+    Py_XDECREF(old);
+    return;
+  }
+  if (PyObject_SetAttr(step.ptr(), name, value) != 0) {
     throw py::error_already_set();
   }
 }
@@ -394,10 +515,7 @@ void set_backward_end(py::handle step, int64_t backward_end, int64_t offset) {
   if (backward_end == 0) {
     return;
   }
-  py::object current = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), bwd_end_name));
-  if (!current) {
-    throw py::error_already_set();
-  }
+  py::object current = get_attr(step, bwd_end_name);
   if (current.is_none()) {
     set_attr(step, bwd_end_name, py::int_(backward_end + offset).ptr());
   }
@@ -572,13 +690,7 @@ class OptimizerStamps {
     Events events;
     const size_t n = take_events(events);
     if (n >= 2 && !step.is_none()) {
-      auto get = [&step](PyObject* name) {
-        py::object value = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), name));
-        if (!value) {
-          throw py::error_already_set();
-        }
-        return value;
-      };
+      auto get = [&step](PyObject* name) { return get_attr(step, name); };
       int64_t first_ready = 0;
       const bool any = earliest_ready(get(ready_name), get(packed_name), &first_ready);
       if (any && get(start_name).is_none() && get(end_name).is_none()) {
@@ -596,10 +708,8 @@ class OptimizerStamps {
         if (i < n && events[i].first && j < n) {
           py::int_ start(events[i].second + offset);
           py::int_ end(events[j].second + offset);
-          if (PyObject_SetAttr(step.ptr(), start_name, start.ptr()) != 0 ||
-              PyObject_SetAttr(step.ptr(), end_name, end.ptr()) != 0) {
-            throw py::error_already_set();
-          }
+          set_attr(step, start_name, start.ptr());
+          set_attr(step, end_name, end.ptr());
           return py::none();
         }
       }
@@ -1511,84 +1621,6 @@ void rel_packed(int64_t t0, PyObject* packed, py::list* ready, py::list* launch,
   *latest = complete ? py::object(py::float_(top)) : py::object(py::none());
 }
 
-struct StepSlots {
-  PyTypeObject* cls = nullptr;  // strong
-  Py_ssize_t index, t0, t0_mono_ns, t0_wall_ns, micro, fwd_start, fwd_end, bcast, bcast_bytes, bwd_end, ready,
-      launch, done, nbytes, opt_start, opt_end, end, synced_forward, layout, comm_hook, all_marks, arrived,
-      done_seen, sync, packed;
-  ~StepSlots() {
-    Py_XDECREF(cls);
-  }
-};
-
-Py_ssize_t slot_offset(PyTypeObject* cls, const char* name) {
-  py::object d = py::reinterpret_steal<py::object>(PyObject_GetAttrString(reinterpret_cast<PyObject*>(cls), name));
-  if (!d) {
-    PyErr_Clear();  // (a refusal is a TypeError, whatever the class lacks: Python builds its steps then)
-    throw py::type_error(std::string("step_opener: no slot ") + name);
-  }
-  if (!Py_IS_TYPE(d.ptr(), &PyMemberDescr_Type)) {
-    throw py::type_error(std::string("step_opener: ") + name + " is not a slot");
-  }
-  PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(d.ptr())->d_member;
-  if (member->type != T_OBJECT_EX || (member->flags & READONLY) != 0) {
-    throw py::type_error(std::string("step_opener: ") + name + " is not a plain slot");
-  }
-  return member->offset;
-}
-
-// The slot offsets of ``cls`` (OpenStep): its slots must be exactly these, and it has no __dict__
-// (a TypeError otherwise).
-std::shared_ptr<StepSlots> step_slots(py::handle cls_handle) {
-  static const char* const kNames[] = {"index", "t0", "t0_mono_ns", "t0_wall_ns", "micro", "fwd_start", "fwd_end",
-                                       "bcast", "bcast_bytes", "bwd_end", "ready", "launch", "done", "nbytes",
-                                       "opt_start", "opt_end", "end", "synced_forward", "layout", "comm_hook",
-                                       "all_marks", "arrived", "done_seen", "sync", "packed"};
-  if (!PyType_Check(cls_handle.ptr())) {
-    throw py::type_error("step_opener: a class");
-  }
-  auto* cls = reinterpret_cast<PyTypeObject*>(cls_handle.ptr());
-  py::tuple slots = py::reinterpret_borrow<py::object>(cls_handle).attr("__slots__");
-  if (cls->tp_dictoffset != 0 || cls->tp_base != &PyBaseObject_Type ||
-      static_cast<size_t>(PyTuple_GET_SIZE(slots.ptr())) != std::size(kNames)) {
-    throw py::type_error("step_opener: not the OpenStep this extension knows");
-  }
-  auto s = std::make_shared<StepSlots>();
-  Py_ssize_t* out[] = {&s->index,     &s->t0,        &s->t0_mono_ns, &s->t0_wall_ns, &s->micro,     &s->fwd_start,
-                       &s->fwd_end,   &s->bcast,     &s->bcast_bytes, &s->bwd_end,   &s->ready,     &s->launch,
-                       &s->done,      &s->nbytes,    &s->opt_start,  &s->opt_end,    &s->end,       &s->synced_forward,
-                       &s->layout,    &s->comm_hook, &s->all_marks,  &s->arrived,    &s->done_seen, &s->sync,
-                       &s->packed};
-  for (size_t i = 0; i < std::size(kNames); ++i) {
-    *out[i] = slot_offset(cls, kNames[i]);
-  }
-  s->cls = reinterpret_cast<PyTypeObject*>(Py_NewRef(cls_handle.ptr()));
-  return s;
-}
-
-// The slots of each class whose steps ``build_step`` was given, found once a class: a step of the
-// OpenStep this extension knows is read at its slots' offsets, with no attribute lookup (through
-// the class's dictionary to its descriptor: a record's 18 reads, with the caches as cold as they
-// are in a batch of closed steps). Any other class (null here) is read by name.
-const StepSlots* known_slots(PyTypeObject* type) {
-  static std::vector<std::pair<PyTypeObject*, std::shared_ptr<StepSlots>>> seen;
-  for (const auto& [t, slots] : seen) {
-    if (t == type) {
-      return slots.get();
-    }
-  }
-  std::shared_ptr<StepSlots> slots;
-  try {
-    slots = step_slots(py::handle(reinterpret_cast<PyObject*>(type)));
-  } catch (py::error_already_set&) {
-    PyErr_Clear();  // not the OpenStep this extension knows: read by name
-  } catch (const py::type_error&) {
-  }
-  Py_INCREF(type);  // (kept with its entry, for the life of the process: one a class)
-  seen.emplace_back(type, slots);
-  return slots.get();
-}
-
 // The Step record of a closed OpenStep whose marks are host-clock ns: ``cls(...)`` with the
 // fields StepRecorder._emit_step gives it (its per-bucket lists: bytes handed over, not copied).
 py::object build_step(py::handle step, py::handle cls, py::handle rank, py::handle ddp, py::handle clock) {
@@ -1962,15 +1994,9 @@ PyObject* raw_change_step(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     if (!events.is_none()) {
       return events;
     }
-    py::object start = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), start_name));
-    if (!start) {
-      throw py::error_already_set();
-    }
+    py::object start = get_attr(step, start_name);
     if (!start.is_none()) {  // (StepRecorder.forward_start's rule for a closure's optimizer step)
-      py::object end = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), end_name));
-      if (!end) {
-        throw py::error_already_set();
-      }
+      py::object end = get_attr(step, end_name);
       if (end.is_none()) {
         set_attr(step, start_name, Py_None);
       }
