@@ -13,10 +13,10 @@ import random
 import struct
 from typing import Any
 
-import msgspec
 import pytest
 
 from ddpdoctor.events import Step
+from ddpdoctor.events.codec import encode
 from ddpdoctor.runtime import native_hook
 from ddpdoctor.runtime.clocks import HostClock
 from ddpdoctor.runtime.step_recorder import PACKED_NONE, OpenStep, StepRecorder
@@ -87,7 +87,7 @@ def test_build_step_equals_the_python_record(build_step: Any, seed: int) -> None
     for a, b in zip(got, expected, strict=True):
         # the encoded lines too: a float that differs in its last bit, or an int passed as a
         # float, shows there
-        assert msgspec.json.encode(a) == msgspec.json.encode(b), (a, b)
+        assert encode(a) == encode(b), (a, b)
         assert a == b
     # the shapes the steps took (so the comparison covered them)
     assert any(s.bcast_us is not None for s in got) and any(s.sync_end_us is None and s.b_done_us for s in got)
@@ -121,7 +121,7 @@ def test_packed_marks_build_the_record_their_lists_build(build_step: Any, seed: 
     native = StepRecorder(3, 1, lambda r: None, HostClock())
     native.build_step = build_step
     for a, b in zip(_built(native, packed), expected, strict=True):
-        assert msgspec.json.encode(a) == msgspec.json.encode(b), (a, b)
+        assert encode(a) == encode(b), (a, b)
     # without build_step, the lists are unpacked and Python builds the same record
     again = [s for s in _steps(seed) if _packed(s)]
     assert _built(StepRecorder(3, 1, lambda r: None, HostClock()), again) == expected
@@ -149,12 +149,102 @@ def test_build_step_hands_the_bytes_over_and_rejects_what_is_not_a_step(build_st
         other = sub(original.index, original.t0)
         for name in OpenStep.__slots__:
             setattr(other, name, getattr(original, name))
-        assert msgspec.json.encode(build_step(other, Step, 0, 0, "host")) == msgspec.json.encode(
+        assert encode(build_step(other, Step, 0, 0, "host")) == encode(
             build_step(original, Step, 0, 0, "host")
         )
     step.ready = (1, 2)  # type: ignore[assignment]
     with pytest.raises(TypeError):
         build_step(step, Step, 0, 0, "host")
+
+
+def test_a_column_reads_as_its_list_and_encodes_as_it(build_step: Any) -> None:
+    """The bucket columns built in C++ are Columns (one object of doubles), read as the list they
+    stand for, and are written as it: the codec's line equals the one of the record with lists."""
+    import collections.abc
+    import copy
+    import pickle
+
+    step = OpenStep(3, 1_000)
+    step.t0_mono_ns, step.t0_wall_ns = 1_000, 5
+    step.ready, step.launch, step.done = [2_000, None, 4_500], [2_100, None, 4_600], [3_000, None, 7_000]
+    step.nbytes = [8, 8, 8]
+    record = build_step(step, Step, 0, 0, "host")
+    column = record.b_ready_us
+    assert type(column) is not list and type(column).__name__ == "Column"
+    assert isinstance(column, collections.abc.Sequence)
+    as_list = [1.0, None, 3.5]
+    assert column == as_list and as_list == column and not (column != as_list) and column != [1.0, None]
+    assert column != (1.0, None, 3.5)  # (as a list is not equal to a tuple)
+    assert len(column) == 3 and bool(column) and list(column) == as_list and column.tolist() == as_list
+    assert (column[0], column[1], column[-1], column[0:2], column[::-1]) == (1.0, None, 3.5, [1.0, None], [3.5, None, 1.0])
+    assert None in column and 3.5 in column and 2.0 not in column and 3 not in column
+    assert [0.5] + column == [0.5, 1.0, None, 3.5] and column + [9.0] == [1.0, None, 3.5, 9.0]
+    assert repr(column) == repr(as_list) and sorted(t for t in column if t is not None) == [1.0, 3.5]
+    assert copy.copy(column) is column and copy.deepcopy(column) is column  # read-only
+    assert pickle.loads(pickle.dumps(column)) == as_list  # a pickle is its list
+    for bad, error in ((3, IndexError), (-4, IndexError), ("a", TypeError)):
+        with pytest.raises(error):
+            column[bad]  # noqa: B018 - the read is what is tested
+    with pytest.raises(TypeError):
+        hash(column)
+    with pytest.raises(TypeError):
+        type(column)()
+    plain = record.with_lists()
+    assert all(type(c) is list for c in (plain.b_ready_us, plain.b_launch_us, plain.b_done_us)) and plain == record
+    assert plain.with_lists() is plain
+    assert encode(record) == encode(plain) and b'"b_done_us":[2.0,null,6.0]' in encode(record)
+    # a step without buckets: empty lists, left out of the line as the default is
+    bare = build_step(OpenStep(4, 1_000), Step, 0, 0, "host")
+    assert bare.b_ready_us == [] and type(bare.b_ready_us) is list and b"b_ready_us" not in encode(bare)
+
+
+class _UsersSink:
+    """A sink of the user's: encodes each record with msgspec's own encoder, as it may."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+        self.columns: set[type] = set()
+
+    def emit(self, record: Any) -> None:
+        import msgspec
+
+        if isinstance(record, Step):
+            self.columns |= {type(record.b_ready_us), type(record.b_launch_us), type(record.b_done_us)}
+        self.lines.append(msgspec.json.encode(record))
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        pass
+
+
+def _users_sink(rank: int, world_size: int) -> dict[str, Any]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpdoctor
+    from tests.models import make_model
+    from tests.runtime_workers import BUCKET_CAP_MB, train
+
+    torch.manual_seed(0)
+    sink = _UsersSink()
+    ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
+    monitor = ddpdoctor.instrument(ddp, sink=sink)  # type: ignore[arg-type]
+    native = monitor.recorder.build_step is not None
+    train(ddp, rank, steps=6)
+    monitor.close()
+    steps = [line for line in sink.lines if line.startswith(b'{"kind":"step"')]
+    return {"native": native, "columns": sorted(t.__name__ for t in sink.columns), "steps": len(steps)}
+
+
+def test_a_sink_of_the_users_gets_lists_it_can_encode(build_step: Any) -> None:
+    """On the native route, a sink that is not ddpdoctor's gets every step record with list
+    columns (``sinks.plain_columns``): msgspec's own encoder takes them."""
+    from tests.ddp_harness import run_ranks
+
+    for r in run_ranks(_users_sink, 2, timeout=240):
+        assert r["native"] and r["steps"] == 6 and r["columns"] == ["list"], r
 
 
 def _route_checks(rank: int, world_size: int) -> dict[str, Any]:
@@ -186,8 +276,8 @@ def _route_checks(rank: int, world_size: int) -> dict[str, Any]:
         monitor.recorder.build_step = both
     train(ddp, rank, steps=7)
     monitor.close()
-    got = [msgspec.json.encode(r) for r in sink.records if isinstance(r, Step)]
-    expected = [msgspec.json.encode(r) for r in shadow if isinstance(r, Step)]
+    got = [encode(r) for r in sink.records if isinstance(r, Step)]
+    expected = [encode(r) for r in shadow if isinstance(r, Step)]
     os.environ["DDPDOCTOR_NATIVE"] = "0"
     other = ddpdoctor.instrument(DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB), sink=MemorySink())
     python_route = other.recorder.build_step is None

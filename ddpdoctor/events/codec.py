@@ -6,7 +6,18 @@ import msgspec
 
 from ddpdoctor.events.schema import Record
 
-_encoder = msgspec.json.Encoder()
+
+
+def _as_list(obj: object) -> list[object]:
+    """A record's bucket column built by the native extension (``Column``: doubles, not a float
+    object a bucket) as the list it stands for; msgspec asks for the types it does not know."""
+    tolist = getattr(type(obj), "tolist", None)
+    if tolist is None:
+        raise NotImplementedError(f"ddpdoctor cannot encode {type(obj).__name__}")
+    return list(tolist(obj))
+
+
+_encoder = msgspec.json.Encoder(enc_hook=_as_list)
 _decoder: msgspec.json.Decoder[Record] = msgspec.json.Decoder(Record)
 
 

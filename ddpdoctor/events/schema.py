@@ -156,6 +156,18 @@ class Step(_Record, tag="step", kw_only=True):
     b_last_ready_us: float | None = None  # latest bucket ready
     b_bytes_total: int = 0
 
+    def with_lists(self) -> Step:
+        """This record with its bucket columns as lists. A record built by the native extension
+        holds them as ``Column``s (read-only sequences of doubles, None where a bucket was not
+        seen: one object a column, not a float object a bucket), which read as lists do and which
+        ``events.codec`` encodes as lists; msgspec's own encoder, ``json`` and code that mutates a
+        column want the lists (``sinks.with_lists`` hands them to a sink that is not
+        ddpdoctor's)."""
+        ready, launch, done = self.b_ready_us, self.b_launch_us, self.b_done_us
+        if type(ready) is list and type(launch) is list and type(done) is list:
+            return self
+        return msgspec.structs.replace(self, b_ready_us=list(ready), b_launch_us=list(launch), b_done_us=list(done))
+
     def ready_span_us(self) -> tuple[float, float] | None:
         """(earliest, latest) bucket ready, from the arrays or a window row; None without any."""
         if self.summary:

@@ -35,6 +35,7 @@ from ddpdoctor.runtime.services import services
 from ddpdoctor.runtime.step_recorder import BATCH_NS, BATCH_STEPS, OpenStep, StepRecorder, unpack_marks
 from ddpdoctor.sinks import FileSink, NullSink, Sink, SinkError
 from ddpdoctor.sinks.file import log_mode
+from ddpdoctor.sinks.plain_columns import with_lists
 from ddpdoctor.sinks.tcp import ENDPOINT_ENV, stream_tee
 
 _perf_ns = time.perf_counter_ns  # own_ns accounting: one lookup less per call on the hot path
@@ -105,7 +106,8 @@ class Monitor:
         self.hang_timeout = watchdog.hang_timeout_from_env(opts.hang_timeout)
         device = getattr(ddp, "device", torch.device("cpu"))
         self._cuda = device.type == "cuda" if opts.cuda_timing is None else bool(opts.cuda_timing)
-        self.sink: Sink = opts.sink if opts.sink is not None else self._open_file_sink(opts.run_dir)
+        # (a sink of the user's gets the records' bucket columns as lists: ``sinks.plain_columns``)
+        self.sink: Sink = with_lists(opts.sink) if opts.sink is not None else self._open_file_sink(opts.run_dir)
         try:
             # the stream is a copy beside the sink (the local file stays the source of truth)
             endpoint = opts.endpoint

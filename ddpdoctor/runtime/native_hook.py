@@ -34,6 +34,7 @@ builds and loads; otherwise the Python comm hook does (``comm_hook.timed_hook``)
 
 from __future__ import annotations
 
+import collections.abc
 import importlib.util
 import os
 import subprocess
@@ -196,6 +197,9 @@ def _import(name: str, so: Path) -> ModuleType:
         raise NativeUnavailable(f"cannot load {so}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    column = getattr(module, "Column", None)
+    if column is not None:  # (a step record's bucket column reads as a list: a Sequence)
+        collections.abc.Sequence.register(column)
     return module
 
 
