@@ -149,9 +149,7 @@ def test_build_step_hands_the_bytes_over_and_rejects_what_is_not_a_step(build_st
         other = sub(original.index, original.t0)
         for name in OpenStep.__slots__:
             setattr(other, name, getattr(original, name))
-        assert encode(build_step(other, Step, 0, 0, "host")) == encode(
-            build_step(original, Step, 0, 0, "host")
-        )
+        assert encode(build_step(other, Step, 0, 0, "host")) == encode(build_step(original, Step, 0, 0, "host"))
     step.ready = (1, 2)  # type: ignore[assignment]
     with pytest.raises(TypeError):
         build_step(step, Step, 0, 0, "host")
@@ -173,10 +171,16 @@ def test_a_column_reads_as_its_list_and_encodes_as_it(build_step: Any) -> None:
     assert type(column) is not list and type(column).__name__ == "Column"
     assert isinstance(column, collections.abc.Sequence)
     as_list = [1.0, None, 3.5]
-    assert column == as_list and as_list == column and not (column != as_list) and column != [1.0, None]
+    assert column == as_list and as_list == column and (column != as_list) is False and column != [1.0, None]
     assert column != (1.0, None, 3.5)  # (as a list is not equal to a tuple)
     assert len(column) == 3 and bool(column) and list(column) == as_list and column.tolist() == as_list
-    assert (column[0], column[1], column[-1], column[0:2], column[::-1]) == (1.0, None, 3.5, [1.0, None], [3.5, None, 1.0])
+    assert (column[0], column[1], column[-1], column[0:2], column[::-1]) == (
+        1.0,
+        None,
+        3.5,
+        [1.0, None],
+        [3.5, None, 1.0],
+    )
     assert None in column and 3.5 in column and 2.0 not in column and 3 not in column
     assert [0.5] + column == [0.5, 1.0, None, 3.5] and column + [9.0] == [1.0, None, 3.5, 9.0]
     assert repr(column) == repr(as_list) and sorted(t for t in column if t is not None) == [1.0, 3.5]
@@ -184,7 +188,7 @@ def test_a_column_reads_as_its_list_and_encodes_as_it(build_step: Any) -> None:
     assert pickle.loads(pickle.dumps(column)) == as_list  # a pickle is its list
     for bad, error in ((3, IndexError), (-4, IndexError), ("a", TypeError)):
         with pytest.raises(error):
-            column[bad]  # noqa: B018 - the read is what is tested
+            column[bad]
     with pytest.raises(TypeError):
         hash(column)
     with pytest.raises(TypeError):

@@ -7,7 +7,6 @@ import msgspec
 from ddpdoctor.events.schema import Record
 
 
-
 def _as_list(obj: object) -> list[object]:
     """A record's bucket column built by the native extension (``Column``: doubles, not a float
     object a bucket) as the list it stands for; msgspec asks for the types it does not know."""
