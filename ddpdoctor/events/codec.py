@@ -13,7 +13,7 @@ def _as_list(obj: object) -> list[object]:
     tolist = getattr(type(obj), "tolist", None)
     if tolist is None:
         raise NotImplementedError(f"ddpdoctor cannot encode {type(obj).__name__}")
-    return list(tolist(obj))
+    return tolist(obj)  # type: ignore[no-any-return]
 
 
 _encoder = msgspec.json.Encoder(enc_hook=_as_list)
