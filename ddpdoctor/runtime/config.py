@@ -21,7 +21,9 @@ class Options:
     Attributes:
         run_dir: directory shared by all ranks' files. Default: ``$DDPDOCTOR_RUN_DIR``, else a new
             ``ddpdoctor-runs/<time>-<id>`` agreed with rank 0 through the rendezvous store.
-        sink: where records go instead of the run dir (``MemorySink`` in tests, ``NullSink``).
+        sink: where records go instead of the run dir (``MemorySink`` in tests, ``NullSink``). A
+            sink that is not ddpdoctor's gets step records with list columns; ddpdoctor's own
+            may get the native extension's ``Column``s (``Step.with_lists``).
         proc_interval: seconds between process statistics samples (CPU %, RSS, device memory).
         cuda_timing: time with CUDA events; default: when the model is on a CUDA device.
         check_every: interval, in steps, of the sampled checks (parameter and buffer fingerprints
