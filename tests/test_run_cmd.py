@@ -201,9 +201,27 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Futu
                 continue  # its test skips
             folder = root / name
             folder.mkdir()
-            started[name] = (folder, pool.submit(ddpdoctor_run, folder, cmd(folder), *options, timeout=timeout))
+            started[name] = (folder, pool.submit(_run_job, folder, cmd, options, timeout))
         wait([job for _, job in started.values()])  # the module's other tests run on a quiet machine
     return started
+
+
+def _run_job(
+    folder: Path, cmd: Callable[[Path], list[str]], options: tuple[str, ...], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """A job of ``JOBS``, its command line (torchrun's free port) made as it starts, not as it is
+    queued: a port picked while other jobs run may be taken by their connections before this one
+    binds it (EADDRINUSE). Where it was all the same, the job runs again, once, in a clean
+    folder, on another port: nothing of it ran."""
+    proc = ddpdoctor_run(folder, cmd(folder), *options, timeout=timeout)
+    if proc.returncode != 0 and "EADDRINUSE" in proc.stderr:
+        for entry in folder.iterdir():
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        proc = ddpdoctor_run(folder, cmd(folder), *options, timeout=timeout)
+    return proc
 
 
 def _job(jobs: dict[str, tuple[Path, Future[Any]]], name: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
