@@ -161,8 +161,8 @@ class Step(_Record, tag="step", kw_only=True):
         holds them as ``Column``s (read-only sequences of doubles, None where a bucket was not
         seen: one object a column, not a float object a bucket), which read as lists do and which
         ``events.codec`` encodes as lists; msgspec's own encoder, ``json`` and code that mutates a
-        column want the lists (``sinks.with_lists`` hands them to a sink that is not
-        ddpdoctor's)."""
+        column want the lists (``sinks.plain_columns`` hands them to a sink that
+        is not ddpdoctor's)."""
         ready, launch, done = self.b_ready_us, self.b_launch_us, self.b_done_us
         if type(ready) is list and type(launch) is list and type(done) is list:
             return self

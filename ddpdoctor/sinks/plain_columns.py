@@ -15,7 +15,7 @@ from ddpdoctor.sinks.base import Sink
 
 
 def _ours(sink: object) -> bool:
-    return type(sink).__module__.partition(".")[0] == "ddpdoctor"
+    return isinstance(sink, Sink) and type(sink).__module__.partition(".")[0] == "ddpdoctor"
 
 
 class PlainColumns(Sink):
@@ -43,5 +43,6 @@ class PlainColumns(Sink):
 
 
 def with_lists(sink: Sink) -> Sink:
-    """``sink`` itself when it is ddpdoctor's, else wrapped in ``PlainColumns``."""
+    """``sink`` itself when it is ddpdoctor's (a ``Sink``: it has ``emit_many``), else wrapped in
+    ``PlainColumns``."""
     return sink if _ours(sink) else PlainColumns(sink)

@@ -1580,7 +1580,7 @@ inline ColumnObject* as_column(PyObject* self) {
 }
 
 // A new Column of ``n`` values (left for the caller to fill). An empty column is an empty list
-// instead : msgspec leaves a field out when it is the default's empty list.
+// instead: msgspec leaves a field out when it is the default's empty list.
 ColumnObject* new_column(Py_ssize_t n) {
   ColumnObject* c = PyObject_NewVar(ColumnObject, column_type, n);
   if (c == nullptr) {
@@ -1794,7 +1794,7 @@ py::object rel_column(int64_t t0, PyObject* marks, py::object* latest) {
   }
   ColumnObject* column = new_column(n);
   py::object out = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(column));
-  bool complete = n > 0;
+  bool complete = true;  // (n > 0: an empty column returned above)
   double top = 0.0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* mark = PyList_GET_ITEM(marks, i);
@@ -1831,7 +1831,7 @@ void rel_packed(int64_t t0, PyObject* packed, py::object* ready, py::object* lau
     *latest = py::none();
     return;
   }
-  bool complete = n > 0;
+  bool complete = true;  // (n > 0: an empty column returned above)
   double top = 0.0;
   for (Py_ssize_t f = 0; f < kPackedFields; ++f) {
     ColumnObject* column = new_column(n);
