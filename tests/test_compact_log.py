@@ -106,6 +106,22 @@ def test_incidents_keep_the_steps_around_them_in_full(tmp_path: Path) -> None:
     assert not log.steps[420].summary and log.steps[420].b_ready_us  # per-bucket detail where it happened
 
 
+def test_a_step_after_a_gap_in_the_step_numbers_is_kept(tmp_path: Path) -> None:
+    """A step whose number does not follow the last one's (a step the runtime never closed) closes
+    the window before it and starts the next: it must not be lost between the two."""
+    from bench.synth import rank_records
+
+    gone = {60, 130, 131}
+
+    def records(rank: int) -> Any:
+        return (r for r in rank_records(rank, 1, 300) if not (isinstance(r, Step) and r.step in gone))
+
+    _write(tmp_path, records, 1, "compact")
+    log = load_run(tmp_path).ranks[0]
+    assert [s.step for s in log.steps] == [i for i in range(300) if i not in gone]
+    assert {61, 132} - set(_full_steps(tmp_path / rank_file_name(0)))  # rows of a window, not full records
+
+
 def test_log_mode_full_writes_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(LOG_MODE_ENV, "full")
     sink = FileSink(tmp_path / rank_file_name(0))

@@ -29,10 +29,10 @@ phase.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Sequence
 
 from ddpdoctor.events import (
     FindingRecord,
@@ -48,7 +48,7 @@ from ddpdoctor.events import (
     Unused,
     Window,
 )
-from ddpdoctor.events.schedule import DEFAULT_EVERY, is_sampled
+from ddpdoctor.events.schedule import DEFAULT_EVERY, DENSE_AT_LEAST
 
 FIRST_FULL = 8
 #: Steps written in full before and after something happens. Eight and eight wrote 163-182 bytes a
@@ -76,87 +76,129 @@ _INCIDENT = (FindingRecord, Hang, GradFlags, ProbeOff)
 
 _Key = tuple[int, int, int, str, int]
 
+#: A step's values the phases are worked out from, in one C call (the writer runs this at every step)
+_MARKS = operator.attrgetter(
+    "end_us", "fwd_start_us", "fwd_us", "fwd_end_us", "bwd_end_us", "sync_end_us", "opt_start_us", "opt_end_us"
+)
+#: A window row's values, in one C call a row; ``zip(*...)`` turns the rows into columns
+_ROW = operator.attrgetter(
+    "t0_mono_ns",
+    "t0_wall_ns",
+    "micro",
+    "fwd_start_us",
+    "fwd_us",
+    "bcast_start_us",
+    "bcast_us",
+    "fwd_end_us",
+    "bwd_end_us",
+    "sync_end_us",
+    "opt_start_us",
+    "opt_end_us",
+    "end_us",
+    "b_ready_us",
+)
+
 
 def _key(s: Step) -> _Key:
     """What every row of a window shares."""
-    # filter(None, ...) drops None (a bucket not seen) and 0, which adds nothing: the same sum,
-    # without a Python-level generator per step (the writer runs this at every step)
+    # filter(None, ...) drops None (a bucket not seen) and 0, which adds nothing: the same sum
     return (len(s.b_ready_us), sum(filter(None, s.b_bytes)), s.bcast_bytes, s.clock, s.ddp)
 
 
-def _diff(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else b - a
-
-
 def _phases(s: Step) -> tuple[float | None, ...]:
-    """The durations judged against their running medians (µs)."""
+    """The durations judged against their running medians (µs): the step, the data wait, the
+    forward, the backward after it, the wait after the backward, the optimizer step."""
+    end, fwd_start, fwd, fwd_end, bwd_end, sync_end, opt_start, opt_end = _MARKS(s)
     return (
-        s.end_us,
-        s.fwd_start_us,
-        s.fwd_us,
-        _diff(s.fwd_end_us, s.bwd_end_us),
-        _diff(s.bwd_end_us, s.sync_end_us),
-        _diff(s.opt_start_us, s.opt_end_us),
+        end,
+        fwd_start,
+        fwd,
+        None if fwd_end is None or bwd_end is None else bwd_end - fwd_end,
+        None if bwd_end is None or sync_end is None else sync_end - bwd_end,
+        None if opt_start is None or opt_end is None else opt_end - opt_start,
     )
 
 
 class _Medians:
-    """Running medians of the phases over the last ``MEDIAN_OF`` steps, refreshed every ``MEDIAN_EVERY``."""
+    """Running medians of the phases over the last ``MEDIAN_OF`` values of each, refreshed every
+    ``MEDIAN_EVERY`` steps.
+
+    Between refreshes nothing reads the values, so a step's phases wait in ``_recent`` and go
+    into the per-phase deques at the refresh, a column at a time: the medians see exactly the
+    values a deque append per phase and step would have given them, for a list append a step."""
 
     def __init__(self, width: int) -> None:
         self.values: list[deque[float]] = [deque(maxlen=MEDIAN_OF) for _ in range(width)]
         self.limits: list[float | None] = [None] * width
+        self._judging: list[tuple[int, float]] = []  # (phase, limit) of the phases with a limit
+        self._recent: list[tuple[float | None, ...]] = []
         self.seen = 0
 
     def judge(self, phases: tuple[float | None, ...]) -> bool:
         """True when a phase is far above its median; then adds the phases to the medians."""
-        # one loop, no generator: this runs at every step on the writer thread, holding the GIL
         slow = False
-        for v, lim, values in zip(phases, self.limits, self.values, strict=True):
-            if v is not None:
-                if lim is not None and v > lim:
-                    slow = True
-                values.append(v)
+        for i, limit in self._judging:
+            v = phases[i]
+            if v is not None and v > limit:
+                slow = True
+                break
+        self._recent.append(phases)
         self.seen += 1
-        if self.seen % MEDIAN_EVERY == 0 and self.seen >= WARMUP:
-            medians = [sorted(v)[len(v) // 2] if len(v) >= WARMUP else None for v in self.values]
-            step = medians[0]  # the first phase is the whole step
-            margin = max(SLOW_FLOOR_US, SLOW_STEP_SHARE * step) if step is not None else SLOW_FLOOR_US
-            self.limits = [None if m is None else SLOW_FACTOR * m + margin for m in medians]
+        if self.seen % MEDIAN_EVERY == 0:
+            self._refresh()
         return slow
+
+    def _refresh(self) -> None:
+        for values, column in zip(self.values, zip(*self._recent), strict=True):
+            values.extend([v for v in column if v is not None])
+        self._recent = []
+        if self.seen < WARMUP:
+            return
+        medians = [sorted(v)[len(v) // 2] if len(v) >= WARMUP else None for v in self.values]
+        step = medians[0]  # the first phase is the whole step
+        margin = max(SLOW_FLOOR_US, SLOW_STEP_SHARE * step) if step is not None else SLOW_FLOOR_US
+        self.limits = [None if m is None else SLOW_FACTOR * m + margin for m in medians]
+        self._judging = [(i, limit) for i, limit in enumerate(self.limits) if limit is not None]
 
 
 def _column(values: list[int | None]) -> list[int | None]:
     return values if any(v is not None for v in values) else []
 
 
-def _rounded(values: list[float | None]) -> list[int | None]:
+def _rounded(values: Sequence[float | None]) -> list[int | None]:
     """A phase column in whole µs (``_us`` of each value); empty when every value is None."""
-    if None not in values:
-        return [round(v) for v in values]  # type: ignore[arg-type]  # None was ruled out just above
-    return _column([None if v is None else round(v) for v in values])
+    try:  # most columns hold no None: rounded in one C loop, without a pass to look for one
+        return list(map(round, values))  # type: ignore[arg-type]
+    except TypeError:  # round(None)
+        return _column([None if v is None else round(v) for v in values])
 
 
 def window_of(rows: list[Step]) -> Window:
     """The window record of consecutive steps that share ``_key``."""
     first = rows[0]
+    # the rows' values as columns: one C call a row and one transpose, not a pass a column
+    (mono, wall_ns, micro, fwd_start, fwd, bcast_start, bcast, fwd_end, bwd_end, sync_end, opt_start, opt_end, end,
+     ready_cols) = zip(*map(_ROW, rows))  # fmt: skip
     base_mono, base_wall = first.t0_mono_ns, first.t0_wall_ns
     skew = base_wall - base_mono
     t0: list[int] = []
     previous = 0
-    for r in rows:
-        at = (r.t0_mono_ns - base_mono + 500) // 1000  # rounded once, absolute: no drift over rows
+    for m in mono:
+        at = (m - base_mono + 500) // 1000  # rounded once, absolute: no drift over rows
         t0.append(at - previous)
         previous = at
-    wall = [(r.t0_wall_ns - r.t0_mono_ns - skew + 500) // 1000 for r in rows]
-    micro = [r.micro for r in rows]
+    wall = [(w - m - skew + 500) // 1000 for w, m in zip(wall_ns, mono, strict=True)]
     # earliest and latest bucket ready per row (None values skipped; a row without any: None)
     ready_first: list[int | None] = []
     ready_last: list[int | None] = []
-    for r in rows:
-        ready = [t for t in r.b_ready_us if t is not None] if None in r.b_ready_us else cast(list[float], r.b_ready_us)
-        ready_first.append(round(min(ready)) if ready else None)
-        ready_last.append(round(max(ready)) if ready else None)
+    for col in ready_cols:
+        try:  # (a row with every bucket ready, the usual one, in two C calls)
+            first_ready, last_ready = min(col), max(col)
+        except (TypeError, ValueError):  # a None among them (TypeError), or no bucket (ValueError)
+            ready = [t for t in col if t is not None]
+            first_ready, last_ready = (min(ready), max(ready)) if ready else (None, None)
+        ready_first.append(None if first_ready is None else round(first_ready))
+        ready_last.append(None if last_ready is None else round(last_ready))
     buckets, nbytes, bcast_bytes, clock, ddp = _key(first)
     return Window(
         rank=first.rank,
@@ -171,30 +213,20 @@ def window_of(rows: list[Step]) -> Window:
         clock=clock,
         t0=t0,
         wall=wall if any(wall) else [],
-        micro=micro if any(micro) else [],
-        fwd_start=_rounded([r.fwd_start_us for r in rows]),
-        fwd=_rounded([r.fwd_us for r in rows]),
-        bcast_start=_rounded([r.bcast_start_us for r in rows]),
-        bcast=_rounded([r.bcast_us for r in rows]),
-        fwd_end=_rounded([r.fwd_end_us for r in rows]),
-        bwd_end=_rounded([r.bwd_end_us for r in rows]),
+        micro=list(micro) if any(micro) else [],
+        fwd_start=_rounded(fwd_start),
+        fwd=_rounded(fwd),
+        bcast_start=_rounded(bcast_start),
+        bcast=_rounded(bcast),
+        fwd_end=_rounded(fwd_end),
+        bwd_end=_rounded(bwd_end),
         ready_first=_column(ready_first),
         ready_last=_column(ready_last),
-        sync_end=_rounded([r.sync_end_us for r in rows]),
-        opt_start=_rounded([r.opt_start_us for r in rows]),
-        opt_end=_rounded([r.opt_end_us for r in rows]),
-        end=_rounded([r.end_us for r in rows]),
+        sync_end=_rounded(sync_end),
+        opt_start=_rounded(opt_start),
+        opt_end=_rounded(opt_end),
+        end=_rounded(end),
     )
-
-
-class _Kept:
-    """A step in the flight recorder's ring, and whether the file has it in full yet."""
-
-    __slots__ = ("step", "full")
-
-    def __init__(self, step: Step, full: bool) -> None:
-        self.step = step
-        self.full = full
 
 
 class Compactor:
@@ -211,8 +243,15 @@ class Compactor:
         self._pending: list[Step] = []
         self._pending_key: _Key | None = None
         self._pending_since = 0.0
-        self._ring: deque[_Kept] = deque(maxlen=RING)
+        # the flight recorder's ring: its steps, and whether the file has each in full yet
+        self._ring: deque[Step] = deque(maxlen=RING)
+        self._ring_full: deque[bool] = deque(maxlen=RING)
         self._medians = _Medians(6)
+        self._dense_below = max(every, DENSE_AT_LEAST)  # (events.schedule.is_sampled, inlined)
+        # the last b_bytes list seen and its sum: the runtime hands every step of a layout the
+        # same list object (it builds one when the sizes change, and never changes one)
+        self._bytes_list: object = None
+        self._bytes_sum = 0
         self._seen = 0
         self._after = 0
         self._key: _Key | None = None
@@ -246,19 +285,32 @@ class Compactor:
     # -- steps -------------------------------------------------------------------------------
 
     def _step(self, s: Step, out: list[Record]) -> None:
-        key = _key(s)
+        # (runs at every step on the writer thread, holding the GIL: _key and is_sampled inlined)
+        b_bytes = s.b_bytes
+        if b_bytes is not self._bytes_list:
+            self._bytes_list = b_bytes
+            self._bytes_sum = sum(filter(None, b_bytes))
+        key = (len(s.b_ready_us), self._bytes_sum, s.bcast_bytes, s.clock, s.ddp)
         changed = self._key is not None and key != self._key
         self._key = key
         slow = self._medians.judge(_phases(s))
         if slow or changed:
             self._incident(out)
-        full = self._after > 0 or self._seen < FIRST_FULL or is_sampled(s.step, self.every)
+        index = s.step
+        every = self.every
+        full = (
+            self._after > 0
+            or self._seen < FIRST_FULL
+            or index % every == 0
+            or (index < self._dense_below and (index + 1) & index == 0)
+        )
         self._seen += 1
         if self._after > 0:
             self._after -= 1
         pending = self._pending
-        if pending and (s.step != pending[-1].step + 1 or key != self._pending_key):
+        if pending and (index != pending[-1].step + 1 or key != self._pending_key):
             self._flush(out)
+            pending = self._pending
         if full:
             self._flush(out)
             out.append(s)
@@ -270,23 +322,25 @@ class Compactor:
             pending.append(s)
             if len(pending) >= WINDOW_ROWS or s.t0_mono_ns - pending[0].t0_mono_ns >= WINDOW_S * 1e9:
                 self._flush(out)
-        self._ring.append(_Kept(s, full))
+        self._ring.append(s)
+        self._ring_full.append(full)
 
     def _incident(self, out: list[Record]) -> None:
         """Something happened: the ring's steps not yet written in full are, and so will the next ``AFTER``."""
         self._after = AFTER + 1  # this step too, when a step triggered it
-        unwritten = [kept for kept in self._ring if not kept.full]
-        if not unwritten:
+        full = self._ring_full
+        if all(full):
             return
-        in_ring = {id(kept.step) for kept in unwritten}
+        unwritten = [step for step, done in zip(self._ring, full, strict=True) if not done]
+        in_ring = {id(step) for step in unwritten}
         # pending rows the ring holds go out in full instead; rows already in a window stay there
         # (the full record written after it wins when read back)
         self._pending = [s for s in self._pending if id(s) not in in_ring]
         self._flush(out)
-        for kept in unwritten:
-            kept.full = True
-            out.append(kept.step)
-            self.full_steps += 1
+        for i in range(len(full)):
+            full[i] = True
+        out.extend(unwritten)
+        self.full_steps += len(unwritten)
 
     def _flush(self, out: list[Record]) -> None:
         if self._pending:
