@@ -149,7 +149,7 @@ class _Medians:
         return slow
 
     def _refresh(self) -> None:
-        for values, column in zip(self.values, zip(*self._recent), strict=True):
+        for values, column in zip(self.values, zip(*self._recent, strict=True), strict=True):
             values.extend([v for v in column if v is not None])
         self._recent = []
         if self.seen < WARMUP:
@@ -178,7 +178,7 @@ def window_of(rows: list[Step]) -> Window:
     first = rows[0]
     # the rows' values as columns: one C call a row and one transpose, not a pass a column
     (mono, wall_ns, micro, fwd_start, fwd, bcast_start, bcast, fwd_end, bwd_end, sync_end, opt_start, opt_end, end,
-     ready_cols) = zip(*map(_ROW, rows))  # fmt: skip
+     ready_cols) = zip(*map(_ROW, rows), strict=True)  # fmt: skip
     base_mono, base_wall = first.t0_mono_ns, first.t0_wall_ns
     skew = base_wall - base_mono
     t0: list[int] = []
