@@ -133,7 +133,15 @@ def test_the_broadcast_bound_equals_the_plain_loop_over_every_bucket() -> None:
                 )
             )
         for nbytes in (0, 16, 50_000, 1 << 22):
-            assert allreduce_bound_ms(steps, nbytes) == _bound_one_bucket_at_a_time(steps, nbytes), (trial, nbytes)
+            bound = _bound_one_bucket_at_a_time(steps, nbytes)
+            assert allreduce_bound_ms(steps, nbytes) == bound, (trial, nbytes)
+            # asked only whether it is under a value: the same answer, found sooner where it is
+            for below in (0.01, 0.5, 5.0, 500.0):
+                got = allreduce_bound_ms(steps, nbytes, enough_below=below)
+                if bound is None or bound >= below:
+                    assert got == bound, (trial, nbytes, below)
+                else:
+                    assert got is not None and bound <= got < below, (trial, nbytes, below)
 
 
 def test_broadcast_cost_bound_scales_with_the_buffers_bytes() -> None:

@@ -44,7 +44,7 @@ def _step_transfer_ms(step: Step, launch: list[Any], factors: list[float | None]
     return best
 
 
-def allreduce_bound_ms(steps: list[Step], nbytes: int) -> float | None:
+def allreduce_bound_ms(steps: list[Step], nbytes: int, enough_below: float | None = None) -> float | None:
     """What broadcasting ``nbytes`` can cost at most on this rank, from its own all-reduces:
     ``TRANSFER_BOUND_FACTOR`` times the quickest bucket all-reduce seen (launch to done, scaled up
     to ``nbytes`` when the bucket was smaller). An all-reduce moves at least what a broadcast of as
@@ -54,8 +54,13 @@ def allreduce_bound_ms(steps: list[Step], nbytes: int) -> float | None:
     buffers, on the training thread: a step's buckets are read in C-level ``map`` calls, with the
     scale of each bucket size worked out once per layout (the steps of one layout share its list
     of sizes), and bucket by bucket only where a step has a None. The values are those of the
-    same arithmetic bucket by bucket."""
+    same arithmetic bucket by bucket.
+
+    ``enough_below``: the caller only asks whether the bound is under this (ms); the first step
+    that puts it there ends the search, and its value (not the least) is returned."""
     best: float | None = None
+    # (the bound is best * FACTOR: below ``enough_below`` once best is below this)
+    enough = None if enough_below is None else enough_below / TRANSFER_BOUND_FACTOR
     scales: dict[int, list[float | None]] = {}  # by id of a step's list of bucket sizes
     per_ms = itertools.repeat(1000.0)
     for s in steps:
@@ -74,6 +79,8 @@ def allreduce_bound_ms(steps: list[Step], nbytes: int) -> float | None:
             ms = _step_transfer_ms(s, launch, factors)
         if ms is not None and (best is None or ms < best):
             best = ms
+            if enough is not None and ms < enough:
+                break
     return None if best is None else best * TRANSFER_BOUND_FACTOR
 
 
@@ -86,7 +93,11 @@ def _bcast_stats(steps: list[Step], min_share: float | None = None) -> tuple[flo
     would not remove the wait.
 
     ``min_share``: the caller reads nothing under this share of the step, so where the floor
-    itself is under it the cap (which can only lower the cost) is not worked out."""
+    itself is under it the cap (which can only lower the cost) is not worked out, and where the
+    cap is, the search for it stops at the first step that puts it under that share (a cost the
+    caller drops either way). The live checks run this every few dozen steps of a job that
+    broadcasts buffers, on the training thread: on a job whose all-reduces are quick, one step
+    settles it, not the window's hundred."""
     bcast = sorted(s.bcast_us for s in steps if s.bcast_us is not None)
     total = [s.end_us for s in steps if s.end_us is not None]
     nbytes = max((s.bcast_bytes for s in steps), default=0)
@@ -94,7 +105,8 @@ def _bcast_stats(steps: list[Step], min_share: float | None = None) -> tuple[flo
     step_ms = median(total) / 1000.0 if total else None
     if min_share is not None and (floor is None or not step_ms or floor / step_ms < min_share):
         return (floor, step_ms, nbytes, False)
-    bound = allreduce_bound_ms(steps, nbytes) if floor is not None and nbytes else None
+    enough_below = None if min_share is None or not step_ms else min_share * step_ms
+    bound = allreduce_bound_ms(steps, nbytes, enough_below) if floor is not None and nbytes else None
     capped = bound is not None and floor is not None and bound < floor
     return (bound if capped else floor, step_ms, nbytes, capped)
 
