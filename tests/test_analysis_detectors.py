@@ -144,6 +144,35 @@ def test_the_broadcast_bound_equals_the_plain_loop_over_every_bucket() -> None:
                     assert got is not None and bound <= got < below, (trial, nbytes, below)
 
 
+def test_the_broadcast_bound_over_a_sliding_window_reads_each_step_once_and_gives_the_same() -> None:
+    """The live checks' memo of each step's value: windows of 100 steps every 50, the buffers'
+    bytes changing once, records replaced by equal ones: every call's value as without it, and a
+    step's buckets read again only where its value could differ."""
+    import random
+
+    from ddpdoctor.analysis.buffers import TransferMemo
+
+    rng = random.Random(3)
+    steps = []
+    for i in range(400):
+        ready = [rng.uniform(0, 5000) for _ in range(3)]
+        done = [r + rng.uniform(50, 4000) for r in ready]
+        sizes = [64, 8, 4096]
+        steps.append(msgspec.structs.replace(_step(i), b_ready_us=ready, b_launch_us=[], b_done_us=done, b_bytes=sizes))
+    memo = TransferMemo(200)
+    read = 0
+    for end in range(50, 401, 50):
+        window = steps[max(0, end - 100) : end]
+        nbytes = 32 if end < 250 else 1 << 16
+        if end == 300:  # an equal record in another object: read anew
+            window[-1] = msgspec.structs.replace(window[-1])
+        before = len(memo.values_for(nbytes))
+        assert allreduce_bound_ms(window, nbytes, memo=memo) == _bound_one_bucket_at_a_time(window, nbytes), end
+        read += len(memo.values_for(nbytes)) - before
+    assert len(memo.values_for(1 << 16)) <= 200
+    assert read < 400 + 100  # each step read once, the window read again once at the change of bytes
+
+
 def test_broadcast_cost_bound_scales_with_the_buffers_bytes() -> None:
     # 64 KiB of buffers against 64 B buckets all-reduced in 0.1 ms: the bound (2 x 0.1 ms x 1024)
     # is far above the 5 ms floor, which stands: a real cost is still reported

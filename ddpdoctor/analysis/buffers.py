@@ -44,7 +44,28 @@ def _step_transfer_ms(step: Step, launch: list[Any], factors: list[float | None]
     return best
 
 
-def allreduce_bound_ms(steps: list[Step], nbytes: int, enough_below: float | None = None) -> float | None:
+class TransferMemo:
+    """``allreduce_bound_ms``'s value of each step, kept from one call to the next: the live
+    checks ask over a sliding window, and read each step once instead of at every check whose
+    window still holds it. Bounded: past ``limit`` steps it starts over, and a change of the
+    buffers' bytes (what the values are scaled to) empties it."""
+
+    __slots__ = ("limit", "_nbytes", "_values")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._nbytes: int | None = None
+        self._values: dict[int, tuple[Step, float | None]] = {}  # by id of the step (held: no id reused)
+
+    def values_for(self, nbytes: int) -> dict[int, tuple[Step, float | None]]:
+        if nbytes != self._nbytes or len(self._values) > self.limit:
+            self._nbytes, self._values = nbytes, {}
+        return self._values
+
+
+def allreduce_bound_ms(
+    steps: list[Step], nbytes: int, enough_below: float | None = None, memo: TransferMemo | None = None
+) -> float | None:
     """What broadcasting ``nbytes`` can cost at most on this rank, from its own all-reduces:
     ``TRANSFER_BOUND_FACTOR`` times the quickest bucket all-reduce seen (launch to done, scaled up
     to ``nbytes`` when the bucket was smaller). An all-reduce moves at least what a broadcast of as
@@ -57,26 +78,35 @@ def allreduce_bound_ms(steps: list[Step], nbytes: int, enough_below: float | Non
     same arithmetic bucket by bucket.
 
     ``enough_below``: the caller only asks whether the bound is under this (ms); the first step
-    that puts it there ends the search, and its value (not the least) is returned."""
+    that puts it there ends the search, and its value (not the least) is returned. ``memo``: the
+    steps' values from earlier calls (a sliding window's)."""
     best: float | None = None
     # (the bound is best * FACTOR: below ``enough_below`` once best is below this)
     enough = None if enough_below is None else enough_below / TRANSFER_BOUND_FACTOR
     scales: dict[int, list[float | None]] = {}  # by id of a step's list of bucket sizes
+    known = memo.values_for(nbytes) if memo is not None else None
     per_ms = itertools.repeat(1000.0)
+    ms: float | None
     for s in steps:
-        done = s.b_done_us
-        if not done or s.summary:
-            continue
-        launch = s.b_launch_us or s.b_ready_us
-        sizes = s.b_bytes
-        factors = scales.get(id(sizes))
-        if factors is None:
-            factors = scales[id(sizes)] = [max(1.0, nbytes / size) if size else None for size in sizes]
-        try:
-            took = map(operator.truediv, map(operator.sub, done, launch), per_ms)
-            ms: float | None = min(map(operator.mul, took, factors))
-        except (TypeError, ValueError):  # a None in a column or factor; no bucket in common
-            ms = _step_transfer_ms(s, launch, factors)
+        hit = known.get(id(s)) if known is not None else None
+        if hit is not None and hit[0] is s:
+            ms = hit[1]
+        else:
+            done = s.b_done_us
+            if not done or s.summary:
+                continue
+            launch = s.b_launch_us or s.b_ready_us
+            sizes = s.b_bytes
+            factors = scales.get(id(sizes))
+            if factors is None:
+                factors = scales[id(sizes)] = [max(1.0, nbytes / size) if size else None for size in sizes]
+            try:
+                took = map(operator.truediv, map(operator.sub, done, launch), per_ms)
+                ms = min(map(operator.mul, took, factors))
+            except (TypeError, ValueError):  # a None in a column or factor; no bucket in common
+                ms = _step_transfer_ms(s, launch, factors)
+            if known is not None:
+                known[id(s)] = (s, ms)
         if ms is not None and (best is None or ms < best):
             best = ms
             if enough is not None and ms < enough:
@@ -84,7 +114,9 @@ def allreduce_bound_ms(steps: list[Step], nbytes: int, enough_below: float | Non
     return None if best is None else best * TRANSFER_BOUND_FACTOR
 
 
-def _bcast_stats(steps: list[Step], min_share: float | None = None) -> tuple[float | None, float | None, int, bool]:
+def _bcast_stats(
+    steps: list[Step], min_share: float | None = None, memo: TransferMemo | None = None
+) -> tuple[float | None, float | None, int, bool]:
     """(broadcast cost ms, step ms, bytes, whether the cost was capped). The broadcast is the
     step's first collective, so it also absorbs the wait for slower ranks (one that loads its data
     late, say): its cost is its floor (10th percentile), what it takes when this rank arrives
@@ -106,7 +138,7 @@ def _bcast_stats(steps: list[Step], min_share: float | None = None) -> tuple[flo
     if min_share is not None and (floor is None or not step_ms or floor / step_ms < min_share):
         return (floor, step_ms, nbytes, False)
     enough_below = None if min_share is None or not step_ms else min_share * step_ms
-    bound = allreduce_bound_ms(steps, nbytes, enough_below) if floor is not None and nbytes else None
+    bound = allreduce_bound_ms(steps, nbytes, enough_below, memo) if floor is not None and nbytes else None
     capped = bound is not None and floor is not None and bound < floor
     return (bound if capped else floor, step_ms, nbytes, capped)
 
@@ -206,15 +238,17 @@ def cross_rank_floor_ms(steps_by_rank: dict[int, list[Step]]) -> float | None:
     return mins[len(mins) // 10] / 1000.0 if n > 1 and mins else None
 
 
-def buffer_broadcast_cost(header: Header, steps: list[Step], rank: int, cost_ms: float | None = None) -> list[Finding]:
+def buffer_broadcast_cost(
+    header: Header, steps: list[Step], rank: int, cost_ms: float | None = None, memo: TransferMemo | None = None
+) -> list[Finding]:
     """The share of step time that goes to DDP's buffer broadcast (``cost_ms``: a cross-rank
-    estimate of it, when the other ranks' logs are at hand)."""
+    estimate of it, when the other ranks' logs are at hand; ``memo``: see ``allreduce_bound_ms``)."""
     bcast_ms: float | None
     if cost_ms is not None:  # (the cap is not read: the cross-rank estimate replaces this rank's)
         _, step_ms, nbytes, _ = _bcast_stats(steps, min_share=float("inf"))
         bcast_ms, capped = cost_ms, False
     else:
-        bcast_ms, step_ms, nbytes, capped = _bcast_stats(steps, min_share=COST_INFO_SHARE)
+        bcast_ms, step_ms, nbytes, capped = _bcast_stats(steps, min_share=COST_INFO_SHARE, memo=memo)
     if bcast_ms is None or not step_ms or len(steps) < 5:
         return []
     share = bcast_ms / step_ms

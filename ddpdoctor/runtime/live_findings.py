@@ -20,7 +20,7 @@ from types import FrameType
 import torch
 
 from ddpdoctor.analysis.accumulation import sync_during_accumulation
-from ddpdoctor.analysis.buffers import buffer_broadcast_cost, constant_buffers
+from ddpdoctor.analysis.buffers import TransferMemo, buffer_broadcast_cost, constant_buffers
 from ddpdoctor.analysis.evidence import BufferEvidence, FlagEvidence, UnusedEvidence
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
@@ -114,6 +114,8 @@ class LiveFindings:
         self._observed = 0
         self._last_bcast = 0
         self._last_unstepped = 0
+        # the window's steps' all-reduce bounds, each worked out at the first check that reads it
+        self._transfers = TransferMemo(2 * WINDOW)
 
     def observe_steps(self, records: list[Step] | tuple[Step, ...]) -> None:
         """Step records, oldest first (the batched emission's): each checked as ``observe``
@@ -186,7 +188,9 @@ class LiveFindings:
             return
         steps = list(self.steps)
         if bcast and self.header is not None:
-            self.raise_findings(self._confirmed(buffer_broadcast_cost(self.header, steps, self.rank)))
+            self.raise_findings(
+                self._confirmed(buffer_broadcast_cost(self.header, steps, self.rank, memo=self._transfers))
+            )
         if accumulating:
             self.raise_findings(sync_during_accumulation(steps, self.rank))
 
@@ -202,7 +206,7 @@ class LiveFindings:
         """At a clean close: a held warning is checked once more over the window, which now holds
         every step since (a job shorter than two checks still hears it, from the whole run)."""
         if "buffer-broadcast-cost" in self._held and self.header is not None:
-            self.raise_findings(buffer_broadcast_cost(self.header, list(self.steps), self.rank))
+            self.raise_findings(buffer_broadcast_cost(self.header, list(self.steps), self.rank, memo=self._transfers))
         self._held = set()
 
     def raise_findings(self, findings: list[Finding]) -> None:
