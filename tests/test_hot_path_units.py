@@ -108,9 +108,9 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     calls = {"bcast": 0, "accum": 0}
     bcast, accum = live_findings.buffer_broadcast_cost, live_findings.sync_during_accumulation
 
-    def counted_bcast(*args: Any) -> Any:
+    def counted_bcast(*args: Any, **kwargs: Any) -> Any:
         calls["bcast"] += 1
-        return bcast(*args)
+        return bcast(*args, **kwargs)
 
     def counted_accum(*args: Any) -> Any:
         calls["accum"] += 1
