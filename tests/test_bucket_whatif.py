@@ -18,9 +18,9 @@ from tests.runtime_workers import whatif_run
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> ddpdoctor.Run:
     tmp = tmp_path_factory.mktemp("whatif")
-    # three ranks on this project's 2-core hosts: every all-reduce waits for a core, a fixed cost
-    # of 2-3 ms (a slow interconnect's), which is what makes a bucket per weight costly (see
-    # whatif_run)
+    # every all-reduce has a fixed cost, which is what makes a bucket per weight costly: a planted
+    # 2 ms (a slow link's latency, whatever the host's load), and on this project's 2-core hosts
+    # three ranks wait for a core besides (see whatif_run)
     run_ranks(whatif_run, 3, args=(str(tmp),))
     return ddpdoctor.load_run(Path(tmp) / "whatif")
 
