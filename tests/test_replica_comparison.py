@@ -146,7 +146,10 @@ def test_ranks_that_sum_apart_read_identical(threads_run: Any) -> None:
     run = ddpdoctor.load_run(tmp / "run")
     prints = {r: run.ranks[r].fingerprints for r in (0, 1)}
     assert len(prints[0]) >= 4
-    assert all(len(fp.param_bits) == len(fp.param_norms) == 2 * LARGE_LAYERS + 2 and fp.param_sums == [] for fp in prints[0] + prints[1])
+    params = 2 * LARGE_LAYERS + 2
+    assert all(
+        len(fp.param_bits) == len(fp.param_norms) == params and fp.param_sums == [] for fp in prints[0] + prints[1]
+    )
     report = ddpdoctor.analyze(run)
     assert [f.code for f in report.findings if f.code in ("replica-divergence", "buffer-divergence")] == []
 
