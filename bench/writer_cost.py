@@ -134,7 +134,7 @@ def _rank(rank: int, port: int, args: dict[str, Any], run_dir: str, results: Any
         opt.step()
     cpu1, own1 = _thread_cpu_ns(), monitor.own_ns
     in_run = {
-        name: (cpu1[name] - cpu0.get(name, 0)) / 1e3 / steps
+        name.split(":")[0]: (cpu1[name] - cpu0.get(name, 0)) / 1e3 / steps  # (the writer's: by rank file)
         for name in cpu1
         if name.startswith("ddpdoctor") and not name.startswith("ddpdoctor-sigterm")
     }
@@ -147,8 +147,10 @@ def _rank(rank: int, port: int, args: dict[str, Any], run_dir: str, results: Any
         modules[args["against"]] = _compactor_module(args["against"])
     loop: dict[str, list[float]] = {name: [] for name in modules}
     written: dict[str, bytes] = {}
+    order = list(modules.items())
     for _ in range(args["rounds"]):
-        for name, module in modules.items():  # alternating, round by round
+        order.reverse()  # who goes first (and warms the records for the other) alternates
+        for name, module in order:
             data, ns = _compact(module, records)
             loop[name].append(ns / 1e3 / n_steps)
             written[name] = data
