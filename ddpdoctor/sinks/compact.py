@@ -129,8 +129,7 @@ class _Medians:
 
     def __init__(self, width: int) -> None:
         self.values: list[deque[float]] = [deque(maxlen=MEDIAN_OF) for _ in range(width)]
-        self.limits: list[float | None] = [None] * width
-        self._judging: list[tuple[int, float]] = []  # (phase, limit) of the phases with a limit
+        self._judging: list[tuple[int, float]] = []  # (phase, limit) of the phases with a median
         self._recent: list[tuple[float | None, ...]] = []
         self.seen = 0
 
@@ -157,8 +156,7 @@ class _Medians:
         medians = [sorted(v)[len(v) // 2] if len(v) >= WARMUP else None for v in self.values]
         step = medians[0]  # the first phase is the whole step
         margin = max(SLOW_FLOOR_US, SLOW_STEP_SHARE * step) if step is not None else SLOW_FLOOR_US
-        self.limits = [None if m is None else SLOW_FACTOR * m + margin for m in medians]
-        self._judging = [(i, limit) for i, limit in enumerate(self.limits) if limit is not None]
+        self._judging = [(i, SLOW_FACTOR * m + margin) for i, m in enumerate(medians) if m is not None]
 
 
 def _column(values: list[int | None]) -> list[int | None]:
