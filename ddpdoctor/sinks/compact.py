@@ -99,12 +99,6 @@ _ROW = operator.attrgetter(
 )
 
 
-def _key(s: Step) -> _Key:
-    """What every row of a window shares."""
-    # filter(None, ...) drops None (a bucket not seen) and 0, which adds nothing: the same sum
-    return (len(s.b_ready_us), sum(filter(None, s.b_bytes)), s.bcast_bytes, s.clock, s.ddp)
-
-
 def _phases(s: Step) -> tuple[float | None, ...]:
     """The durations judged against their running medians (µs): the step, the data wait, the
     forward, the backward after it, the wait after the backward, the optimizer step."""
@@ -171,8 +165,8 @@ def _rounded(values: Sequence[float | None]) -> list[int | None]:
         return _column([None if v is None else round(v) for v in values])
 
 
-def window_of(rows: list[Step]) -> Window:
-    """The window record of consecutive steps that share ``_key``."""
+def window_of(rows: list[Step], key: _Key) -> Window:
+    """The window record of consecutive steps that share ``key`` (``Compactor._step``'s)."""
     first = rows[0]
     # the rows' values as columns: one C call a row and one transpose, not a pass a column
     (mono, wall_ns, micro, fwd_start, fwd, bcast_start, bcast, fwd_end, bwd_end, sync_end, opt_start, opt_end, end,
@@ -197,7 +191,7 @@ def window_of(rows: list[Step]) -> Window:
             first_ready, last_ready = (min(ready), max(ready)) if ready else (None, None)
         ready_first.append(None if first_ready is None else round(first_ready))
         ready_last.append(None if last_ready is None else round(last_ready))
-    buckets, nbytes, bcast_bytes, clock, ddp = _key(first)
+    buckets, nbytes, bcast_bytes, clock, ddp = key
     return Window(
         rank=first.rank,
         ddp=ddp,
@@ -283,11 +277,13 @@ class Compactor:
     # -- steps -------------------------------------------------------------------------------
 
     def _step(self, s: Step, out: list[Record]) -> None:
-        # (runs at every step on the writer thread, holding the GIL: _key and is_sampled inlined)
+        # (runs at every step on the writer thread, holding the GIL: is_sampled inlined)
         b_bytes = s.b_bytes
         if b_bytes is not self._bytes_list:
             self._bytes_list = b_bytes
+            # filter(None, ...) drops None (a bucket not seen) and 0, which adds nothing
             self._bytes_sum = sum(filter(None, b_bytes))
+        # what every row of a window shares: bucket count, their bytes, broadcast bytes, clock, DDP
         key = (len(s.b_ready_us), self._bytes_sum, s.bcast_bytes, s.clock, s.ddp)
         changed = self._key is not None and key != self._key
         self._key = key
@@ -342,6 +338,6 @@ class Compactor:
 
     def _flush(self, out: list[Record]) -> None:
         if self._pending:
-            out.append(window_of(self._pending))
+            out.append(window_of(self._pending, self._pending_key))  # type: ignore[arg-type]  # set with the first row
             self.windows += 1
             self._pending = []
