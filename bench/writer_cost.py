@@ -69,11 +69,14 @@ def _compactor_module(tree: str | None) -> ModuleType:
     return module
 
 
-def _compact(module: ModuleType, records: list[Any]) -> tuple[bytes, int]:
-    """The bytes the file would hold, and the ns compaction and encoding took."""
+def _compact(module: ModuleType, records: list[Any], extension: Any) -> tuple[bytes, int]:
+    """The bytes the file would hold, and the ns compaction and encoding took (with the runtime's
+    extension, as the run's writer has it, where the tree's compaction takes one)."""
     from ddpdoctor.events import encode_into
 
     compactor = module.Compactor()
+    if extension is not None and hasattr(compactor, "accelerate"):
+        compactor.accelerate(extension)
     out: list[Any] = []
     t0 = time.perf_counter_ns()
     for r in records:
@@ -141,6 +144,9 @@ def _rank(rank: int, port: int, args: dict[str, Any], run_dir: str, results: Any
     in_run["Monitor.own_ns (training thread)"] = (own1 - own0) / 1e3 / steps
     monitor.close()
     records = list(sink.memory.records)
+    from ddpdoctor.runtime import native_hook
+
+    extension = native_hook.choose(cuda=False)  # (the one the run loaded; None where it did not)
     n_steps = sum(isinstance(r, Step) for r in records)
     modules = {"this tree": _compactor_module(None)}
     if args["against"]:
@@ -151,7 +157,7 @@ def _rank(rank: int, port: int, args: dict[str, Any], run_dir: str, results: Any
     for _ in range(args["rounds"]):
         order.reverse()  # who goes first (and warms the records for the other) alternates
         for name, module in order:
-            data, ns = _compact(module, records)
+            data, ns = _compact(module, records, extension)
             loop[name].append(ns / 1e3 / n_steps)
             written[name] = data
     results.put(

@@ -16,7 +16,7 @@ from ddpdoctor.events import SCHEMA_VERSION, FindingRecord, Record, Step, Window
 from ddpdoctor.events.layout import LOG_MODE_ENV, rank_file_name
 from ddpdoctor.runlog import DirSource, load_run
 from ddpdoctor.sinks import FileSink, Sink
-from ddpdoctor.sinks.compact import AFTER, FIRST_FULL, RING, WINDOW_ROWS, WINDOW_S
+from ddpdoctor.sinks.compact import AFTER, FIRST_FULL, RING, WINDOW_ROWS, WINDOW_S, Compactor
 from ddpdoctor.sinks.file import FLUSH_INTERVAL_S
 from tests.ddp_harness import run_ranks
 
@@ -287,3 +287,199 @@ def test_the_log_option_picks_what_the_file_keeps(tmp_path: Path) -> None:
         assert sorted(set(kept) | set(rows)) == list(range(24))
         headers = [r for r in full + compact if r["kind"] == "header"]
         assert [h["schema"] for h in headers] == [SCHEMA_VERSION] * 2
+
+
+# -- the extension's arithmetic (Compactor.accelerate): the bytes Python writes -------------------
+
+
+@pytest.fixture(scope="module")
+def extension() -> Any:
+    from ddpdoctor.runtime import native_hook
+
+    try:
+        return native_hook.load()
+    except native_hook.NativeUnavailable as exc:
+        pytest.skip(f"the native extension cannot be built here: {exc}")
+
+
+def _compacted(records: list[Record], extension: Any = None) -> tuple[bytes, Compactor]:
+    from ddpdoctor.events import encode_into
+
+    compactor = Compactor()
+    if extension is not None:
+        compactor.accelerate(extension)
+    out: list[Record] = []
+    for record in records:
+        compactor.feed(record, out)
+    compactor.drain(out)
+    buf = bytearray()
+    for record in out:
+        encode_into(record, buf)
+    return bytes(buf), compactor
+
+
+def _column(extension: Any, values: list[float | None]) -> Any:
+    """A ``Column`` of ``values`` (µs), as the extension's record build makes them."""
+    from ddpdoctor.runtime.step_recorder import OpenStep
+
+    step = OpenStep(0, 0)
+    step.t0_mono_ns, step.t0_wall_ns = 0, 0
+    step.ready = [None if v is None else round(v * 1000) for v in values]
+    step.launch, step.done, step.nbytes = list(step.ready), list(step.ready), [8] * len(values)
+    return extension.build_step(step, Step, 0, 0, "host").b_ready_us
+
+
+def _planted(extension: Any, seed: int) -> list[Record]:
+    """Synthetic records with everything a window row can hold: Columns and lists, None phases,
+    micro-steps, wall-clock jumps, half-µs ties, slow steps, bare steps, gaps, ints for floats."""
+    import random
+
+    import msgspec
+
+    from bench.synth import rank_records
+
+    rnd = random.Random(seed)
+    out: list[Record] = []
+    for r in rank_records(1, 2, 900, straggler=1):
+        if isinstance(r, Step):
+            if r.step in (300, 301, 640):
+                continue  # gaps
+            kind = rnd.random()
+            changes: dict[str, Any] = {}
+            if kind < 0.5:
+                changes["b_ready_us"] = _column(extension, list(r.b_ready_us))
+            if 0.5 <= kind < 0.55:
+                changes["b_ready_us"] = [None if i % 3 == 0 else v for i, v in enumerate(r.b_ready_us)]
+            if 0.55 <= kind < 0.6:
+                changes["b_ready_us"] = _column(extension, [None, *list(r.b_ready_us)[1:]])
+            if 600 <= r.step < 620:
+                changes["b_ready_us"], changes["b_bytes"] = [], []  # bare steps: a key of their own
+            if rnd.random() < 0.1:
+                changes["fwd_us"] = None
+            if 400 <= r.step < 450:
+                changes["opt_start_us"] = changes["opt_end_us"] = None  # a column of None alone
+            if rnd.random() < 0.05:
+                changes["micro"] = rnd.randint(1, 3)
+            if rnd.random() < 0.05:
+                changes["t0_wall_ns"] = r.t0_wall_ns + rnd.randint(-5_000_000, 5_000_000)  # NTP steps
+            if rnd.random() < 0.1:
+                changes["fwd_start_us"] = rnd.randint(0, 9) + 0.5  # ties: rounded to even
+            if rnd.random() < 0.02:
+                changes["end_us"] = (r.end_us or 0.0) * 5  # slow
+            if rnd.random() < 0.02:
+                changes["fwd_end_us"] = int(r.fwd_end_us or 0)  # an int where a float is usual
+            r = msgspec.structs.replace(r, **changes)
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_extension_compacts_to_the_bytes_python_writes(extension: Any, seed: int) -> None:
+    records = _planted(extension, seed)
+    python, plain = _compacted(records)
+    native, fast = _compacted(records, extension)
+    assert native == python
+    assert fast.windows == plain.windows > 10 and fast.full_steps == plain.full_steps > 40
+    assert plain._columns is None and fast._columns is extension.window_columns  # (both ways ran)
+
+
+def test_window_columns_in_cpp_are_python_s_or_left_to_it(extension: Any) -> None:
+    import random
+
+    import msgspec
+
+    from ddpdoctor.sinks import compact
+
+    rnd = random.Random(7)
+    base = Step(rank=0, step=0, t0_mono_ns=5_000_000_123_456, t0_wall_ns=1_800_000_000_000_000_000)
+    for _ in range(200):
+        rows = []
+        for i in range(rnd.randint(1, 12)):
+            value = lambda: rnd.choice([None, rnd.uniform(-50, 5e4), rnd.randint(0, 99) + 0.5, -0.5, 0.0])  # noqa: E731
+            ready = [value() for _ in range(rnd.randint(0, 5))]
+            rows.append(
+                msgspec.structs.replace(
+                    base,
+                    step=i,
+                    t0_mono_ns=base.t0_mono_ns + i * rnd.randint(0, 3_000_999),
+                    t0_wall_ns=base.t0_wall_ns + rnd.randint(-3_000, 3_000),
+                    micro=rnd.choice([0, 0, 2]),
+                    fwd_start_us=rnd.choice([0.0, 1.5, 2.5]),
+                    fwd_us=value(),
+                    bcast_start_us=value(),
+                    bcast_us=value(),
+                    fwd_end_us=value(),
+                    bwd_end_us=value(),
+                    b_ready_us=ready if rnd.random() < 0.5 else _column(extension, ready),
+                    sync_end_us=value(),
+                    opt_start_us=value(),
+                    opt_end_us=value(),
+                    end_us=value(),
+                )
+            )
+        assert extension.window_columns(rows) == compact.window_columns(rows)
+    # what it does not take it leaves to Python (None), and window_of does it there
+    odd = [msgspec.structs.replace(base, b_ready_us=[1, 2.5]), msgspec.structs.replace(base, fwd_us=float("nan"))]
+    assert extension.window_columns(odd[:1]) is None
+    assert compact.window_of(odd[:1], (2, 0, 0, "host", 0), extension.window_columns).ready_first == [1]
+    with pytest.raises(ValueError):  # round(nan), as Python raises it: the writer then writes steps in full
+        extension.window_columns(odd[1:])
+    with pytest.raises(TypeError):
+        extension.window_columns([])
+
+
+def test_judge_phases_in_cpp_is_python_s(extension: Any) -> None:
+    import random
+
+    import msgspec
+
+    from ddpdoctor.sinks import compact
+
+    rnd = random.Random(11)
+    base = Step(rank=0, step=0, t0_mono_ns=1, t0_wall_ns=1)
+    for _ in range(500):
+        value = lambda: rnd.choice([None, rnd.uniform(0, 100), rnd.randint(0, 100), float("nan")])  # noqa: E731
+        s = msgspec.structs.replace(
+            base,
+            end_us=value(),
+            fwd_start_us=rnd.uniform(0, 5),
+            fwd_us=value(),
+            fwd_end_us=value(),
+            bwd_end_us=value(),
+            sync_end_us=value(),
+            opt_start_us=value(),
+            opt_end_us=value(),
+        )
+        judging = [(i, rnd.choice([rnd.uniform(0, 100), rnd.randint(0, 100)])) for i in rnd.sample(range(6), 3)]
+        python, native = compact._Medians(6), compact._Medians(6)
+        native.native = extension.judge_phases
+        python._judging, native._judging = judging, judging
+        assert native.judge(s) == python.judge(s)
+        assert repr(native._recent) == repr(python._recent)  # (NaN == NaN is False: compared as written)
+    with pytest.raises(TypeError):
+        extension.judge_phases(base, None, [])
+    with pytest.raises(IndexError):
+        extension.judge_phases(base, [(6, 1.0)], [])
+
+
+def accelerated_run(rank: int, world_size: int, tmp: str) -> tuple[bool, bool]:
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    with ddpdoctor.instrument(ddp, run_dir=tmp) as monitor:
+        for _ in range(40):
+            ddp(torch.randn(4, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        compactor = monitor.sink.compactor  # type: ignore[attr-defined]
+        return compactor._columns is not None, compactor._medians.native is not None
+
+
+def test_the_runtime_hands_its_extension_to_the_log_writer(tmp_path: Path, extension: Any) -> None:
+    assert run_ranks(accelerated_run, 2, (str(tmp_path),), timeout=180) == [(True, True), (True, True)]
+    log = load_run(tmp_path)
+    assert [s.step for s in log.ranks[0].steps] == list(range(40)) and log.ranks[0].windows > 0

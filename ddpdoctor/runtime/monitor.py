@@ -200,8 +200,13 @@ class Monitor:
         # (CPU models, unless DDPDOCTOR_NATIVE=0): a user's comm hook registered before
         # instrument makes the Python route time the buckets, and nothing else changes.
         extension = native_hook.choose(cuda=self._cuda)  # (loaded once per process)
-        if extension is not None and self.recorder.clock.always_ready:
-            self.recorder.build_step = getattr(extension, "build_step", None)  # host marks
+        if extension is not None:
+            if self.recorder.clock.always_ready:
+                self.recorder.build_step = getattr(extension, "build_step", None)  # host marks
+            try:  # the log writer's compaction, in C++ from here: the same bytes
+                self.sink.accelerate(extension)
+            except Exception:  # noqa: BLE001, S110 - the Python compaction goes on; attaching must never break training
+                pass
         self.checks = SampledChecks(
             ddp,
             attachment.header,

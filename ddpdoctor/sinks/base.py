@@ -31,5 +31,9 @@ class Sink:
         """Make everything emitted so far durable; True if it was done within ``timeout``."""
         return True
 
+    def accelerate(self, extension: object) -> None:
+        """The runtime's native extension has loaded: a sink may do its work with it from now on
+        (the file sink's compaction does), with the same results. Nothing, by default."""
+
     def close(self, timeout: float = 5.0) -> None:
         """Flush and release; later ``emit`` calls are dropped."""

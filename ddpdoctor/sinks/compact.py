@@ -33,6 +33,7 @@ import operator
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ddpdoctor.events import (
     FindingRecord,
@@ -126,16 +127,23 @@ class _Medians:
         self._judging: list[tuple[int, float]] = []  # (phase, limit) of the phases with a median
         self._recent: list[tuple[float | None, ...]] = []
         self.seen = 0
+        #: the extension's ``judge_phases`` (``Compactor.accelerate``): the loop below, in C++
+        self.native: Callable[[Step, list[tuple[int, float]], list[tuple[float | None, ...]]], bool] | None = None
 
-    def judge(self, phases: tuple[float | None, ...]) -> bool:
-        """True when a phase is far above its median; then adds the phases to the medians."""
-        slow = False
-        for i, limit in self._judging:
-            v = phases[i]
-            if v is not None and v > limit:
-                slow = True
-                break
-        self._recent.append(phases)
+    def judge(self, s: Step) -> bool:
+        """True when one of the step's phases is far above its median; then adds them to the medians."""
+        native = self.native
+        if native is not None:
+            slow = native(s, self._judging, self._recent)
+        else:
+            phases = _phases(s)
+            slow = False
+            for i, limit in self._judging:
+                v = phases[i]
+                if v is not None and v > limit:
+                    slow = True
+                    break
+            self._recent.append(phases)
         self.seen += 1
         if self.seen % MEDIAN_EVERY == 0:
             self._refresh()
@@ -165,8 +173,14 @@ def _rounded(values: Sequence[float | None]) -> list[int | None]:
         return _column([None if v is None else round(v) for v in values])
 
 
-def window_of(rows: list[Step], key: _Key) -> Window:
-    """The window record of consecutive steps that share ``key`` (``Compactor._step``'s)."""
+#: t0, wall and micro hold ints; the other columns ints and None
+_Columns = tuple[list[Any], ...]
+
+
+def window_columns(rows: list[Step]) -> _Columns:
+    """A window's columns: (t0, wall, micro, fwd_start, fwd, bcast_start, bcast, fwd_end, bwd_end,
+    ready_first, ready_last, sync_end, opt_start, opt_end, end), as ``Window`` holds them. The
+    extension's ``window_columns`` gives the same lists (``tests/test_compact_log.py``)."""
     first = rows[0]
     # the rows' values as columns: one C call a row and one transpose, not a pass a column
     (mono, wall_ns, micro, fwd_start, fwd, bcast_start, bcast, fwd_end, bwd_end, sync_end, opt_start, opt_end, end,
@@ -191,33 +205,61 @@ def window_of(rows: list[Step], key: _Key) -> Window:
             first_ready, last_ready = (min(ready), max(ready)) if ready else (None, None)
         ready_first.append(None if first_ready is None else round(first_ready))
         ready_last.append(None if last_ready is None else round(last_ready))
+    return (
+        t0,
+        wall if any(wall) else [],
+        list(micro) if any(micro) else [],
+        _rounded(fwd_start),
+        _rounded(fwd),
+        _rounded(bcast_start),
+        _rounded(bcast),
+        _rounded(fwd_end),
+        _rounded(bwd_end),
+        _column(ready_first),
+        _column(ready_last),
+        _rounded(sync_end),
+        _rounded(opt_start),
+        _rounded(opt_end),
+        _rounded(end),
+    )
+
+
+def window_of(rows: list[Step], key: _Key, columns: Callable[[list[Step]], _Columns | None] | None = None) -> Window:
+    """The window record of consecutive steps that share ``key`` (``Compactor._step``'s);
+    ``columns``: the extension's ``window_columns`` (None where it leaves a value to Python)."""
+    cols = columns(rows) if columns is not None else None
+    if cols is None:
+        cols = window_columns(rows)
+    (t0, wall, micro, fwd_start, fwd, bcast_start, bcast, fwd_end, bwd_end, ready_first, ready_last, sync_end,
+     opt_start, opt_end, end) = cols  # fmt: skip
+    first = rows[0]
     buckets, nbytes, bcast_bytes, clock, ddp = key
     return Window(
         rank=first.rank,
         ddp=ddp,
         step=first.step,
         n=len(rows),
-        t0_mono_ns=base_mono,
-        t0_wall_ns=base_wall,
+        t0_mono_ns=first.t0_mono_ns,
+        t0_wall_ns=first.t0_wall_ns,
         buckets=buckets,
         bytes=nbytes,
         bcast_bytes=bcast_bytes,
         clock=clock,
         t0=t0,
-        wall=wall if any(wall) else [],
-        micro=list(micro) if any(micro) else [],
-        fwd_start=_rounded(fwd_start),
-        fwd=_rounded(fwd),
-        bcast_start=_rounded(bcast_start),
-        bcast=_rounded(bcast),
-        fwd_end=_rounded(fwd_end),
-        bwd_end=_rounded(bwd_end),
-        ready_first=_column(ready_first),
-        ready_last=_column(ready_last),
-        sync_end=_rounded(sync_end),
-        opt_start=_rounded(opt_start),
-        opt_end=_rounded(opt_end),
-        end=_rounded(end),
+        wall=wall,
+        micro=micro,
+        fwd_start=fwd_start,
+        fwd=fwd,
+        bcast_start=bcast_start,
+        bcast=bcast,
+        fwd_end=fwd_end,
+        bwd_end=bwd_end,
+        ready_first=ready_first,
+        ready_last=ready_last,
+        sync_end=sync_end,
+        opt_start=opt_start,
+        opt_end=opt_end,
+        end=end,
     )
 
 
@@ -249,6 +291,15 @@ class Compactor:
         self._key: _Key | None = None
         self.full_steps = 0  # full step records written (for tests and benchmarks)
         self.windows = 0
+        self._columns: Callable[[list[Step]], _Columns | None] | None = None
+
+    def accelerate(self, extension: object) -> None:
+        """Do the per-step arithmetic with the runtime's native extension (``judge_phases``,
+        ``window_columns``: the same values, several times cheaper) from now on. Called from the
+        training thread while the writer runs: each attribute is set in one store, and either
+        way gives the same bytes. An extension without them (an older build) changes nothing."""
+        self._medians.native = getattr(extension, "judge_phases", None)
+        self._columns = getattr(extension, "window_columns", None)
 
     def feed(self, record: Record, out: list[Record]) -> None:
         if isinstance(record, Step):
@@ -287,7 +338,7 @@ class Compactor:
         key = (len(s.b_ready_us), self._bytes_sum, s.bcast_bytes, s.clock, s.ddp)
         changed = self._key is not None and key != self._key
         self._key = key
-        slow = self._medians.judge(_phases(s))
+        slow = self._medians.judge(s)
         if slow or changed:
             self._incident(out)
         index = s.step
@@ -338,6 +389,6 @@ class Compactor:
 
     def _flush(self, out: list[Record]) -> None:
         if self._pending:
-            out.append(window_of(self._pending, self._pending_key))  # type: ignore[arg-type]  # set with the first row
+            out.append(window_of(self._pending, self._pending_key, self._columns))  # type: ignore[arg-type]  # set with the first row
             self.windows += 1
             self._pending = []

@@ -66,6 +66,11 @@ class FileSink(BackgroundSink):
         self._thread = threading.Thread(target=self._run, name=f"ddpdoctor-writer:{self.path.name}", daemon=True)
         self._thread.start()
 
+    def accelerate(self, extension: object) -> None:
+        compactor = self.compactor
+        if compactor is not None:
+            compactor.accelerate(extension)
+
     # -- writer thread -------------------------------------------------------------------------
 
     def _run(self) -> None:

@@ -280,6 +280,9 @@ class TeeSink(Sink):
             pass
         return ok
 
+    def accelerate(self, extension: object) -> None:
+        self.primary.accelerate(extension)
+
     def close(self, timeout: float = 5.0) -> None:
         # the stream first: its final drop count is written to the primary before that closes
         try:
