@@ -2486,12 +2486,16 @@ py::object window_columns(PyObject* rows) {
     throw py::type_error("window_columns(rows): a non-empty list of steps");
   }
   const CompactNames& names = compact_names();
-  const py::list held = py::reinterpret_borrow<py::list>(rows);
-  const size_t n = static_cast<size_t>(PyList_GET_SIZE(rows));
+  // (a tuple of the rows: a read below may run Python code, which could change the list)
+  const py::tuple held = py::reinterpret_steal<py::tuple>(PyList_AsTuple(rows));
+  if (!held) {
+    throw py::error_already_set();
+  }
+  const size_t n = static_cast<size_t>(PyTuple_GET_SIZE(held.ptr()));
   std::vector<py::object> values;  // (row-major: the 14 values of each row, held)
   values.reserve(n * names.row.size());
   for (size_t r = 0; r < n; ++r) {
-    PyObject* row = PyList_GET_ITEM(rows, static_cast<Py_ssize_t>(r));
+    PyObject* row = PyTuple_GET_ITEM(held.ptr(), static_cast<Py_ssize_t>(r));
     for (PyObject* name : names.row) {
       values.push_back(attr_of(row, name));
     }
