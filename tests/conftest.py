@@ -6,12 +6,32 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from tests.zoo_runs import ZooRuns
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def native_built() -> Path:
+    """Build (or find) the native extension once per session; skip where it cannot build here."""
+    from ddpdoctor.runtime import native_hook
+
+    try:
+        return native_hook.build()
+    except native_hook.NativeUnavailable as exc:
+        pytest.skip(f"the native comm hook cannot be built here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def native_extension(native_built: Path) -> ModuleType:
+    """The native extension, loaded in this process (skipped where it cannot build)."""
+    from ddpdoctor.runtime import native_hook
+
+    return native_hook.load()
 
 
 @pytest.fixture(scope="session")

@@ -292,16 +292,6 @@ def test_the_log_option_picks_what_the_file_keeps(tmp_path: Path) -> None:
 # -- the extension's arithmetic (Compactor.accelerate): the bytes Python writes -------------------
 
 
-@pytest.fixture(scope="module")
-def extension() -> Any:
-    from ddpdoctor.runtime import native_hook
-
-    try:
-        return native_hook.load()
-    except native_hook.NativeUnavailable as exc:
-        pytest.skip(f"the native extension cannot be built here: {exc}")
-
-
 def _compacted(records: list[Record], extension: Any = None) -> tuple[bytes, Compactor]:
     from ddpdoctor.events import encode_into
 
@@ -374,16 +364,16 @@ def _planted(extension: Any, seed: int) -> list[Record]:
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_the_extension_compacts_to_the_bytes_python_writes(extension: Any, seed: int) -> None:
-    records = _planted(extension, seed)
+def test_the_extension_compacts_to_the_bytes_python_writes(native_extension: Any, seed: int) -> None:
+    records = _planted(native_extension, seed)
     python, plain = _compacted(records)
-    native, fast = _compacted(records, extension)
+    native, fast = _compacted(records, native_extension)
     assert native == python
     assert fast.windows == plain.windows > 10 and fast.full_steps == plain.full_steps > 40
-    assert plain._columns is None and fast._columns is extension.window_columns  # (both ways ran)
+    assert plain._columns is None and fast._columns is native_extension.window_columns  # (both ways ran)
 
 
-def test_window_columns_in_cpp_are_python_s_or_left_to_it(extension: Any) -> None:
+def test_window_columns_in_cpp_are_python_s_or_left_to_it(native_extension: Any) -> None:
     import random
 
     import msgspec
@@ -410,25 +400,25 @@ def test_window_columns_in_cpp_are_python_s_or_left_to_it(extension: Any) -> Non
                     bcast_us=value(),
                     fwd_end_us=value(),
                     bwd_end_us=value(),
-                    b_ready_us=ready if rnd.random() < 0.5 else _column(extension, ready),
+                    b_ready_us=ready if rnd.random() < 0.5 else _column(native_extension, ready),
                     sync_end_us=value(),
                     opt_start_us=value(),
                     opt_end_us=value(),
                     end_us=value(),
                 )
             )
-        assert extension.window_columns(rows) == compact.window_columns(rows)
+        assert native_extension.window_columns(rows) == compact.window_columns(rows)
     # what it does not take it leaves to Python (None), and window_of does it there
     odd = [msgspec.structs.replace(base, b_ready_us=[1, 2.5]), msgspec.structs.replace(base, fwd_us=float("nan"))]
-    assert extension.window_columns(odd[:1]) is None
-    assert compact.window_of(odd[:1], (2, 0, 0, "host", 0), extension.window_columns).ready_first == [1]
+    assert native_extension.window_columns(odd[:1]) is None
+    assert compact.window_of(odd[:1], (2, 0, 0, "host", 0), native_extension.window_columns).ready_first == [1]
     with pytest.raises(ValueError):  # round(nan), as Python raises it: the writer then writes steps in full
-        extension.window_columns(odd[1:])
+        native_extension.window_columns(odd[1:])
     with pytest.raises(TypeError):
-        extension.window_columns([])
+        native_extension.window_columns([])
 
 
-def test_judge_phases_in_cpp_is_python_s(extension: Any) -> None:
+def test_judge_phases_in_cpp_is_python_s(native_extension: Any) -> None:
     import random
 
     import msgspec
@@ -452,14 +442,14 @@ def test_judge_phases_in_cpp_is_python_s(extension: Any) -> None:
         )
         judging = [(i, rnd.choice([rnd.uniform(0, 100), rnd.randint(0, 100)])) for i in rnd.sample(range(6), 3)]
         python, native = compact._Medians(6), compact._Medians(6)
-        native.native = extension.judge_phases
+        native.native = native_extension.judge_phases
         python._judging, native._judging = judging, judging
         assert native.judge(s) == python.judge(s)
         assert repr(native._recent) == repr(python._recent)  # (NaN == NaN is False: compared as written)
     with pytest.raises(TypeError):
-        extension.judge_phases(base, None, [])
+        native_extension.judge_phases(base, None, [])
     with pytest.raises(IndexError):
-        extension.judge_phases(base, [(6, 1.0)], [])
+        native_extension.judge_phases(base, [(6, 1.0)], [])
 
 
 def accelerated_run(rank: int, world_size: int, tmp: str) -> tuple[bool, bool]:
@@ -479,7 +469,7 @@ def accelerated_run(rank: int, world_size: int, tmp: str) -> tuple[bool, bool]:
         return compactor._columns is not None, compactor._medians.native is not None
 
 
-def test_the_runtime_hands_its_extension_to_the_log_writer(tmp_path: Path, extension: Any) -> None:
+def test_the_runtime_hands_its_extension_to_the_log_writer(tmp_path: Path, native_extension: Any) -> None:
     assert run_ranks(accelerated_run, 2, (str(tmp_path),), timeout=180) == [(True, True), (True, True)]
     log = load_run(tmp_path)
     assert [s.step for s in log.ranks[0].steps] == list(range(40)) and log.ranks[0].windows > 0

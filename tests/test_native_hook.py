@@ -35,15 +35,6 @@ from tests.runtime_workers import BUCKET_CAP_MB, sum_hook, train
 _ONCE = "can only be called once"
 
 
-@pytest.fixture(scope="session")
-def native_built() -> Path:
-    """Build (or find) the extension once per session; skip where it cannot build here."""
-    try:
-        return native_hook.build()
-    except native_hook.NativeUnavailable as exc:
-        pytest.skip(f"the native comm hook cannot be built here: {exc}")
-
-
 def _records(sink: MemorySink) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {"header": [], "step": [], "layout": []}
     for r in sink.records:
