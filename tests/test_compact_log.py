@@ -411,6 +411,9 @@ def test_window_columns_in_cpp_are_python_s_or_left_to_it(native_extension: Any)
     # what it does not take it leaves to Python (None), and window_of does it there
     odd = [msgspec.structs.replace(base, b_ready_us=[1, 2.5]), msgspec.structs.replace(base, fwd_us=float("nan"))]
     assert native_extension.window_columns(odd[:1]) is None
+    huge = [base, msgspec.structs.replace(base, step=1, t0_mono_ns=2**70)]  # (past int64: Python's ints)
+    assert native_extension.window_columns(huge) is None
+    assert compact.window_of(huge, (0, 0, 0, "host", 0), native_extension.window_columns).t0[1] > 2**60
     assert compact.window_of(odd[:1], (2, 0, 0, "host", 0), native_extension.window_columns).ready_first == [1]
     with pytest.raises(ValueError):  # round(nan), as Python raises it: the writer then writes steps in full
         native_extension.window_columns(odd[1:])
