@@ -25,6 +25,10 @@ for every step, and ``Compactor`` decides what the file keeps of it.
 
 State is bounded: at most ``WINDOW_ROWS`` pending steps, the ring, and ``MEDIAN_OF`` values per
 phase.
+
+Where the runtime's native extension loads, the arithmetic done at every step (a step's phases
+judged, a window's columns) runs there (``Compactor.accelerate``), with the same values: the
+file's bytes do not depend on which ran.
 """
 
 from __future__ import annotations
