@@ -299,7 +299,7 @@ class Compactor:
 
     def accelerate(self, extension: object) -> None:
         """Do the per-step arithmetic with the runtime's native extension (``judge_phases``,
-        ``window_columns``: the same values, several times cheaper) from now on. Called from the
+        ``window_columns``: the same values, for less of the writer's CPU) from now on. Called from the
         training thread while the writer runs: each attribute is set in one store, and either
         way gives the same bytes. An extension without them (an older build) changes nothing."""
         self._medians.native = getattr(extension, "judge_phases", None)
