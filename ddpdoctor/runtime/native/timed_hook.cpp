@@ -458,6 +458,15 @@ PyObject** slot_of(PyObject* obj, PyObject* name) {
   return nullptr;
 }
 
+// ``obj.<name>``, read by name (a new reference; the error raised where the read fails).
+py::object attr_of(PyObject* obj, PyObject* name) {
+  PyObject* value = PyObject_GetAttr(obj, name);
+  if (value == nullptr) {
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(value);
+}
+
 // ``step.<name>`` (a new reference; an unset slot raises AttributeError, as the read by name does).
 // An OpenStep's slot is read at its offset: the change of step and the record's build run with
 // cold caches, where a read by name goes through the class's dictionary to a descriptor.
@@ -469,11 +478,7 @@ py::object get_attr(py::handle step, PyObject* name) {
     }
     return py::reinterpret_borrow<py::object>(*slot);
   }
-  py::object value = py::reinterpret_steal<py::object>(PyObject_GetAttr(step.ptr(), name));
-  if (!value) {
-    throw py::error_already_set();
-  }
-  return value;
+  return attr_of(step.ptr(), name);
 }
 
 // The ring's entries of the last backward, taken for ``step``, with what drain_into and
@@ -2290,14 +2295,6 @@ const CompactNames& compact_names() {
   return names;
 }
 
-py::object attr_of(PyObject* obj, PyObject* name) {
-  PyObject* value = PyObject_GetAttr(obj, name);
-  if (value == nullptr) {
-    throw py::error_already_set();
-  }
-  return py::reinterpret_steal<py::object>(value);
-}
-
 // ``a - b`` as Python computes it, or None where either is None (a new reference).
 PyObject* difference(PyObject* a, PyObject* b) {
   if (a == Py_None || b == Py_None) {
@@ -2478,7 +2475,7 @@ bool ready_span(PyObject* ready, double* first, double* last) {
   return any;
 }
 
-// window_columns(rows): compact._window_columns of a window's rows (Step records), the same
+// window_columns(rows): compact.window_columns of a window's rows (Step records), the same
 // lists: (t0, wall, micro, fwd_start, fwd, bcast_start, bcast, fwd_end, bwd_end, ready_first,
 // ready_last, sync_end, opt_start, opt_end, end); None where a value is of a type left to Python.
 py::object window_columns(PyObject* rows) {
