@@ -13,6 +13,8 @@
 #   bash bench/gpu_session.sh attrib     # those, and the transformer overhead's attribution
 #   bash bench/gpu_session.sh floor      # the GPU tests, real jobs, and the attribution with the comm hook's floor
 #   bash bench/gpu_session.sh cpu        # the CPU benches only (with the short model's split by thread)
+#   bash bench/gpu_session.sh goals      # issue 15's CPU goals on these cores, then the GPU tests and real jobs,
+#                                        # each step cut to what is left of $DEADLINE seconds (default 540)
 set -u
 out=${OUT:-gpu-session}
 mkdir -p "$out"
@@ -26,9 +28,14 @@ fi
 # Each step's output is appended to $out/steps.tar as NAME.txt once the step ends: the device tool
 # brings back at most 8 files, and a session writes more steps than that (a killed step's output
 # stays a file of its own).
+start=$SECONDS
+deadline=${DEADLINE:-100000}
 step() {  # step NAME SECONDS COMMAND...: run it, bounded, its output to the screen and $out/NAME.txt
   local name=$1 limit=$2
   shift 2
+  local left=$((deadline - (SECONDS - start)))
+  if [ "$left" -lt 20 ]; then echo "== $name: skipped, ${left}s left"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
   echo "== $name ($(date +%T), at most ${limit}s): $*"
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
   echo "== $name: exit ${PIPESTATUS[0]}"
@@ -37,6 +44,19 @@ step() {  # step NAME SECONDS COMMAND...: run it, bounded, its output to the scr
 { nvidia-smi -L; nproc; ls /dev | grep -E '^(nvidia|kfd)' | tr '\n' ' '; echo
   python3 -c "from ddpdoctor import native_cache; print('gpu_visible', native_cache.gpu_visible())"; python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version())"; } 2>&1 | tee "$out/machine.txt"
 mode=${1:-all}
+if [ "$mode" = goals ]; then  # one call of a lent machine: the figures that decide issue 15 first
+  [ -z "${DEADLINE:-}" ] && deadline=540
+  step native_build 100 python3 -m ddpdoctor.runtime.native
+  step hot_path 60 python3 bench/hot_path.py --steps 2000
+  step interleaved_short 130 python3 bench/interleaved.py --model short --rounds 10000 --json "$out/interleaved_short.json"
+  step pytest_gpu 120 python3 -m pytest -v -s -m gpu -p no:cacheprovider -o asyncio_mode=strict --timeout 100 tests/test_cuda.py \
+    tests/test_replica_comparison.py
+  step real_jobs 150 python3 bench/real_jobs.py --parallel 8
+  step interleaved_short_2 130 python3 bench/interleaved.py --model short --rounds 10000
+  step gpu_overhead 120 python3 bench/gpu_overhead.py --model transformer --pairs 5
+  echo "== done in $((SECONDS - start)) s"
+  exit 0
+fi
 if [ "$mode" != cpu ]; then
   # (the 3-rank scaling test builds the native extension first: about 40 s on 16 cores)
   step pytest_gpu 300 python3 -m pytest -v -s -m gpu -p no:cacheprovider -o asyncio_mode=strict --timeout 200 tests/test_cuda.py \
