@@ -169,21 +169,23 @@ class Attachment:
                 self._choose_native(ddp, monitor, state)
         original = ddp._sync_buffers if torch_compat.available("buffer_timing") else None
         # The shadow lives in the instance's __dict__: a strong bound method there would be a
-        # cycle through the instance, which reference counting alone never frees.
-        original_sync: Callable[[], Any] | None = (
-            weakref.WeakMethod(original)
-            if inspect.ismethod(original) and original.__self__ is ddp
-            else (lambda: original)
-            if original is not None
-            else None
-        )
-
+        # cycle through the instance, which reference counting alone never frees. So it holds
+        # the model weakly and binds DDP's method at each call (``__get__``, in C: a
+        # ``WeakMethod`` would be a Python frame more at every forward that broadcasts).
         self._sync_buffers = None
-        if original_sync is not None:
-            get_original = original_sync
+        if original is not None:
+            ddp_ref = weakref.ref(ddp)
+            if inspect.ismethod(original) and original.__self__ is ddp:
+                bind = original.__func__.__get__
 
-            def sync_buffers() -> Any:
-                return monitor.on_sync_buffers(get_original())
+                def sync_buffers() -> Any:
+                    model = ddp_ref()
+                    return monitor.on_sync_buffers(bind(model), model)
+
+            else:
+
+                def sync_buffers() -> Any:
+                    return monitor.on_sync_buffers(original, ddp_ref())
 
             self._sync_buffers = sync_buffers
         self._getstate = _state_without_ddpdoctor(ddp)

@@ -664,44 +664,56 @@ class Monitor:
                 native.arm_python(recorder.current, output, self)
             self.own_ns += _perf_ns() - t
 
-    def on_sync_buffers(self, original: Any) -> Any:
-        """DDP's buffer broadcast, timed apart from the forward around it."""
-        checks = getattr(self, "checks", None)
+    def on_sync_buffers(self, original: Any, ddp: Any) -> Any:
+        """DDP's buffer broadcast (``original()``, DDP's ``_sync_buffers`` bound to ``ddp``), timed
+        apart from the forward around it. Every forward of a model that broadcasts buffers: one
+        frame, as ``on_forward_post`` is (a frame entered costs a microsecond of cold caches)."""
+        checks = self.__dict__.get("checks")
         if checks is not None:
             checks.broadcasts += 1  # the fingerprints leave out what the broadcasts bump
             # after this forward the buffers are rank 0's copy on every rank where the module
             # does not update them (eval mode: BatchNorm keeps its statistics), with grad on or
             # off; in train mode each rank updates its own right after. The final fingerprint
-            # must know which (an evaluation pass after the last step)
-            ddp = self.ddp
-            checks.buffers_from_broadcast = ddp is not None and not ddp.module.training
-        if not (self.probes.on["buffers"] and self.recorder.in_forward):
+            # must know which (an evaluation pass after the last step). (``_modules``, not
+            # ``ddp.module``: nn.Module's ``__getattr__`` is a Python frame.)
+            module = ddp._modules.get("module") if ddp is not None else None
+            checks.buffers_from_broadcast = module is not None and not module.training
+        recorder = self.recorder
+        if not (self.probes.on["buffers"] and recorder.in_forward):
             return original()
-        t = time.perf_counter_ns()
-        clock = self.recorder.clock
+        t = _perf_ns()
+        clock = recorder.clock
         try:
             start = clock.now()
         except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("buffers", exc)
             return original()
-        self.recorder.in_broadcast = True
-        t_in = time.perf_counter_ns()
+        recorder.in_broadcast = True
+        t_in = _perf_ns()
         try:
             original()
         finally:
-            self.recorder.in_broadcast = False
-        t_out = time.perf_counter_ns()
-        self.checks.bcast_in_forward = True
+            recorder.in_broadcast = False
+        t_out = _perf_ns()
         try:
             end = clock.now()
-            self._buffer_bytes_age += 1
-            if self._buffer_bytes_age >= _BUFFER_BYTES_EVERY:
-                self._buffer_bytes = sum(b.numel() * b.element_size() for b in self.ddp.modules_buffers)
-                self._buffer_bytes_age = 0
-            self.recorder.buffers_broadcast(start, end, self._buffer_bytes)
+            if checks is not None:
+                checks.bcast_in_forward = True
+            age = self._buffer_bytes_age + 1
+            if age >= _BUFFER_BYTES_EVERY and ddp is not None:
+                self._buffer_bytes = sum(b.numel() * b.element_size() for b in ddp.modules_buffers)
+                age = 0
+            self._buffer_bytes_age = age
+            # StepRecorder.buffers_broadcast, unrolled (in_forward: read above)
+            step = recorder.current
+            if step is not None:
+                # After a no_sync micro-step DDP skips the broadcast in the synchronizing forward:
+                # the step's broadcast then happened in the micro-step, and still counts.
+                step.bcast.append((start, end, recorder.in_sync_forward))
+                step.bcast_bytes += self._buffer_bytes
         except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
             self.probes.failed("buffers", exc)
-        self.own_ns += time.perf_counter_ns() - t - (t_out - t_in)
+        self.own_ns += _perf_ns() - t - (t_out - t_in)
         return None
 
     def on_bucket_ready(self, bucket: dist.GradBucket, index: int) -> OpenStep | None:
