@@ -48,11 +48,11 @@ if [ "$mode" = goals ]; then  # one call of a lent machine: the figures that dec
   [ -z "${DEADLINE:-}" ] && deadline=540
   step native_build 100 python3 -m ddpdoctor.runtime.native
   step hot_path 60 python3 bench/hot_path.py --steps 2000
-  step interleaved_short 130 python3 bench/interleaved.py --model short --rounds 10000 --json "$out/interleaved_short.json"
+  step interleaved_short 130 python3 bench/interleaved.py --model short --rounds 3000 --json "$out/interleaved_short.json"
   step pytest_gpu 120 python3 -m pytest -v -s -m gpu -p no:cacheprovider -o asyncio_mode=strict --timeout 100 tests/test_cuda.py \
     tests/test_replica_comparison.py
   step real_jobs 150 python3 bench/real_jobs.py --parallel 8
-  step interleaved_short_2 130 python3 bench/interleaved.py --model short --rounds 10000
+  step interleaved_short_2 130 python3 bench/interleaved.py --model short --rounds 3000
   step gpu_overhead 120 python3 bench/gpu_overhead.py --model transformer --pairs 5
   echo "== done in $((SECONDS - start)) s"
   exit 0
