@@ -26,6 +26,7 @@ Fault injection (tests): ``fail_at`` (or ``$DDPDOCTOR_TEST_FAIL_ATTACH``) names 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import weakref
@@ -105,6 +106,8 @@ class Attachment:
         self._existing: tuple[Callable[..., Any], object, str] | None = None
         #: The native comm hook (DDP's default all-reduce timed in C++); None: the Python route.
         self.native: native_hook.NativeTiming | None = None
+        self._sync_buffers: Callable[[], Any] | None = None  # the shadow (``_build``)
+        self._prior_sync: Any = None
 
     @property
     def ddp(self) -> Any:
@@ -170,24 +173,22 @@ class Attachment:
         original = ddp._sync_buffers if torch_compat.available("buffer_timing") else None
         # The shadow lives in the instance's __dict__: a strong bound method there would be a
         # cycle through the instance, which reference counting alone never frees. So it holds
-        # the model weakly and binds DDP's method at each call (``__get__``, in C: a
-        # ``WeakMethod`` would be a Python frame more at every forward that broadcasts).
+        # the model weakly and binds DDP's method at each call (``__get__``, in C), and it is a
+        # ``partial`` (in C too): a broadcasting forward enters one Python frame of ours, the
+        # monitor's, where a closure and a ``WeakMethod`` would each add one.
         self._sync_buffers = None
+        # one another tool set on the instance before ours: put back at detach, not dropped
+        self._prior_sync = ddp.__dict__.get("_sync_buffers")
         if original is not None:
-            ddp_ref = weakref.ref(ddp)
+            bind: Callable[[Any], Callable[[], Any]]
             if inspect.ismethod(original) and original.__self__ is ddp:
                 bind = original.__func__.__get__
+            else:  # (one set on the instance before ours: called as it is)
 
-                def sync_buffers() -> Any:
-                    model = ddp_ref()
-                    return monitor.on_sync_buffers(bind(model), model)
+                def bind(_model: Any, original: Any = original) -> Callable[[], Any]:
+                    return original  # type: ignore[no-any-return]
 
-            else:
-
-                def sync_buffers() -> Any:
-                    return monitor.on_sync_buffers(original, ddp_ref())
-
-            self._sync_buffers = sync_buffers
+            self._sync_buffers = functools.partial(monitor.on_sync_buffers, bind, weakref.ref(ddp))
         self._getstate = _state_without_ddpdoctor(ddp)
 
     def _choose_native(self, ddp: Any, monitor: Any, state: comm_hook.HookState) -> None:
@@ -258,7 +259,14 @@ class Attachment:
         if self._sync_buffers is None:
             return
         self.ddp.__dict__["_sync_buffers"] = self._sync_buffers
-        self._undo.append(("sync_buffers", lambda: self.ddp.__dict__.pop("_sync_buffers", None)))
+        self._undo.append(("sync_buffers", lambda: self._unshadow_sync_buffers(self.ddp)))
+
+    def _unshadow_sync_buffers(self, ddp: Any) -> None:
+        """DDP's own ``_sync_buffers`` again, or the one set on the instance before ours."""
+        if self._prior_sync is not None:
+            ddp.__dict__["_sync_buffers"] = self._prior_sync
+        else:
+            ddp.__dict__.pop("_sync_buffers", None)
 
     def _shadow_getstate(self) -> None:
         if "__getstate__" in self.ddp.__dict__:
@@ -361,7 +369,8 @@ class Attachment:
             return
         ddp = self.ddp
         self._remove_forward_hooks()
-        ddp.__dict__.pop("_sync_buffers", None)
+        if self._sync_buffers is not None:
+            self._unshadow_sync_buffers(ddp)
         ddp.__dict__.pop("_post_forward", None)
         if _attached.get(ddp) is self.monitor:
             del _attached[ddp]
@@ -372,7 +381,7 @@ class Attachment:
         self._undo = []
         # the shadow closes over DDP's own bound method: a monitor the user keeps must not keep
         # the model (and its reducer and process group) alive once detached
-        self._sync_buffers = None
+        self._sync_buffers = self._prior_sync = None
         self.ddp = None
 
 

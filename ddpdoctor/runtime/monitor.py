@@ -664,10 +664,13 @@ class Monitor:
                 native.arm_python(recorder.current, output, self)
             self.own_ns += _perf_ns() - t
 
-    def on_sync_buffers(self, original: Any, ddp: Any) -> Any:
-        """DDP's buffer broadcast (``original()``, DDP's ``_sync_buffers`` bound to ``ddp``), timed
-        apart from the forward around it. Every forward of a model that broadcasts buffers: one
-        frame, as ``on_forward_post`` is (a frame entered costs a microsecond of cold caches)."""
+    def on_sync_buffers(self, bind: Any, ddp_ref: Any) -> Any:
+        """DDP's buffer broadcast (``bind(ddp)()``: DDP's ``_sync_buffers``, bound to the model
+        ``ddp_ref`` holds weakly), timed apart from the forward around it. Every forward of a
+        model that broadcasts buffers: one frame, as ``on_forward_post`` is (a frame entered costs
+        a microsecond of cold caches; the shadow calling it is a ``partial``: see ``Attachment``)."""
+        ddp = ddp_ref()
+        original = bind(ddp)
         checks = self.__dict__.get("checks")
         if checks is not None:
             checks.broadcasts += 1  # the fingerprints leave out what the broadcasts bump
