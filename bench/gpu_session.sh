@@ -13,7 +13,8 @@
 #   bash bench/gpu_session.sh attrib     # those, and the transformer overhead's attribution
 #   bash bench/gpu_session.sh floor      # the GPU tests, real jobs, and the attribution with the comm hook's floor
 #   bash bench/gpu_session.sh cpu        # the CPU benches only (with the short model's split by thread)
-#   bash bench/gpu_session.sh goals      # issue 15's CPU goals on these cores, then the GPU tests and real jobs,
+#   bash bench/gpu_session.sh goals      # issue 15's CPU goals and the short model's attribution on these cores,
+#                                        # then the GPU tests, real jobs and the transformer's overhead,
 #                                        # each step cut to what is left of $DEADLINE seconds (default 540)
 set -u
 out=${OUT:-gpu-session}
@@ -49,10 +50,13 @@ if [ "$mode" = goals ]; then  # one call of a lent machine: the figures that dec
   step native_build 100 python3 -m ddpdoctor.runtime.native
   step hot_path 60 python3 bench/hot_path.py --steps 2000
   step interleaved_short 130 python3 bench/interleaved.py --model short --rounds 3000 --json "$out/interleaved_short.json"
+  # where the training thread's +95 µs a step went there (2026-12-04; its own accounting 38): the
+  # attribution rows, step by step and in blocks of 25 (the caches other contenders leave cold)
+  step interleaved_attrib 150 python3 bench/interleaved.py --model short --rounds 2000 --attribution
+  step interleaved_attrib_block 150 python3 bench/interleaved.py --model short --rounds 80 --block 25 --attribution
   step pytest_gpu 120 python3 -m pytest -v -s -m gpu -p no:cacheprovider -o asyncio_mode=strict --timeout 100 tests/test_cuda.py \
     tests/test_replica_comparison.py
   step real_jobs 150 python3 bench/real_jobs.py --parallel 8
-  step interleaved_short_2 130 python3 bench/interleaved.py --model short --rounds 3000
   step gpu_overhead 120 python3 bench/gpu_overhead.py --model transformer --pairs 5
   echo "== done in $((SECONDS - start)) s"
   exit 0
