@@ -379,8 +379,9 @@ class Attachment:
         if self.native is not None:
             self.native.stop()
         self._undo = []
-        # the shadow closes over DDP's own bound method: a monitor the user keeps must not keep
-        # the model (and its reducer and process group) alive once detached
+        # the shadow, and a _sync_buffers set on the instance before it (which may close over the
+        # model), are the model's to hold: a monitor the user keeps must not keep the model (and
+        # its reducer and process group) alive once detached
         self._sync_buffers = self._prior_sync = None
         self.ddp = None
 
