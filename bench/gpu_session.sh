@@ -50,8 +50,11 @@ if [ "$mode" = goals ]; then  # one call of a lent machine: the figures that dec
   step native_build 100 python3 -m ddpdoctor.runtime.native
   step hot_path 60 python3 bench/hot_path.py --steps 2000
   step interleaved_short 130 python3 bench/interleaved.py --model short --rounds 3000 --json "$out/interleaved_short.json"
+  # the same with the models built the other way round: where each model's tensors land moves a
+  # plain step by about 1% on the VM, the same way for the same order (2026-12-04)
+  step interleaved_short_reverse 130 python3 bench/interleaved.py --model short --rounds 3000 --build-order reverse
   # where the training thread's +95 µs a step went there (2026-12-04; its own accounting 38): the
-  # attribution rows, step by step and in blocks of 25 (the caches other contenders leave cold)
+  # attribution rows (python-lines: what cold Python lines cost), step by step and in blocks of 25
   step interleaved_attrib 150 python3 bench/interleaved.py --model short --rounds 2000 --attribution
   step interleaved_attrib_block 150 python3 bench/interleaved.py --model short --rounds 80 --block 25 --attribution
   step pytest_gpu 120 python3 -m pytest -v -s -m gpu -p no:cacheprovider -o asyncio_mode=strict --timeout 100 tests/test_cuda.py \

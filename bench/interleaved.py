@@ -13,7 +13,10 @@ group: ``plain`` (A), ``ddpdoctor`` (``ddpdoctor.instrument`` with its defaults,
 into a temporary run dir), ``plain-2`` (B, the noise row) and, with ``--attribution``, plain DDP
 with a minimal Python comm hook, plain DDP with ddpdoctor's C++ timed hook alone (its ring never
 drained), plain DDP with a forward pre- and post-hook that do nothing (what any forward hook
-costs: the module call's slow path) and ddpdoctor with a NullSink (no log writer). After
+costs: the module call's slow path), plain DDP with a forward pre-hook that runs 150 lines of
+attribute arithmetic on an object of its own (``python-lines``: what Python lines cost that no
+other code of the step runs, their code and data cold after the backward and optimizer step) and
+ddpdoctor with a NullSink (no log writer). The models are built in ``--build-order``. After
 ``--warmup`` steps each, a *round* runs ``--block`` steps of every contender in turn, in an
 order shuffled from round to round. Each step is timed on the host
 (``perf_counter`` around forward, loss, ``zero_grad``, backward and the optimizer step), with the
@@ -71,11 +74,35 @@ WORLD_SIZE = 2
 BASE = "plain"
 NOISE = "plain-2"
 TOOL = "ddpdoctor"
-ATTRIBUTION = ("python-hook", "native-hook", "empty-hooks", "nullsink")
+ATTRIBUTION = ("python-hook", "native-hook", "empty-hooks", "python-lines", "nullsink")
+#: lines of the ``python-lines`` row's hook: about what ddpdoctor's own hooks run a step
+PYTHON_LINES = 150
 
 
 def _nothing(*_: Any) -> None:
     return None
+
+
+class _Fields:
+    """Twenty attributes for the ``python-lines`` hook to read and write."""
+
+    def __init__(self) -> None:
+        for i in range(20):
+            setattr(self, f"a{i}", i)
+
+
+def _python_lines_hook(n: int) -> Any:
+    """A forward pre-hook of ``n`` lines: reads, a sum and a write of an attribute, and tests of
+    one, taking turns (``exec``: the lines are written out, not a loop)."""
+    lines = ["def hook(module, args):", "    s = FIELDS"]
+    for i in range(n):
+        if i % 2:
+            lines.append(f"    s.a{i % 20} = s.a{(i * 7) % 20} + {i}")
+        else:
+            lines.append(f"    if s.a{i % 20} < 0:\n        return None")
+    namespace: dict[str, Any] = {"FIELDS": _Fields()}
+    exec("\n".join(lines), namespace)  # noqa: S102 - the bench's own generated code
+    return namespace["hook"]
 
 
 class Contender:
@@ -107,6 +134,8 @@ class Contender:
         elif name == "empty-hooks":  # what any forward hook costs: the module call's slow path
             self.ddp.register_forward_pre_hook(_nothing)
             self.ddp.register_forward_hook(_nothing)
+        elif name == "python-lines":
+            self.ddp.register_forward_pre_hook(_python_lines_hook(PYTHON_LINES))
         self.steps = 0
         self.own_ns = 0  # ddpdoctor's own accounting over the timed blocks (Monitor.own_ns)
         self.wall: list[float] = []  # s per timed block
@@ -150,13 +179,31 @@ class Contender:
         return out
 
 
+def _build_order(names: list[str], order: str) -> list[str]:
+    """``names`` in the order their models are built: ``given``, ``reverse``, or the contenders'
+    names, comma-separated, first built first (those not named follow in their given order)."""
+    if order == "given":
+        return list(names)
+    if order == "reverse":
+        return names[::-1]
+    first = [n for n in order.split(",") if n]
+    unknown = [n for n in first if n not in names]
+    if unknown:
+        raise ValueError(f"--build-order names no contender {unknown}; contenders: {names}")
+    return first + [n for n in names if n not in first]
+
+
 def rank_main(rank: int, port: int, args: dict[str, Any], results: Any) -> None:
     try:
         init_gloo(rank, WORLD_SIZE, port)
         spec = SPECS[args["model"]]
         run_dir = args["run_dir"]
         names = [BASE, TOOL, NOISE, *(ATTRIBUTION if args["attribution"] else ())]
-        contenders = [Contender(n, spec, rank, run_dir) for n in names]
+        # built in --build-order: where each model's tensors land (their addresses, hence how
+        # they share cache sets and pages) moves a plain DDP's step by about 1% here, and always
+        # the same way for the same order; two orders, run for run, set that apart from the tool
+        built = {name: Contender(name, spec, rank, run_dir) for name in _build_order(names, args["build_order"])}
+        contenders = [built[n] for n in names]
         for _ in range(args["warmup"]):  # interleaved too, past the sampled checks' dense start
             for c in contenders:
                 c.run(1, False)
@@ -275,7 +322,8 @@ def report(summary: dict[str, Any], args: argparse.Namespace) -> str:
     )
     lines.append(
         f"{WORLD_SIZE} gloo ranks on CPU, torch {torch.__version__}, 1 thread/rank, {os.cpu_count()} cores; "
-        f"model {args.model}; {args.rounds} rounds of {args.block} step(s) per contender; warm-up {args.warmup}."
+        f"model {args.model}; {args.rounds} rounds of {args.block} step(s) per contender; warm-up {args.warmup}; "
+        f"built in the order {', '.join(args.built)}."
     )
     return "\n".join(lines)
 
@@ -309,9 +357,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hiccup", type=float, default=4.0, help="leave out rounds with a block over this x its median (0: keep all)"
     )
+    parser.add_argument(
+        "--build-order",
+        default="given",
+        help="the order the contenders' models are built in: given (plain, ddpdoctor, plain-2, ...), "
+        "reverse, or names comma-separated (default given)",
+    )
     parser.add_argument("--json", default=None, help="write the per-block figures here")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
     args = parser.parse_args(argv)
+    try:
+        args.built = _build_order([BASE, TOOL, NOISE, *(ATTRIBUTION if args.attribution else ())], args.build_order)
+    except ValueError as exc:
+        parser.error(str(exc))
     from ddpdoctor.runtime import native_hook
 
     try:
@@ -329,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             "block": args.block,
             "warmup": args.warmup,
             "attribution": args.attribution,
+            "build_order": args.build_order,
             "run_dir": run_dir,
         }
         procs = [ctx.Process(target=rank_main, args=(r, port, shared, results), daemon=True) for r in range(WORLD_SIZE)]

@@ -8,8 +8,8 @@ Two gloo ranks train the short model of ``bench/overhead.py``, plain or with ``d
   the calls made per step in each function of ddpdoctor's, and of torch's module and optimizer
   code (where hooks take torch's slower paths). Tracing slows the steps, so what ddpdoctor does on
   a timer (its batched emission, every 32 steps or 0.2 s) comes out more often than untraced.
-* ``switches``: the training thread's voluntary and involuntary context switches and its user and
-  system CPU per step, read from ``/proc/self/task/<tid>``.
+* ``switches``: the training thread's voluntary and involuntary context switches, minor page
+  faults, and its user and system CPU per step, read from ``/proc/self/task/<tid>``.
 * ``rank``: one rank, for a run under valgrind (each rank its own process)::
 
       port=$(python -c "from bench.harness import free_port; print(free_port())")
@@ -116,6 +116,7 @@ def _switches(step: Any, steps: int) -> str:
                 key, value = line.split(":")
                 values[key] = int(value)
         fields = Path(task, "stat").read_text().rsplit(")", 1)[1].split()
+        values["minflt"] = int(fields[7])  # minor page faults (the allocator's pages, first touched)
         values["utime_us"], values["stime_us"] = int(fields[11]), int(fields[12])  # clock ticks, scaled below
         return values
 

@@ -54,7 +54,7 @@ def _batches(
 
 
 def train(ddp: DDP, rank: int, case: dict[str, Any]) -> list[float]:
-    """``STEPS`` steps of SGD as ``case`` says; the final parameters, flattened."""
+    """``STEPS`` steps of SGD as ``case`` says; the final parameters and gradients, flattened."""
     sparse, dtype = case.get("sparse", False), case.get("dtype", torch.float32)
     device = next(ddp.parameters()).device
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -79,9 +79,14 @@ def train(ddp: DDP, rank: int, case: dict[str, Any]) -> list[float]:
                 with ddp.no_sync():
                     ((ddp(x) - y) ** 2).mean().backward()
             skip = bool(case.get("skip")) and step % 2 == 1
-            ((ddp(x, skip=skip) - y) ** 2).mean().backward()
+            ((ddp(x, skip=skip) - y) ** 2).mean().mul(case.get("loss_scale", 1.0)).backward()
             opt.step()
-    return torch.cat([p.detach().float().flatten() for p in ddp.module.parameters()]).tolist()
+    # the last step's gradients too, where a gradient's bits may not reach the parameters (the
+    # subnormal cases); in float64, which holds every float32 and bfloat16 value exactly
+    params = [p.detach().double().flatten() for p in ddp.module.parameters()]
+    grads = [g.to_dense() if g.is_sparse else g for g in (p.grad for p in ddp.module.parameters()) if g is not None]
+    grads = [g.detach().double().flatten() for g in grads]
+    return torch.cat(params + grads).tolist()
 
 
 CASES: dict[str, dict[str, Any]] = {
@@ -97,6 +102,11 @@ CASES: dict[str, dict[str, Any]] = {
     "unused_script_grads": {"skip": True, "branch_grads": True, "ddp": {"find_unused_parameters": True}},
     "static_graph": {"ddp": {"static_graph": True}},
     "bfloat16": {"dtype": torch.bfloat16},
+    "float64": {"dtype": torch.float64},
+    # gradients of float32's subnormal range (below 1.2e-38), where a product loses bits: the
+    # extension multiplies small buckets itself, and must round each product as torch's kernel does
+    "subnormal": {"loss_scale": 1e-39},
+    "subnormal_copied": {"loss_scale": 1e-39, "gab": False},
     # divide_by_initial_world_size=False: DDP divides by the ranks still training
     "join": {"join": {"divide_by_initial_world_size": False}},
     "join_copied": {"join": {"divide_by_initial_world_size": False}, "gab": False, "set_to_none": True},

@@ -1073,6 +1073,75 @@ class GradWatch {
   std::vector<std::pair<Unowned<NodeRef>::type, torch::autograd::FunctionPreHook*>> hooked_;
 };
 
+// A bucket of at most this many elements is scaled by ``multiply_small`` below; a larger one by
+// torch's kernel, which splits it over the intra-op threads (torch's own grain size).
+constexpr int64_t kSmallBucket = 32768;
+
+// ``data[i] *= s`` over ``n`` elements, a 32-byte vector at a time (GCC and Clang vector types):
+// per element the IEEE product of the same two operands that torch's ``mul_`` kernel forms, so
+// the same bits.
+template <typename T>
+inline __attribute__((always_inline)) void multiply_lanes(T* data, int64_t n, T s) {
+  int64_t i = 0;
+#if defined(__GNUC__) || defined(__clang__)
+  typedef T Lanes __attribute__((vector_size(32)));
+  constexpr int64_t kLanes = 32 / sizeof(T);
+  Lanes factor;
+  for (int64_t k = 0; k < kLanes; ++k) {
+    factor[k] = s;
+  }
+  for (; i + kLanes <= n; i += kLanes) {
+    Lanes v;
+    std::memcpy(&v, data + i, sizeof v);
+    v *= factor;
+    std::memcpy(data + i, &v, sizeof v);
+  }
+#endif
+  for (; i < n; ++i) {
+    data[i] *= s;
+  }
+}
+
+// Built twice on x86-64 Linux with GCC, picked at load by the CPU (AVX2 where it has it, as
+// torch's own kernels are): the build may be shared by the hosts of a cluster, so nothing beyond
+// the baseline is assumed. A small bucket: 2.4 µs for five of 13,107 floats with AVX2, against
+// 7.3 through ``mul_`` and 5.0 in 16-byte vectors (this project's VM).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define DDPDOCTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define DDPDOCTOR_CLONES
+#endif
+
+DDPDOCTOR_CLONES void multiply_floats(float* data, int64_t n, float s) {
+  multiply_lanes<float>(data, n, s);
+}
+
+DDPDOCTOR_CLONES void multiply_doubles(double* data, int64_t n, double s) {
+  multiply_lanes<double>(data, n, s);
+}
+
+// ``buffer.mul_(1 / divisor)`` for a small contiguous float or double buffer on the CPU, without
+// the dispatcher and TensorIterator: their microsecond and a half a call is most of what scaling a
+// model of small buckets costs a step (DDP itself scales as it copies the gradients in, which a
+// comm hook cannot). The version counter moves as ``mul_`` moves it. False: not such a buffer,
+// nothing done.
+bool multiply_small(at::Tensor& buffer, double scale) {
+  if (!buffer.device().is_cpu() || !buffer.is_contiguous() || buffer.numel() > kSmallBucket ||
+      buffer.is_inference() || buffer.is_conj() || buffer.is_neg() || buffer.requires_grad()) {
+    return false;
+  }
+  const at::ScalarType dtype = buffer.scalar_type();
+  if (dtype == at::kFloat) {
+    multiply_floats(buffer.data_ptr<float>(), buffer.numel(), static_cast<float>(scale));
+  } else if (dtype == at::kDouble) {
+    multiply_doubles(buffer.data_ptr<double>(), buffer.numel(), scale);
+  } else {
+    return false;
+  }
+  buffer.unsafeGetTensorImpl()->bump_version();
+  return true;
+}
+
 // 1/``size`` as DDP's reducer passes it to its multiply: a double scalar tensor marked as a wrapped
 // number (so the bucket's dtype wins and the product is taken in its math type). Not
 // ``mul_(double)``: C++'s Scalar overload rounds the reciprocal to a half-precision bucket's dtype
@@ -1137,14 +1206,19 @@ class DdpScale {
       scale_ = wrapped_scale(div);
     }
     if (watch_ == nullptr || power_of_two(div)) {
-      buffer.mul_(scale_);  // dividing by a power of two gives the same bits
+      // (dividing by a power of two gives the same bits)
+      if (!multiply_small(buffer, 1.0 / static_cast<double>(div))) {
+        buffer.mul_(scale_);
+      }
       return;
     }
     const std::vector<char> in_place = watch_->in_place(bucket);
     const bool all = std::all_of(in_place.begin(), in_place.end(), [](char c) { return c != 0; });
     const bool none = std::none_of(in_place.begin(), in_place.end(), [](char c) { return c != 0; });
     if (none) {
-      buffer.mul_(scale_);
+      if (!multiply_small(buffer, 1.0 / static_cast<double>(div))) {
+        buffer.mul_(scale_);
+      }
     } else if (all) {
       buffer.div_(div);
     } else {
