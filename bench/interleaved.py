@@ -101,7 +101,7 @@ def _python_lines_hook(n: int) -> Any:
         else:
             lines.append(f"    if s.a{i % 20} < 0:\n        return None")
     namespace: dict[str, Any] = {"FIELDS": _Fields()}
-    exec("\n".join(lines), namespace)  # noqa: S102 - the bench's own generated code
+    exec("\n".join(lines), namespace)  # (the bench's own generated code)
     return namespace["hook"]
 
 
