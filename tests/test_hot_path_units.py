@@ -334,6 +334,21 @@ def test_a_broadcast_that_stays_slow_is_warned_at_the_second_check_or_at_close()
     assert len(said) == 1 and "26 steps" in said[0]
 
 
+def test_a_broadcast_warned_once_is_not_checked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing more of buffer-broadcast-cost can be raised after its warning: the check, the
+    live checks' heaviest, stops; a check before the warning still runs at every turn."""
+    calls = _counting(monkeypatch)
+    checks = 2 + 3  # the first (held), the second (warned), then three more turns
+    said, out = _bcast_warnings(
+        _bcast_steps(0, live_findings.WARMUP + (checks - 1) * live_findings.EVERY, 200.0), False
+    )
+    assert len(said) == 1 and calls["bcast"] == 2
+    assert [(r.code, r.severity) for r in out if hasattr(r, "severity")] == [("buffer-broadcast-cost", "warning")]
+    calls["bcast"] = 0  # a broadcast at 4% of the step: info, never a warning; checked every turn
+    said, out = _bcast_warnings(_bcast_steps(0, live_findings.WARMUP + (checks - 1) * live_findings.EVERY, 40.0), False)
+    assert said == [] and calls["bcast"] == checks
+
+
 def test_next_sampled_is_the_first_sampled_step_from_there() -> None:
     """The routine forward asks the sampled checks only from ``next_sampled`` on: it must name
     the schedule's next sampled step exactly (a step later would skip a sample)."""
