@@ -62,12 +62,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import free_port, init_gloo, pct, python_allreduce_hook
-from bench.overhead import SPECS, CpuClock, Spec, _batches
+from bench.overhead import SPECS, CpuClock, Spec, build_training
 
 WORLD_SIZE = 2
 #: the contenders' names; ``plain`` is every row's base (their order is shuffled every round)
@@ -111,12 +110,8 @@ class Contender:
     def __init__(self, name: str, spec: Spec, rank: int, run_dir: str) -> None:
         import ddpdoctor
 
-        torch.manual_seed(0)
         self.name = name
-        self.ddp = nn.parallel.DistributedDataParallel(spec.build(), bucket_cap_mb=spec.bucket_cap_mb)
-        self.opt = torch.optim.SGD(self.ddp.parameters(), lr=0.01, momentum=0.9)
-        self.loss_fn = nn.CrossEntropyLoss()
-        self.batches = _batches(spec, rank)
+        self.ddp, self.opt, self.loss_fn, self.batches = build_training(spec, rank)
         self.monitor: Any = None
         if name in (TOOL, "nullsink"):
             from ddpdoctor.sinks import NullSink

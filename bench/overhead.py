@@ -210,6 +210,20 @@ def _batches(spec: Spec, rank: int, n: int = 8) -> list[tuple[torch.Tensor, torc
     ]
 
 
+def build_training(
+    spec: Spec, rank: int
+) -> tuple[
+    nn.parallel.DistributedDataParallel, torch.optim.SGD, nn.CrossEntropyLoss, list[tuple[torch.Tensor, torch.Tensor]]
+]:
+    """The benches' training of ``spec`` on this rank (its process group up): the model from seed
+    0 in a DDP of the spec's buckets, SGD with momentum, cross-entropy and the rank's batches. Every
+    bench that compares runs builds it the same way, so their losses can be compared bit for bit."""
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(spec.build(), bucket_cap_mb=spec.bucket_cap_mb)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    return ddp, optimizer, nn.CrossEntropyLoss(), _batches(spec, rank)
+
+
 def _run_round(
     rank: int, spec: Spec, mode: str, warmup: int, steps: int, run_dir: str, verify: bool = False
 ) -> dict[str, Any]:
@@ -217,12 +231,7 @@ def _run_round(
     import ddpdoctor
 
     gc.collect()
-    torch.manual_seed(0)
-    model = spec.build()
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=spec.bucket_cap_mb)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-    batches = _batches(spec, rank)
+    ddp, optimizer, loss_fn, batches = build_training(spec, rank)
     monitor = None
     if mode in ("ddpdoctor", "nullsink"):
         from ddpdoctor.sinks import NullSink

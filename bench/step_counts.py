@@ -40,7 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import free_port, init_gloo
-from bench.overhead import SPECS, _batches
+from bench.overhead import SPECS, build_training
 
 WARMUP = 100
 ROOT = str(Path(__file__).resolve().parent.parent / "ddpdoctor")
@@ -49,16 +49,8 @@ TORCH_FILES = ("torch/nn/modules/module.py", "torch/optim/")
 
 def _trainer(rank: int, port: int, instrumented: bool) -> Any:
     """A step function of the short model in a 2-rank gloo group (ddpdoctor on it if asked)."""
-    import torch
-    from torch import nn
-
     init_gloo(rank, 2, port)
-    spec = SPECS["short"]
-    torch.manual_seed(0)
-    ddp = nn.parallel.DistributedDataParallel(spec.build(), bucket_cap_mb=spec.bucket_cap_mb)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-    batches = _batches(spec, rank)
+    ddp, opt, loss_fn, batches = build_training(SPECS["short"], rank)
     if instrumented:
         import ddpdoctor
 

@@ -34,12 +34,11 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import free_port, init_gloo
-from bench.overhead import SPECS, _batches
+from bench.overhead import SPECS, build_training
 
 WORLD_SIZE = 2
 WARMUP = 200
@@ -117,12 +116,7 @@ def _rank(rank: int, port: int, args: dict[str, Any], run_dir: str, results: Any
             self.memory.close(timeout)
 
     init_gloo(rank, WORLD_SIZE, port)
-    spec = SPECS["short"]
-    torch.manual_seed(0)
-    ddp = nn.parallel.DistributedDataParallel(spec.build(), bucket_cap_mb=spec.bucket_cap_mb)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
-    batches = _batches(spec, rank)
+    ddp, opt, loss_fn, batches = build_training(SPECS["short"], rank)
     monitor = ddpdoctor.instrument(ddp, run_dir=run_dir)
     assert isinstance(monitor.sink, FileSink), type(monitor.sink)
     sink = monitor.sink = Both(monitor.sink)
