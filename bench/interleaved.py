@@ -197,7 +197,7 @@ def rank_main(rank: int, port: int, args: dict[str, Any], results: Any) -> None:
         # built in --build-order: where each model's tensors land (their addresses, hence how
         # they share cache sets and pages) moves a plain DDP's step by about 1% here, and always
         # the same way for the same order; two orders, run for run, set that apart from the tool
-        built = {name: Contender(name, spec, rank, run_dir) for name in _build_order(names, args["build_order"])}
+        built = {name: Contender(name, spec, rank, run_dir) for name in args["built"]}  # (main's _build_order)
         contenders = [built[n] for n in names]
         for _ in range(args["warmup"]):  # interleaved too, past the sampled checks' dense start
             for c in contenders:
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             "block": args.block,
             "warmup": args.warmup,
             "attribution": args.attribution,
-            "build_order": args.build_order,
+            "built": args.built,
             "run_dir": run_dir,
         }
         procs = [ctx.Process(target=rank_main, args=(r, port, shared, results), daemon=True) for r in range(WORLD_SIZE)]
