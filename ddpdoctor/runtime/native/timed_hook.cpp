@@ -1205,9 +1205,10 @@ class DdpScale {
       divisor_ = div;
       scale_ = wrapped_scale(div);
     }
+    const double reciprocal = 1.0 / static_cast<double>(div);  // (the value scale_ holds)
     if (watch_ == nullptr || power_of_two(div)) {
       // (dividing by a power of two gives the same bits)
-      if (!multiply_small(buffer, 1.0 / static_cast<double>(div))) {
+      if (!multiply_small(buffer, reciprocal)) {
         buffer.mul_(scale_);
       }
       return;
@@ -1216,7 +1217,7 @@ class DdpScale {
     const bool all = std::all_of(in_place.begin(), in_place.end(), [](char c) { return c != 0; });
     const bool none = std::none_of(in_place.begin(), in_place.end(), [](char c) { return c != 0; });
     if (none) {
-      if (!multiply_small(buffer, 1.0 / static_cast<double>(div))) {
+      if (!multiply_small(buffer, reciprocal)) {
         buffer.mul_(scale_);
       }
     } else if (all) {
