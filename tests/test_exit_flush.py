@@ -53,6 +53,7 @@ def test_sigterm_flushes_and_the_process_dies_by_sigterm(tmp_path: Path) -> None
         assert proc.wait(timeout=30) == -signal.SIGTERM
         tail.poll(final=True)
         assert isinstance(tail.log.end, End) and tail.log.end.reason == "signal"
+        assert tail.log.end.signal == "SIGTERM"
         assert tail.log.end.steps == len(tail.log.steps) >= 3
         assert tail.log.corrupt_lines == 0
     finally:
@@ -165,6 +166,36 @@ def test_sys_exit_and_a_keyboard_interrupt_end_the_log_as_before(tmp_path: Path)
     assert proc.returncode == 3 and end is not None and end.reason == "exit"
     proc, end = _exit_with(tmp_path / "interrupt", "raise KeyboardInterrupt\n")
     assert proc.returncode != 0 and end is not None and end.reason == "signal"
+
+
+_HANDLED = """
+import signal
+caught = []
+signal.signal(signal.SIG{name}, lambda signum, frame: caught.append(signum))
+os.kill(os.getpid(), signal.SIG{name})
+while not caught:  # the handler runs between two bytecodes of this thread
+    pass
+sys.exit(0)
+"""
+
+
+def test_a_stop_signal_the_jobs_own_handler_caught_is_named_at_the_end(tmp_path: Path) -> None:
+    import ddpdoctor
+    from ddpdoctor.cli.render_text import render
+
+    # a preemption: the job's handler (installed after instrument, over ddpdoctor's) catches
+    # SIGTERM and the job exits cleanly, exit code 0: the log names the signal
+    proc, end = _exit_with(tmp_path / "term", _HANDLED.format(name="TERM"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert end is not None and end.reason == "exit" and end.signal == "SIGTERM"
+    report = ddpdoctor.analyze(ddpdoctor.load_run(tmp_path / "term"))
+    assert report.ranks[0]["status"] == "terminated" and report.ranks[0]["end_signal"] == "SIGTERM"
+    assert "1 steps, ended by a signal (rank 0 caught SIGTERM in the job's own handler and exited)" in render(report)
+    # a signal that does not ask the process to stop is no end of it
+    proc, end = _exit_with(tmp_path / "usr1", _HANDLED.format(name="USR1"))
+    assert proc.returncode == 0 and end is not None and end.reason == "exit" and end.signal == ""
+    report = ddpdoctor.analyze(ddpdoctor.load_run(tmp_path / "usr1"))
+    assert report.ranks[0]["status"] == "finished" and "1 steps, finished" in render(report)
 
 
 def test_an_exception_stored_before_monitoring_began_is_not_this_exit(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 import ddpdoctor
+from ddpdoctor.cli.render_text import render
 from tests.ddp_harness import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,5 +108,10 @@ def test_preemption_handler_runs_as_without_ddpdoctor(
     for rank, log in run.ranks.items():
         # monitored through the grace period, every step, and the log ends cleanly
         assert log.end is not None and log.end.reason in ("close", "exit"), log.end
+        # the signal the handler caught is named: the run reads stopped by it, not finished
+        assert log.end.signal == f"SIG{signame}", log.end
         assert log.end.steps == len(log.steps) == trained[rank]
         assert log.corrupt_lines == 0 and not log.torn_tail
+    report = ddpdoctor.analyze(run)
+    assert [r["status"] for r in report.ranks] == ["terminated", "terminated"]
+    assert f"ranks 0, 1 caught SIG{signame} in the job's own handler and exited" in render(report)

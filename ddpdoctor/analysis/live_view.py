@@ -123,13 +123,21 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else v / 1000.0
 
 
+def end_status(end: End) -> str:
+    """How a rank's log ended: failed (an exception ended training), terminated (a signal killed
+    the process, or a stop signal came and the job's own handler ended it: a preemption), or
+    finished."""
+    if end.reason.startswith("error"):
+        return "failed"
+    return "terminated" if end.reason == "signal" or end.signal else "finished"
+
+
 def rank_status(
     rank: int, end: End | None, stalled: bool, *, lost: set[int], hung: set[int], stragglers: set[int]
 ) -> str:
     """One of ``STATUSES``: the end record first, then lost, hung, stalled (its watchdog fired), straggler."""
     if end is not None:
-        reason = end.reason
-        return "failed" if reason.startswith("error") else "terminated" if reason == "signal" else "finished"
+        return end_status(end)
     if rank in lost:
         return "lost"
     if rank in hung:

@@ -11,6 +11,7 @@ from ddpdoctor.analysis.clock_align import ClockOffsets
 from ddpdoctor.analysis.diagnose import diagnose
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.groups import ddp_groups, group_arrivals
+from ddpdoctor.analysis.live_view import end_status
 from ddpdoctor.analysis.phases import PHASES, step_phases
 from ddpdoctor.events import SCHEMA_VERSION, Header, Layout
 from ddpdoctor.runlog import RankLog, Run
@@ -61,9 +62,7 @@ def _rank_status(log: RankLog, lost: set[int]) -> str:
         if log.rank in lost:
             return "lost"
         return "hung" if log.hangs and log.hangs[-1].state == "stalled" else "running"
-    if log.end.reason.startswith("error"):
-        return "failed"
-    return "terminated" if log.end.reason == "signal" else "finished"
+    return end_status(log.end)
 
 
 def _first_failed(run: Run, clocks: ClockOffsets) -> dict[str, Any] | None:
@@ -116,6 +115,7 @@ def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: st
         "probes_off": [p.probe for p in log.probes_off],
         "stream_dropped": log.stream_dropped,
         "end_reason": log.end.reason if log.end else None,
+        "end_signal": log.end.signal if log.end and log.end.signal else None,
     }
 
 

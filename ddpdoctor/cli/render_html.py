@@ -19,7 +19,7 @@ from ddpdoctor.analysis.plot_data import PlotData
 from ddpdoctor.analysis.report import REPORTED
 from ddpdoctor.analysis.sizes import human_bytes
 from ddpdoctor.cli.render_compare import render_compare, run_ranks_text
-from ddpdoctor.cli.render_text import render, world_text
+from ddpdoctor.cli.render_text import ended_text, render, world_text
 
 #: Stacked per rank, in timeline order: together they make up the step.
 STACKED = [
@@ -257,7 +257,7 @@ def render_report_html(report: Report, data: PlotData) -> str:
         f'<h1>ddpdoctor report</h1><p class="facts"><code>{_esc(run["dir"])}</code><br>'
         f"world size {_esc(world_text(run))}, backend {_esc(run['backend'])}, torch {_esc(run['torch'])}, "
         f"device {_esc(run['device'])}, {_esc(stats['steps'])} steps, "
-        f"{'finished' if run['finished'] else 'not finished'}</p>"
+        f"{_esc(ended_text(report, 'not finished'))}</p>"
     )
     findings = sorted(report.findings, key=lambda f: -SEVERITY_ORDER[f.severity])
     page.add(f"<h2>Findings ({len(findings)})</h2>")

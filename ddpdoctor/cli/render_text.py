@@ -113,18 +113,36 @@ def bare_text(stats: dict[str, Any]) -> str | None:
     )
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
 def ended_text(report: Report, unfinished: str) -> str:
-    """How the run ended: finished, or ``unfinished``; with the ranks an exception ended."""
+    """How the run ended: finished, or ``unfinished``; with the ranks an exception ended, or a
+    signal (one that killed them, or a stop signal their own handler answered by exiting)."""
     if not report.run["finished"]:
         return unfinished
     failed = [r["rank"] for r in report.ranks if r.get("status") == "failed"]
-    if not failed:
+    if failed:
+        ranks = _ranks_text(failed)
+        first = report.run.get("first_failed")
+        if len(failed) > 1 and first:
+            return f"ended, {ranks} failed (an exception ended training; rank {first['rank']} first: {first['reason']})"
+        return f"ended, {ranks} failed (an exception ended training)"
+    terminated = [r for r in report.ranks if r.get("status") == "terminated"]
+    if not terminated:
         return "finished"
-    ranks = f"rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}"
-    first = report.run.get("first_failed")
-    if len(failed) > 1 and first:
-        return f"ended, {ranks} failed (an exception ended training; rank {first['rank']} first: {first['reason']})"
-    return f"ended, {ranks} failed (an exception ended training)"
+    by_how: dict[str, list[int]] = {}
+    for r in terminated:
+        name = r.get("end_signal") or "a signal"
+        how = (
+            f"ended by {name}"
+            if r.get("end_reason") == "signal"
+            else f"caught {name} in the job's own handler and exited"
+        )
+        by_how.setdefault(how, []).append(r["rank"])
+    parts = [f"{_ranks_text(ranks)} {how}" for how, ranks in by_how.items()]
+    return f"ended by a signal ({'; '.join(parts)})"
 
 
 def render(report: Report) -> str:

@@ -222,6 +222,11 @@ class End(_Record, tag="end", kw_only=True):
     # "close", "exit", "signal", or "error: <exception type>" (an exception left a with-block, or
     # ended the script uncaught)
     reason: str
+    # the stop signal ("SIGTERM", "SIGINT") the process caught before this end, if any: a job
+    # whose own handler answers a preemption by saving and exiting ends with reason "exit" (or
+    # "close") and this set; empty where no such signal came (or it could not be seen: another
+    # owner of the signal wakeup fd, an event loop)
+    signal: str = ""
 
 
 class GradFlags(_Record, tag="grad_flags", kw_only=True):

@@ -21,6 +21,9 @@ The contract (issue 13): a signal does to the process exactly what it does witho
   (``signal.getsignal`` at that moment) and has not run within ``MAIN_THREAD_WAIT_S``, it closes,
   restores ``SIG_DFL`` at the C level and re-raises: the process dies as it would have.
 - SIGINT, SIGUSR1 and every other signal are never touched.
+- The watcher also notes a SIGTERM or SIGINT that a handler caught (``stop_signal``), so that a
+  job whose own handler answers a preemption by saving and exiting cleanly ends its log with
+  that signal named (``End.signal``), not as a run that finished.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ GRACE_S = 2.0
 
 #: How long the main thread gets to run ddpdoctor's handler before the watcher acts.
 MAIN_THREAD_WAIT_S = 0.3
+
+#: The signals that ask a process to stop: one caught by a handler is named in the End record.
+STOP_SIGNALS = {int(signal.SIGTERM): "SIGTERM", int(signal.SIGINT): "SIGINT"}
 
 
 def last_exception() -> BaseException | None:
@@ -81,6 +87,9 @@ class ExitFlush:
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
         #: ``id`` of the uncaught exception already stored when monitoring began (``exit_reason``)
         self._stale: int | None = None
+        #: the last stop signal (``STOP_SIGNALS``) a handler of this process caught while a
+        #: monitor was registered, "" where none (or where the wakeup fd is another's)
+        self.stop_signal = ""
 
     def register(self, monitor: Closable) -> None:
         """Have ``monitor`` closed at exit and flushed on SIGTERM."""
@@ -100,7 +109,23 @@ class ExitFlush:
         self._monitors.discard(monitor)
 
     def _at_exit(self) -> None:
+        self._note_unread_signals()
         self.close_all(exit_reason(self._stale))
+
+    def _note_unread_signals(self) -> None:
+        """Note a stop signal still unread on the wakeup fd (a handler that exits at once may
+        end the process before the watcher thread runs): read without waiting."""
+        if self._wakeup is None:
+            return
+        try:
+            data = self._wakeup[0].recv(64, socket.MSG_DONTWAIT)
+        except OSError:  # (nothing there: BlockingIOError)
+            return
+        self._note(data)
+
+    def _note(self, data: bytes) -> None:
+        for signum in data:
+            self.stop_signal = STOP_SIGNALS.get(signum, self.stop_signal)
 
     def close_all(self, reason: str) -> None:
         """Close every live monitor (flushing its sink) with ``reason`` in its End record.
@@ -146,6 +171,7 @@ class ExitFlush:
             self.flush_all()
             return
         self._handled.set()
+        self.stop_signal = "SIGTERM"
         self.close_all("signal")
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -175,6 +201,7 @@ class ExitFlush:
                 return
             if not data:
                 return
+            self._note(data)
             if signal.SIGTERM not in data:
                 continue
             if not self.owns_sigterm():
@@ -198,6 +225,7 @@ class ExitFlush:
         closed and killed."""
         self._lock = threading.Lock()  # (a thread of the parent may have held it at the fork)
         self._handled = threading.Event()
+        self.stop_signal = ""  # (a signal the parent caught is not the child's)
         self._undo()  # (the forking thread is the child's main thread)
 
     def _release_wakeup(self) -> None:

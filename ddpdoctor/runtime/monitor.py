@@ -845,6 +845,7 @@ class Monitor:
                 t_wall_ns=wall_ns(),
                 steps=self.recorder.steps_emitted,
                 reason=reason,
+                signal=self._services.exit_flush.stop_signal,
             )
         )
         try:
