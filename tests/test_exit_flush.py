@@ -191,6 +191,12 @@ def test_a_stop_signal_the_jobs_own_handler_caught_is_named_at_the_end(tmp_path:
     report = ddpdoctor.analyze(ddpdoctor.load_run(tmp_path / "term"))
     assert report.ranks[0]["status"] == "terminated" and report.ranks[0]["end_signal"] == "SIGTERM"
     assert "1 steps, ended by a signal (rank 0 caught SIGTERM in the job's own handler and exited)" in render(report)
+    # a handler that raises (as a framework's may): failed, and the signal before it said
+    raising = "import signal\nsignal.signal(signal.SIGTERM, lambda s, f: exec('raise RuntimeError(\"preempted\")'))\n"
+    proc, end = _exit_with(tmp_path / "raise", raising + "os.kill(os.getpid(), signal.SIGTERM)\n")
+    assert proc.returncode == 1 and end is not None and end.reason == "error: RuntimeError" and end.signal == "SIGTERM"
+    report = ddpdoctor.analyze(ddpdoctor.load_run(tmp_path / "raise"))
+    assert "ended, rank 0 failed (an exception ended training, after SIGTERM)" in render(report)
     # a signal that does not ask the process to stop is no end of it
     proc, end = _exit_with(tmp_path / "usr1", _HANDLED.format(name="USR1"))
     assert proc.returncode == 0 and end is not None and end.reason == "exit" and end.signal == ""

@@ -122,13 +122,16 @@ def ended_text(report: Report, unfinished: str) -> str:
     signal (one that killed them, or a stop signal their own handler answered by exiting)."""
     if not report.run["finished"]:
         return unfinished
-    failed = [r["rank"] for r in report.ranks if r.get("status") == "failed"]
+    failed = [r for r in report.ranks if r.get("status") == "failed"]
     if failed:
-        ranks = _ranks_text(failed)
+        ranks = _ranks_text([r["rank"] for r in failed])
+        # a framework that answers SIGTERM by raising (Lightning's SIGTERMException) fails after it
+        signals = sorted({r["end_signal"] for r in failed if r.get("end_signal")})
+        after = f", after {' and '.join(signals)}" if signals else ""
         first = report.run.get("first_failed")
         if len(failed) > 1 and first:
-            return f"ended, {ranks} failed (an exception ended training; rank {first['rank']} first: {first['reason']})"
-        return f"ended, {ranks} failed (an exception ended training)"
+            return f"ended, {ranks} failed (an exception ended training{after}; rank {first['rank']} first: {first['reason']})"
+        return f"ended, {ranks} failed (an exception ended training{after})"
     terminated = [r for r in report.ranks if r.get("status") == "terminated"]
     if not terminated:
         return "finished"
