@@ -129,9 +129,8 @@ def ended_text(report: Report, unfinished: str) -> str:
         signals = sorted({r["end_signal"] for r in failed if r.get("end_signal")})
         after = f", after {' and '.join(signals)}" if signals else ""
         first = report.run.get("first_failed")
-        if len(failed) > 1 and first:
-            return f"ended, {ranks} failed (an exception ended training{after}; rank {first['rank']} first: {first['reason']})"
-        return f"ended, {ranks} failed (an exception ended training{after})"
+        which = f"; rank {first['rank']} first: {first['reason']}" if len(failed) > 1 and first else ""
+        return f"ended, {ranks} failed (an exception ended training{after}{which})"
     terminated = [r for r in report.ranks if r.get("status") == "terminated"]
     if not terminated:
         return "finished"
