@@ -293,3 +293,19 @@ def test_a_pool_worker_terminated_leaves_the_rank_running(tmp_path: Path) -> Non
     assert proc.returncode == 0 and "trained on" in proc.stdout, proc.stderr[-2000:]
     assert "child [(True, -1), (True, -1)]" in proc.stdout  # SIGTERM's default, no wakeup fd
     assert kinds.count("end") == 1
+
+
+def test_a_sigint_names_the_end_only_when_the_end_follows_it() -> None:
+    from ddpdoctor.runtime.exit_flush import SIGINT_END_S, ExitFlush
+
+    flush = ExitFlush()
+    assert flush.stop_signal == ""
+    flush._note(bytes([signal.SIGUSR1, signal.SIGINT]))
+    assert flush.stop_signal == "SIGINT"
+    # a notebook's interrupted cell, then training for longer: the end is not the SIGINT's
+    flush._stop_at -= SIGINT_END_S + 1
+    assert flush.stop_signal == ""
+    # a SIGTERM asks the process to stop however long its handler takes
+    flush._note(bytes([signal.SIGTERM]))
+    flush._stop_at -= 10 * SIGINT_END_S
+    assert flush.stop_signal == "SIGTERM"

@@ -23,7 +23,9 @@ The contract (issue 13): a signal does to the process exactly what it does witho
 - SIGINT, SIGUSR1 and every other signal are never touched.
 - The watcher also notes a SIGTERM or SIGINT that a handler caught (``stop_signal``), so that a
   job whose own handler answers a preemption by saving and exiting cleanly ends its log with
-  that signal named (``End.signal``), not as a run that finished.
+  that signal named (``End.signal``), not as a run that finished. A SIGINT counts only where
+  the log ends within ``SIGINT_END_S`` of it: in a notebook or a REPL it interrupts a cell, and
+  training may go on for hours after.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import weakref
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -51,6 +54,9 @@ MAIN_THREAD_WAIT_S = 0.3
 
 #: The signals that ask a process to stop: one caught by a handler is named in the End record.
 STOP_SIGNALS = {int(signal.SIGTERM): "SIGTERM", int(signal.SIGINT): "SIGINT"}
+
+#: How soon after a SIGINT the log must end for the SIGINT to be named as its end.
+SIGINT_END_S = 60.0
 
 
 def last_exception() -> BaseException | None:
@@ -88,8 +94,10 @@ class ExitFlush:
         #: ``id`` of the uncaught exception already stored when monitoring began (``exit_reason``)
         self._stale: int | None = None
         #: the last stop signal (``STOP_SIGNALS``) a handler of this process caught while a
-        #: monitor was registered, "" where none (or where the wakeup fd is another's)
-        self.stop_signal = ""
+        #: monitor was registered, "" where none (or where the wakeup fd is another's), and when
+        #: (monotonic seconds)
+        self._stop_signal = ""
+        self._stop_at = 0.0
 
     def register(self, monitor: Closable) -> None:
         """Have ``monitor`` closed at exit and flushed on SIGTERM."""
@@ -125,7 +133,16 @@ class ExitFlush:
 
     def _note(self, data: bytes) -> None:
         for signum in data:
-            self.stop_signal = STOP_SIGNALS.get(signum, self.stop_signal)
+            if signum in STOP_SIGNALS:
+                self._stop_signal, self._stop_at = STOP_SIGNALS[signum], time.monotonic()
+
+    @property
+    def stop_signal(self) -> str:
+        """The stop signal to name in an End record written now: the last SIGTERM a handler of
+        this process caught, or a SIGINT caught within ``SIGINT_END_S``; "" where none."""
+        if self._stop_signal == "SIGINT" and time.monotonic() - self._stop_at > SIGINT_END_S:
+            return ""
+        return self._stop_signal
 
     def close_all(self, reason: str) -> None:
         """Close every live monitor (flushing its sink) with ``reason`` in its End record.
@@ -171,7 +188,7 @@ class ExitFlush:
             self.flush_all()
             return
         self._handled.set()
-        self.stop_signal = "SIGTERM"
+        self._note(bytes([int(signal.SIGTERM)]))
         self.close_all("signal")
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -225,7 +242,7 @@ class ExitFlush:
         closed and killed."""
         self._lock = threading.Lock()  # (a thread of the parent may have held it at the fork)
         self._handled = threading.Event()
-        self.stop_signal = ""  # (a signal the parent caught is not the child's)
+        self._stop_signal = ""  # (a signal the parent caught is not the child's)
         self._undo()  # (the forking thread is the child's main thread)
 
     def _release_wakeup(self) -> None:
