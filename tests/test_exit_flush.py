@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from ddpdoctor.analysis.live_view import end_text
 from ddpdoctor.events import End
 from ddpdoctor.runlog import RankFileTail
 from tests.ddp_harness import free_port
@@ -53,7 +54,7 @@ def test_sigterm_flushes_and_the_process_dies_by_sigterm(tmp_path: Path) -> None
         assert proc.wait(timeout=30) == -signal.SIGTERM
         tail.poll(final=True)
         assert isinstance(tail.log.end, End) and tail.log.end.reason == "signal"
-        assert tail.log.end.signal == "SIGTERM"
+        assert tail.log.end.signal == "SIGTERM" and end_text(tail.log.end) == "signal: SIGTERM"
         assert tail.log.end.steps == len(tail.log.steps) >= 3
         assert tail.log.corrupt_lines == 0
     finally:
@@ -188,6 +189,7 @@ def test_a_stop_signal_the_jobs_own_handler_caught_is_named_at_the_end(tmp_path:
     proc, end = _exit_with(tmp_path / "term", _HANDLED.format(name="TERM"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert end is not None and end.reason == "exit" and end.signal == "SIGTERM"
+    assert end_text(end) == "exit after SIGTERM"  # (the live view's rank detail)
     report = ddpdoctor.analyze(ddpdoctor.load_run(tmp_path / "term"))
     assert report.ranks[0]["status"] == "terminated" and report.ranks[0]["end_signal"] == "SIGTERM"
     assert "1 steps, ended by a signal (rank 0 caught SIGTERM in the job's own handler and exited)" in render(report)
@@ -200,6 +202,7 @@ def test_a_stop_signal_the_jobs_own_handler_caught_is_named_at_the_end(tmp_path:
     # a signal that does not ask the process to stop is no end of it
     proc, end = _exit_with(tmp_path / "usr1", _HANDLED.format(name="USR1"))
     assert proc.returncode == 0 and end is not None and end.reason == "exit" and end.signal == ""
+    assert end_text(end) == "exit"
     report = ddpdoctor.analyze(ddpdoctor.load_run(tmp_path / "usr1"))
     assert report.ranks[0]["status"] == "finished" and "1 steps, finished" in render(report)
 

@@ -51,7 +51,7 @@ class RankView:
     status: str
     hang: Hang | None = None  # the watchdog's last word while stalled (phase, pending bucket, stack)
     buckets: tuple[BucketView, ...] = ()
-    end_reason: str | None = None
+    end_reason: str | None = None  # ``end_text`` of its end record
     #: wall ms the run lost waiting for this rank over the live blame window (the last 64 complete
     #: steps as of the latest check, as the status): the sum of its margins over the runner-up
     #: above the noise floor (``analysis/blame.py``). None: not computed yet (fewer than 3 complete steps, one rank)
@@ -130,6 +130,14 @@ def end_status(end: End) -> str:
     if end.reason.startswith("error"):
         return "failed"
     return "terminated" if end.reason == "signal" or end.signal else "finished"
+
+
+def end_text(end: End) -> str:
+    """The end record in a few words: its reason, with the stop signal that came before it
+    (``signal: SIGTERM``, ``exit after SIGTERM``)."""
+    if not end.signal:
+        return end.reason
+    return f"signal: {end.signal}" if end.reason == "signal" else f"{end.reason} after {end.signal}"
 
 
 def rank_status(
@@ -212,7 +220,7 @@ def rank_row(
         status=status,
         hang=hang,
         buckets=bucket_views(s, lateness) if s is not None else (),
-        end_reason=end.reason if end else None,
+        end_reason=end_text(end) if end else None,
         lost_for_others_ms=lost_for_others_ms,
     )
 
