@@ -312,3 +312,6 @@ def test_a_sigint_names_the_end_only_when_the_end_follows_it() -> None:
     flush._note(bytes([signal.SIGTERM]))
     flush._stop_at -= 10 * SIGINT_END_S
     assert flush.stop_signal == "SIGTERM"
+    flush._note(bytes([signal.SIGINT]))  # (a Ctrl-C in the grace period: the SIGTERM stays)
+    flush._stop_at -= 10 * SIGINT_END_S
+    assert flush.stop_signal == "SIGTERM"

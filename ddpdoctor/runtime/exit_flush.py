@@ -133,8 +133,11 @@ class ExitFlush:
 
     def _note(self, data: bytes) -> None:
         for signum in data:
-            if signum in STOP_SIGNALS:
-                self._stop_signal, self._stop_at = STOP_SIGNALS[signum], time.monotonic()
+            name = STOP_SIGNALS.get(signum)
+            # a SIGTERM stays named: a SIGINT after it (a user's Ctrl-C in the grace period) does
+            # not make it less of an end
+            if name is not None and (name == "SIGTERM" or self._stop_signal != "SIGTERM"):
+                self._stop_signal, self._stop_at = name, time.monotonic()
 
     @property
     def stop_signal(self) -> str:
