@@ -7,7 +7,7 @@ Two gloo ranks train the short model of ``bench/overhead.py``, plain or with ``d
 * ``lines``: ``sys.settrace`` on rank 0's training thread over ``--steps`` steps, the lines run and
   the calls made per step in each function of ddpdoctor's, and of torch's module and optimizer
   code (where hooks take torch's slower paths). Tracing slows the steps, so what ddpdoctor does on
-  a timer (its batched emission, every 32 steps or 0.2 s) comes out more often than untraced.
+  a timer (its batched emission, every 32 steps or 50 ms) comes out more often than untraced.
 * ``switches``: the training thread's voluntary and involuntary context switches, minor page
   faults, and its user and system CPU per step, read from ``/proc/self/task/<tid>``.
 * ``cache``: the whole valgrind measurement below, run and read in one go (about 17 minutes on
@@ -198,9 +198,9 @@ def _functions(path: Path) -> dict[str, list[int]]:
 
 def _per_step(short: Path, long: Path, steps: int) -> dict[str, list[float]]:
     a, b = _functions(short), _functions(long)
+    zero = [0] * len(EVENTS)
     return {
-        k: [(y - x) / steps for x, y in zip(a.get(k, [0] * 3), b.get(k, [0] * 3), strict=True)]
-        for k in a.keys() | b.keys()
+        k: [(y - x) / steps for x, y in zip(a.get(k, zero), b.get(k, zero), strict=True)] for k in a.keys() | b.keys()
     }
 
 
@@ -223,6 +223,7 @@ def _cache(steps: int, out: Path) -> str:
         if rank == 0:
             lines.append("  the functions whose counts moved the most (ddpdoctor - plain, a step):")
             lines.append(f"  {'Ir':>9} {'I1mr':>7} {'D1mr':>7}  function")
+            # misses first (each costs what tens of instructions do), instructions weighed 1/50
             top = sorted(delta.items(), key=lambda kv: -sum(abs(v) for v in kv[1][1:]) - abs(kv[1][0]) / 50)[:25]
             for name, (ir, i1, d1) in top:
                 lines.append(f"  {ir:+9,.0f} {i1:+7,.0f} {d1:+7,.0f}  {name[:110]}")
