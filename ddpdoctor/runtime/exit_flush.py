@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import select
 import signal
 import socket
 import sys
@@ -87,6 +88,9 @@ class ExitFlush:
     def __init__(self) -> None:
         self._monitors: weakref.WeakSet[Closable] = weakref.WeakSet()
         self._lock = threading.Lock()
+        #: held while a byte read off the wakeup fd is not yet noted: the exit's last read then
+        #: either finds the byte or finds it noted (``_note_unread_signals``)
+        self._read_lock = threading.Lock()
         self._installed = False
         self._handled = threading.Event()
         self._handler_installed = False
@@ -123,13 +127,15 @@ class ExitFlush:
     def _note_unread_signals(self) -> None:
         """Note a stop signal still unread on the wakeup fd (a handler that exits at once may
         end the process before the watcher thread runs): read without waiting."""
-        if self._wakeup is None:
+        wakeup = self._wakeup
+        if wakeup is None:
             return
-        try:
-            data = self._wakeup[0].recv(64, socket.MSG_DONTWAIT)
-        except OSError:  # (nothing there: BlockingIOError)
-            return
-        self._note(data)
+        with self._read_lock:
+            try:
+                data = wakeup[0].recv(64, socket.MSG_DONTWAIT)
+            except OSError:  # (nothing there: BlockingIOError)
+                return
+            self._note(data)
 
     def _note(self, data: bytes) -> None:
         for signum in data:
@@ -214,14 +220,25 @@ class ExitFlush:
         threading.Thread(target=self._watch, args=(reader,), name="ddpdoctor-sigterm", daemon=True).start()
 
     def _watch(self, reader: socket.socket) -> None:
+        poller = select.poll()
+        poller.register(reader, select.POLLIN)
         while True:
+            # wait without reading, then read and note under the read lock: a byte this thread
+            # took is noted before the exit's last read can miss it
             try:
-                data = reader.recv(64)
+                poller.poll()
             except OSError:
                 return
-            if not data:
-                return
-            self._note(data)
+            with self._read_lock:
+                try:
+                    data = reader.recv(64, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue  # the exit read it first
+                except OSError:
+                    return
+                if not data:
+                    return
+                self._note(data)
             if signal.SIGTERM not in data:
                 continue
             if not self.owns_sigterm():
@@ -244,6 +261,7 @@ class ExitFlush:
         there would read, in the parent's watcher thread, as the parent's own, which it then
         closed and killed."""
         self._lock = threading.Lock()  # (a thread of the parent may have held it at the fork)
+        self._read_lock = threading.Lock()
         self._handled = threading.Event()
         self._stop_signal = ""  # (a signal the parent caught is not the child's)
         self._undo()  # (the forking thread is the child's main thread)
