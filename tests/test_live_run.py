@@ -475,6 +475,9 @@ def test_live_view_names_a_real_straggler_within_10_steps(tmp_path: Path) -> Non
         trainer.join(timeout=200)
     assert not errors, errors
     assert snap.finished
+    # a finished rank's row reads its last step with a duration (the last one's end would have
+    # come from a next forward)
+    assert all(r.step_ms is not None and r.step_ms > 0 for r in snap.ranks), [(r.step, r.step_ms) for r in snap.ranks]
     f = next(f for f in snap.findings if f.code == "straggler" and f.ranks == [1])
     assert f.evidence["phase"] == "backward"
     assert seen_at is not None and healthy <= seen_at < healthy + 10, seen_at

@@ -320,6 +320,18 @@ class LiveRun:
         return out
 
     @staticmethod
+    def _followed(st: _RankState) -> Step | None:
+        """The step a rank's row shows when following: its own latest, or once the rank has
+        ended, its latest with a duration (the last step's end would have come from a forward
+        that never ran, and a row reads one step's figures, not two steps' mixed)."""
+        if not st.steps:
+            return None
+        last = st.steps[-1]
+        if last.end_us is None and st.end is not None and len(st.steps) > 1 and st.steps[-2].end_us is not None:
+            return st.steps[-2]
+        return last
+
+    @staticmethod
     def _find(st: _RankState, step: int) -> Step | None:
         if not st.steps:
             return None
@@ -528,8 +540,7 @@ class LiveRun:
         rows = []
         for rank in sorted(self._ranks):
             st = self._ranks[rank]
-            # following: each rank's own latest step
-            s = (st.steps[-1] if st.steps else None) if at_step is None else self._find(st, at_step)
+            s = self._followed(st) if at_step is None else self._find(st, at_step)
             lat = arr.lateness_us.get(rank) if arr is not None and (s is None or s.step == view) else None
             status = live_view.rank_status(
                 rank, st.end, st.hang is not None, lost=self._lost, hung=self._hung, stragglers=self._stragglers
