@@ -175,6 +175,7 @@ class LiveFindings:
             self.flags, self.unused, self.prints = FlagEvidence(), UnusedEvidence(), BufferEvidence(record)
             self._held = set()
             self.steps.clear()  # the last-seen counts now fall before the window: nothing to reset
+            self._transfers = TransferMemo(2 * WINDOW)  # (its steps are the old instance's)
 
     def _check_steps(self) -> None:
         """The step-based detectors over the window, each only when the window holds what it
