@@ -100,6 +100,9 @@ def test_a_static_set_is_said_where_every_step_had_it(runs: Path) -> None:
 def test_a_flag_never_needed_is_said_with_every_step_read(runs: Path) -> None:
     f = _findings(runs / "all_used")["find-unused-unneeded"]
     assert f.evidence["steps_read"] >= STEPS - 6 and "found none unused either" in f.detail
+    # transformers' Trainer turns the flag on by default: the fix names every framework's switch
+    assert "TrainingArguments(ddp_find_unused_parameters=False)" in f.fix
+    assert "DDPStrategy(find_unused_parameters=False)" in f.fix and "DistributedDataParallelKwargs(find_unused" in f.fix
 
 
 def test_never_used_means_on_no_step(runs: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from ddpdoctor.analysis.evidence import BufferEvidence
 from ddpdoctor.analysis.findings import Finding, Severity
+from ddpdoctor.analysis.framework_switches import framework_switches
 from ddpdoctor.analysis.replicas import fingerprints_by_step, tensor_keys
 from ddpdoctor.analysis.sizes import human_bytes, name_list
 from ddpdoctor.events import Fingerprint, Header, Step
@@ -152,11 +153,7 @@ BROADCAST_OFF = (
 
 #: Where a framework builds the DDP (the user never calls its constructor), its own switch for
 #: ``broadcast_buffers=False``: every fix that turns the broadcast off names them.
-FRAMEWORK_SWITCHES = (
-    "\n    # where a framework wraps the model: transformers TrainingArguments(ddp_broadcast_buffers=False),"
-    "\n    # Lightning DDPStrategy(broadcast_buffers=False),"
-    "\n    # Accelerate Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])"
-)
+FRAMEWORK_SWITCHES = framework_switches("broadcast_buffers=False", "ddp_broadcast_buffers=False")
 
 
 def constant_buffers(

@@ -14,6 +14,7 @@ from statistics import median
 
 from ddpdoctor.analysis.evidence import UnusedEvidence
 from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.framework_switches import framework_switches
 from ddpdoctor.analysis.sizes import human_bytes, name_list, param_bytes
 from ddpdoctor.events import Header, Step, Unused
 
@@ -116,8 +117,9 @@ def unused_parameters(
                 "share_of_step": share,
             },
             fix=(
-                "model = DistributedDataParallel(net, find_unused_parameters=False)  # the default\n"
-                "Only if no parameter can go unused on any batch: otherwise DDP stops at the first such step "
+                "model = DistributedDataParallel(net, find_unused_parameters=False)  # the default"
+                + framework_switches("find_unused_parameters=False", "ddp_find_unused_parameters=False")
+                + "\nOnly if no parameter can go unused on any batch: otherwise DDP stops at the first such step "
                 '("Expected to have finished reduction in the prior iteration").'
             ),
         )
