@@ -198,6 +198,10 @@ def test_constant_buffers_need_both_version_and_values_unchanged() -> None:
     still = [msgspec.structs.replace(p, buffer_norms=[1.0, 0.0], buffer_sums=[2.0, 0.0]) for p in prints]
     (every,) = constant_buffers(HEADER, still, [_step(i, bcast=500.0) for i in range(6)], 0)
     assert every.evidence["names"] == ["table", "stat"] and "broadcast_buffers=False" in every.fix
+    # six broadcasts timed: the saving is a bound (the live check's first look), ten: a figure
+    assert every.evidence["broadcasts_timed"] == 6 and "would save up to 0.20 ms per step" in every.detail
+    (later,) = constant_buffers(HEADER, still, [_step(i, bcast=500.0) for i in range(10)], 0)
+    assert "would save about 0.20 ms per step" in later.detail and "start-up" not in later.detail
     # where a framework wraps the model, the user never calls DDP: its own switch is named too
     assert "TrainingArguments(ddp_broadcast_buffers=False)" in every.fix
     # the exact bits, where the log has them, see a change below the float values' resolution
