@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import os
 import select
 import signal
@@ -40,6 +41,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -220,14 +222,19 @@ class ExitFlush:
         threading.Thread(target=self._watch, args=(reader,), name="ddpdoctor-sigterm", daemon=True).start()
 
     def _watch(self, reader: socket.socket) -> None:
-        poller = select.poll()
-        poller.register(reader, select.POLLIN)
+        wait: Callable[[], object]
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(reader, select.POLLIN)
+            wait = poller.poll
+        else:  # (a platform without poll())
+            wait = functools.partial(select.select, [reader], [], [])
         while True:
             # wait without reading, then read and note under the read lock: a byte this thread
             # took is noted before the exit's last read can miss it
             try:
-                poller.poll()
-            except OSError:
+                wait()
+            except (OSError, ValueError):
                 return
             with self._read_lock:
                 try:
