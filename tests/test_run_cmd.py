@@ -184,6 +184,11 @@ JOBS: dict[str, tuple[Callable[[Path], list[str]], tuple[str, ...], float]] = {
         ("--run-dir", "lightning"),
         240,
     ),
+    "transformers": (
+        lambda _: torchrun_cmd(str(EXAMPLES / "transformers_train.py"), "--steps", "8"),
+        ("--run-dir", "transformers"),
+        240,
+    ),
     "both": (_scripted("both.py", BOTH_SCRIPT, 2), ("--run-dir", "run"), 180),
     "broken": (_scripted("broken.py", BROKEN_SCRIPT, 1), ("--run-dir", "run"), 180),
     "order": (_scripted("order.py", ORDER_SCRIPT, 1), ("--run-dir", "run"), 180),
@@ -198,6 +203,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Futu
         started: dict[str, tuple[Path, Future[Any]]] = {}
         for name, (cmd, options, timeout) in JOBS.items():
             if name == "lightning" and importlib.util.find_spec("lightning") is None:
+                continue  # its test skips
+            if name == "transformers" and _no_transformers():
                 continue  # its test skips
             folder = root / name
             folder.mkdir()
@@ -272,6 +279,39 @@ def test_lightning_ddp_strategy_is_instrumented(jobs: dict[str, tuple[Path, Futu
     run = ddpdoctor.load_run(tmp_path / "lightning")
     assert sorted(run.ranks) == [0, 1]
     assert all(len(log.steps) == 5 for log in run.ranks.values())
+
+
+def _no_transformers() -> str:
+    """Why transformers' ``Trainer`` cannot run here ("" where it can): found, not imported (an
+    import costs seconds); its releases from 5.0 on need torch 2.6."""
+    import torch
+
+    if importlib.util.find_spec("transformers") is None:
+        return "transformers is not installed"
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6):
+        return f"transformers' Trainer needs torch 2.6 or later (torch {torch.__version__})"
+    return ""
+
+
+def test_transformers_trainer_is_instrumented_and_told_its_own_switches(
+    jobs: dict[str, tuple[Path, Future[Any]]],
+) -> None:
+    # the Trainer wraps the model through Accelerate with find_unused_parameters=True, and BERT
+    # broadcasts two constant buffers: both named, each with the TrainingArguments switch
+    if why := _no_transformers():
+        pytest.skip(why)
+    tmp_path, proc = _job(jobs, "transformers")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    digests = {line.split()[-1] for line in proc.stdout.splitlines() if line.startswith("rank ")}
+    assert len(digests) == 1, proc.stdout[-2000:]  # (two ranks printed the same parameters)
+    run = ddpdoctor.load_run(tmp_path / "transformers")
+    assert sorted(run.ranks) == [0, 1] and all(len(log.steps) == 8 for log in run.ranks.values())
+    assert run.ranks[0].header.ddp_options["find_unused_parameters"] is True
+    found = {f.code: f for f in ddpdoctor.analyze(run).findings}
+    assert "TrainingArguments(ddp_find_unused_parameters=False)" in found["find-unused-unneeded"].fix
+    constant = found["constant-buffers"]
+    assert sorted(constant.evidence["names"]) == ["bert.embeddings.position_ids", "bert.embeddings.token_type_ids"]
+    assert "TrainingArguments(ddp_broadcast_buffers=False)" in constant.fix
 
 
 def test_never_instrumented_twice(jobs: dict[str, tuple[Path, Future[Any]]]) -> None:
