@@ -207,6 +207,31 @@ def test_a_stop_signal_the_jobs_own_handler_caught_is_named_at_the_end(tmp_path:
     assert report.ranks[0]["status"] == "finished" and "1 steps, finished" in render(report)
 
 
+_TAKEN_NOT_NOTED = """
+import signal, threading, time
+from ddpdoctor.runtime import exit_flush
+taken = threading.Event()
+note = exit_flush.ExitFlush._note
+def late_note(self, data):
+    if threading.current_thread().name == "ddpdoctor-sigterm":
+        taken.set()
+        time.sleep(1.0)  # the watcher thread descheduled between its read and its note
+    note(self, data)
+exit_flush.ExitFlush._note = late_note
+signal.signal(signal.SIGTERM, lambda signum, frame: None)
+os.kill(os.getpid(), signal.SIGTERM)
+assert taken.wait(30)  # the watcher has the byte: the exit's own read finds the socket empty
+sys.exit(0)
+"""
+
+
+def test_a_signal_the_watcher_took_but_had_not_noted_at_exit_is_still_named(tmp_path: Path) -> None:
+    # what a loaded machine did 5 times in 300 exits: the exit waits for the watcher's note
+    proc, end = _exit_with(tmp_path, _TAKEN_NOT_NOTED)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert end is not None and end.reason == "exit" and end.signal == "SIGTERM"
+
+
 def test_an_exception_stored_before_monitoring_began_is_not_this_exit(tmp_path: Path) -> None:
     # what an interactive session's earlier traceback, or a test runner's failed test, leaves
     stale = "sys.last_value = ValueError('an earlier cell'); sys.last_type = ValueError"
