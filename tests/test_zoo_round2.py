@@ -81,9 +81,12 @@ def test_communication_bound_under_load_no_straggler(tmp_path: Path) -> None:
     # load also stretches compute more than the all-reduce, so the exposed share may fall under the
     # warning line here (about 0.4 of the step on a quiet machine): the finding's severity and
     # advice are the quiet test's to check
-    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    load = [subprocess.Popen([sys.executable, "-c", "import os\nos.nice(5)\nwhile True: pass"]) for _ in range(2)]
     # one busy loop per core: both loops on the core of one rank would make that rank really late
-    # at every step (a straggler the report rightly names: CI once saw rank 0, 27 ms late in 11 steps)
+    # at every step (a straggler the report rightly names: CI once saw rank 0, 27 ms late in 11 steps).
+    # Each loop a little below the job's priority: the cores stay busy and every step jitters, but
+    # the scheduler does not keep one rank off its core for tens of ms while the other runs (which
+    # is a straggler too: CI once saw rank 0 late 233 ms in 3 steps with loops at the job's priority)
     cpus = sorted(os.sched_getaffinity(0))
     for i, p in enumerate(load):
         os.sched_setaffinity(p.pid, {cpus[i % len(cpus)]})
