@@ -537,11 +537,20 @@ class LiveRun:
         view = at_step if at_step is not None else (complete[-1] if complete else None)
         # every group's arrivals in one: each rank's lateness stays that within its own group
         arr = merged_arrivals(list(self._arrivals.get(view, {}).values())) if view is not None else None
+        # a finished rank's row (following) may show the step before the view: its own arrivals
+        at: dict[int | None, StepArrivals | None] = {view: arr}
         rows = []
         for rank in sorted(self._ranks):
             st = self._ranks[rank]
             s = self._followed(st) if at_step is None else self._find(st, at_step)
-            lat = arr.lateness_us.get(rank) if arr is not None and (s is None or s.step == view) else None
+            row_arr = arr
+            if s is not None and s.step != view and at_step is None and st.end is not None:
+                if s.step not in at:
+                    at[s.step] = merged_arrivals(list(self._arrivals.get(s.step, {}).values()))
+                row_arr = at[s.step]
+            lat = (
+                row_arr.lateness_us.get(rank) if row_arr is not None and (s is None or s.step == row_arr.step) else None
+            )
             status = live_view.rank_status(
                 rank, st.end, st.hang is not None, lost=self._lost, hung=self._hung, stragglers=self._stragglers
             )
@@ -554,7 +563,7 @@ class LiveRun:
                     end=st.end,
                     hang=st.hang,
                     status=status,
-                    arrivals=arr,
+                    arrivals=row_arr,
                     lateness=lat,
                     lost_for_others_ms=self._lost_for_others.get(rank),
                 )
