@@ -202,14 +202,10 @@ def constant_buffers(
     if share is None:
         saving = ""
     elif timed < MIN_FLOOR_SAMPLES:
+        first = "the first broadcast" if timed == 1 else f"the first {timed} broadcasts"
         saving = (
-            f"; excluding them would save up to {saving_ms:.2f} ms per step ({share:.1%}; from "
-            + (
-                "the first broadcast, which start-up and the other ranks' lateness slow"
-                if timed == 1
-                else f"the first {timed} broadcasts, which start-up and the other ranks' lateness slow"
-            )
-            + ": the report measures it over the run)"
+            f"; excluding them would save up to {saving_ms:.2f} ms per step ({share:.1%}; from {first}, which "
+            "start-up and the other ranks' lateness slow: the report measures it over the run)"
         )
     else:
         saving = f"; excluding them would save about {saving_ms:.2f} ms per step ({share:.1%})"

@@ -319,6 +319,11 @@ class LiveRun:
                 out[rank] = s
         return out
 
+    def _merged_arrivals(self, step: int) -> StepArrivals | None:
+        """Every group's arrivals at ``step`` in one: each rank's lateness stays that within its
+        own group."""
+        return merged_arrivals(list(self._arrivals.get(step, {}).values()))
+
     @staticmethod
     def _followed(st: _RankState) -> Step | None:
         """The step a rank's row shows when following: its own latest, or once the rank has
@@ -535,8 +540,7 @@ class LiveRun:
         if at_step is not None and complete:
             at_step = min(max(at_step, complete[0]), complete[-1])
         view = at_step if at_step is not None else (complete[-1] if complete else None)
-        # every group's arrivals in one: each rank's lateness stays that within its own group
-        arr = merged_arrivals(list(self._arrivals.get(view, {}).values())) if view is not None else None
+        arr = self._merged_arrivals(view) if view is not None else None
         # a finished rank's row (following) may show the step before the view: its own arrivals
         at: dict[int | None, StepArrivals | None] = {view: arr}
         rows = []
@@ -546,7 +550,7 @@ class LiveRun:
             row_arr = arr
             if s is not None and s.step != view and at_step is None and st.end is not None:
                 if s.step not in at:
-                    at[s.step] = merged_arrivals(list(self._arrivals.get(s.step, {}).values()))
+                    at[s.step] = self._merged_arrivals(s.step)
                 row_arr = at[s.step]
             lat = (
                 row_arr.lateness_us.get(rank) if row_arr is not None and (s is None or s.step == row_arr.step) else None
