@@ -61,25 +61,6 @@ class HangWarning(DDPDoctorWarning):
     """No progress: a hang or a lost rank."""
 
 
-#: The warning category of each finding code (the codes are DESIGN.md's contract).
-CATEGORY_OF_CODE: dict[str, type[DDPDoctorWarning]] = {
-    "frozen-after-wrap": StaleRequiresGradWarning,
-    "unfrozen-after-wrap": StaleRequiresGradWarning,
-    "replica-divergence": ReplicaDivergenceWarning,
-    "buffer-divergence": ReplicaDivergenceWarning,
-    "constant-buffers": BufferWarning,
-    "buffer-broadcast-cost": BufferWarning,
-    "unused-parameters": UnusedParametersWarning,
-    "find-unused-unneeded": UnusedParametersWarning,
-    "sync-during-accumulation": AccumulationWarning,
-    "straggler": PerformanceWarning,
-    "exposed-communication": PerformanceWarning,
-    "bucket-size": PerformanceWarning,
-    "hang": HangWarning,
-    "rank-lost": HangWarning,
-}
-
-
 def _asked_for_error(category: type[Warning]) -> bool:
     """Whether an "error" filter names a ddpdoctor category that ``category`` falls under (not a
     blanket one: ``Warning``, ``UserWarning``)."""
@@ -115,7 +96,6 @@ def warn(message: str, category: type[Warning], stacklevel: int = 1) -> Warning 
 
 
 __all__ = [
-    "CATEGORY_OF_CODE",
     "AccumulationWarning",
     "BufferWarning",
     "CommHookWarning",

@@ -28,6 +28,7 @@ from ddpdoctor.analysis.straggler import (
     stragglers,
 )
 from ddpdoctor.analysis.unused import static_unused_set, unused_parameters
+from ddpdoctor.codes import LOGGED_EVIDENCE_CODES, PER_RANK_CODES
 from ddpdoctor.events import FindingRecord
 from ddpdoctor.runlog import RankLog, Run
 
@@ -63,11 +64,6 @@ def _merge_evidence(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-#: Codes whose findings each tell of one rank's own cost (a straggler: what it cost, when, in
-#: which phase): kept one per rank, never merged into another rank's.
-PER_RANK_CODES = {"straggler"}
-
-
 def merge(findings: list[Finding]) -> list[Finding]:
     """One finding per code (per rank for ``PER_RANK_CODES``): ranks united, first step kept, the
     worst severity, names united."""
@@ -98,12 +94,6 @@ def _from_record(r: FindingRecord) -> Finding:
         step=r.step,
         evidence=dict(r.evidence),
     )
-
-
-#: Codes a rank may log from evidence that is not in the log itself (``check_replicas`` compares
-#: the ranks on demand, between sampled fingerprints). Every other code is derived from the log
-#: again, and the derivation, which sees the whole run, wins over what was said live.
-LOGGED_EVIDENCE_CODES = {"replica-divergence", "buffer-divergence"}
 
 
 def _whole_run(f: Finding, run: Run, looked_at: int) -> Finding:

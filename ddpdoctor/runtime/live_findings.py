@@ -25,7 +25,8 @@ from ddpdoctor.analysis.evidence import BufferEvidence, FlagEvidence, UnusedEvid
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
 from ddpdoctor.analysis.unused import unused_parameters
-from ddpdoctor.categories import CATEGORY_OF_CODE, DDPDoctorWarning, warn
+from ddpdoctor.categories import warn
+from ddpdoctor.codes import category_of
 from ddpdoctor.events import (
     FindingRecord,
     Fingerprint,
@@ -76,7 +77,7 @@ def warn_finding(finding: Finding, rank: int) -> Warning | None:
     line that was running (a forward, ``check_replicas``), not to ddpdoctor's code. Never raised
     here: where the user's filter names its category as an error, the exception is returned for
     the caller to raise where training can take it (``categories.warn``)."""
-    category = CATEGORY_OF_CODE.get(finding.code, DDPDoctorWarning)
+    category = category_of(finding.code)
     step = f" (step {finding.step})" if finding.step is not None else ""
     return warn(
         f"ddpdoctor [rank {rank}] {finding.code}: {finding.title}{step}. {finding.detail}\nFix: {finding.fix}",
