@@ -23,6 +23,7 @@ from ddpdoctor.categories import (
     StaleRequiresGradWarning,
     UnusedParametersWarning,
 )
+from ddpdoctor.errors import DDPDoctorError, InputError, OutputError, SetupError
 
 if TYPE_CHECKING:
     from ddpdoctor.analysis.findings import Finding
@@ -60,18 +61,22 @@ __all__ = [
     "AccumulationWarning",
     "BufferWarning",
     "CommHookWarning",
+    "DDPDoctorError",
     "DDPDoctorWarning",
     "DistributedDataParallel",
     "Finding",
     "HangWarning",
+    "InputError",
     "LogWriteWarning",
     "Monitor",
+    "OutputError",
     "PerformanceWarning",
     "ProbeDisabledWarning",
     "ReplicaDivergenceWarning",
     "Report",
     "Run",
     "RunDirError",
+    "SetupError",
     "StaleRequiresGradWarning",
     "UnusedParametersWarning",
     "analyze",

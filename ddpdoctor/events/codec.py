@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ddpdoctor.errors import InputError
 from ddpdoctor.events.schema import Record
 
 
@@ -20,11 +21,11 @@ _encoder = msgspec.json.Encoder(enc_hook=_as_list)
 _decoder: msgspec.json.Decoder[Record] = msgspec.json.Decoder(Record)
 
 
-class CorruptLine(ValueError):
+class CorruptLine(InputError, ValueError):
     """A line that is not valid JSON (torn or garbage)."""
 
 
-class UnknownRecord(ValueError):
+class UnknownRecord(InputError, ValueError):
     """Valid JSON, but not a record this version understands."""
 
 

@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from ddpdoctor.errors import InputError
 from ddpdoctor.events.layout import attempt_dir_name, parse_attempt_dir_name, parse_rank_file_name
 from ddpdoctor.runlog.rank_file import RankFileTail, RankLog, job_spans, read_job, read_sampled
 
 
-class RunDirError(ValueError):
+class RunDirError(InputError, ValueError):
     """The path is not a readable ddpdoctor run dir (message says why)."""
 
 

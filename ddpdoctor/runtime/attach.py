@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ddpdoctor.errors import SetupError
 from ddpdoctor.events import Header
 from ddpdoctor.runtime import comm_hook, native_hook, torch_compat
 
@@ -65,7 +66,7 @@ def _nothing() -> None:
     return None
 
 
-class AttachError(RuntimeError):
+class AttachError(SetupError, RuntimeError):
     """Attaching failed at ``step``; DDP was left as it was."""
 
     def __init__(self, step: str, cause: BaseException) -> None:
@@ -76,7 +77,7 @@ class AttachError(RuntimeError):
         self.cause = cause
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(SetupError, RuntimeError):
     """Raised by the fault injection of the tests."""
 
 

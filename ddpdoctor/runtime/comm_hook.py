@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from ddpdoctor.errors import SetupError
 from ddpdoctor.events import BucketInfo
 from ddpdoctor.runtime import torch_compat
 
@@ -40,7 +41,7 @@ _BUILTIN_EQUIVALENTS: dict[str, Callable[..., Any]] = {
 }
 
 
-class HookUnsupported(RuntimeError):
+class HookUnsupported(SetupError, RuntimeError):
     """This DDP instance's communication cannot be timed (message says why and what to do)."""
 
 

@@ -50,6 +50,7 @@ import torch
 
 import ddpdoctor.native_cache as native_cache
 from ddpdoctor.categories import CommHookWarning, warn
+from ddpdoctor.errors import SetupError
 from ddpdoctor.runtime import clocks, torch_compat
 from ddpdoctor.runtime.step_recorder import OpenStep
 from ddpdoctor.runtime.torch_compat import (
@@ -78,7 +79,7 @@ CONFIG_EVERY = 16
 _perf_ns = time.perf_counter_ns  # one lookup less per call on the hot path
 
 
-class NativeUnavailable(RuntimeError):
+class NativeUnavailable(SetupError, RuntimeError):
     """The native hook cannot be built or loaded here (the message says why)."""
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ddpdoctor.errors import OutputError
 from ddpdoctor.events import Record
 
 
-class SinkError(OSError):
+class SinkError(OutputError, OSError):
     """A sink could not be opened (e.g. the run dir is not writable)."""
 
 

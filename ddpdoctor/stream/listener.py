@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ddpdoctor.errors import InputError
 from ddpdoctor.events import CorruptLine, Record, UnknownRecord, decode
 from ddpdoctor.events.layout import TOKEN_ENV
 from ddpdoctor.events.wire import CONTROL_PREFIX, decode_hello, decode_stats
@@ -48,7 +49,7 @@ _RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _RECV = 1 << 16
 
 
-class StreamError(ValueError):
+class StreamError(InputError, ValueError):
     """The listener cannot be set up as asked (e.g. a non-loopback bind without a token)."""
 
 
