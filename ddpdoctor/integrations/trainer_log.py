@@ -32,7 +32,9 @@ FINDINGS_COUNT_KEY = "ddpdoctor/run/findings"
 
 def metrics_of(sf: StepFigures) -> dict[str, float]:
     """One step's figures under the names the trainers' loggers get."""
-    out = {f"ddpdoctor/{name}/rank_{rank}": v for rank, figures in sorted(sf.ranks.items()) for name, v in figures.items()}
+    out = {
+        f"ddpdoctor/{name}/rank_{rank}": v for rank, figures in sorted(sf.ranks.items()) for name, v in figures.items()
+    }
     out.update({f"ddpdoctor/run/{name}": v for name, v in sf.run.items()})
     return out
 
@@ -74,7 +76,8 @@ class TrainerWatch:
         from ddpdoctor.runtime.monitor import instrument
 
         if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-            self.why_not = f"the trained model is a {type(ddp).__name__}, not a DistributedDataParallel: nothing to watch"
+            kind = type(ddp).__name__
+            self.why_not = f"the trained model is a {kind}, not a DistributedDataParallel: nothing to watch"
             return
         monitor = monitor_of(ddp)
         if monitor is None:
