@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.live_run import LiveRun, poll_source
-from ddpdoctor.events import Header, Step, Window
+from ddpdoctor.events import End, Header, Step, Window
 from ddpdoctor.integrations.figures import StepFigures, step_figures
 from ddpdoctor.runlog.source import DirSource, RankRecord
 from ddpdoctor.runlog.windows import window_steps
@@ -61,6 +61,7 @@ class RunFollower:
         self._live = LiveRun(label=self._source.label, attempt=self._source.attempt, ddp=ddp)
         self._steps: dict[int, dict[int, Step]] = {}
         self._headers: dict[int, Header] = {}
+        self._ended: set[int] = set()
         self._done_upto = -1
         self._seen: set[tuple[str, tuple[int, ...], str]] = set()
         self._ready = Update()
@@ -89,6 +90,12 @@ class RunFollower:
             except Exception as exc:  # noqa: BLE001 - a bad read must never reach the training loop
                 self.error = exc
 
+    def all_ended(self) -> bool:
+        """Whether every rank of the run closed its log (its end record was read)."""
+        with self._read_lock:
+            expected = max((h.whole_world_size() for h in self._headers.values()), default=0)
+            return expected > 0 and len(self._ended) >= expected
+
     def take(self) -> Update:
         """The figures and findings ready since the last call (empty when nothing is new)."""
         with self._ready_lock:
@@ -108,7 +115,7 @@ class RunFollower:
     def _read(self) -> None:
         live, records = poll_source(self._live, self._source)
         if live is not self._live:  # torchrun restarted the workers: step numbers start over
-            self._live, self._steps, self._headers, self._done_upto = live, {}, {}, -1
+            self._live, self._steps, self._headers, self._ended, self._done_upto = live, {}, {}, set(), -1
         for rr in records:
             self._keep(rr)
         found = self._complete_steps()
@@ -129,6 +136,9 @@ class RunFollower:
         rec = rr.record
         if isinstance(rec, Header):
             self._headers.setdefault(rr.rank, rec)
+            return
+        if isinstance(rec, End):
+            self._ended.add(rr.rank)
             return
         if isinstance(rec, Step):
             steps = [rec]

@@ -13,7 +13,9 @@ Metric names: ``ddpdoctor/<figure>/rank_<r>`` per rank (``figures.RANK_FIGURES``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Any
 
 from ddpdoctor.analysis.findings import Finding
@@ -24,6 +26,13 @@ from ddpdoctor.runtime.config import Options
 
 #: Default interval, in trainer steps, between two rounds of logging on rank 0.
 EVERY_N_STEPS = 50
+#: At the end of training, how long rank 0 waits for the other ranks to close the logs it attached
+#: (they close them at the same point of their own training loop), so that their last steps show.
+FINISH_WAIT_S = 5.0
+FINISH_POLL_S = 0.1
+#: Findings not taken from the last read: the ranks close their logs one after another at the end
+#: of training, and a rank that has not closed its log yet while another has is no lost rank.
+NOT_AT_FINISH = frozenset({"rank-lost"})
 #: Name of the text series (TensorBoard) or the logged string (W&B) that holds the findings.
 FINDINGS_KEY = "ddpdoctor/findings"
 #: The running count of findings (every logger takes a number, a CSV file too).
@@ -117,8 +126,17 @@ class TrainerWatch:
             self.monitor.close()
         if self.follower is None:
             return Update()
-        self.follower.poll()
-        update = self.take()
+        follower = self.follower
+        deadline = time.monotonic() + (FINISH_WAIT_S if self.attached_here else 0.0)
+        follower.poll()
+        # a bounded wait on rank 0 alone, after its last step (the ranks have nothing left to
+        # exchange): without it the other ranks' last steps are not in the run dir yet
+        while not follower.all_ended() and time.monotonic() < deadline:
+            time.sleep(FINISH_POLL_S)
+            follower.poll()
+        update = follower.take()
+        update = dataclasses.replace(update, findings=[f for f in update.findings if f.code not in NOT_AT_FINISH])
+        self.findings_seen += len(update.findings)
         self.follower.close()
         self.follower = None
         return update
