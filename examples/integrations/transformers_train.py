@@ -47,7 +47,8 @@ class Tokens(Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids = self.ids[i]
-        return {"input_ids": ids, "attention_mask": torch.ones(TOKENS, dtype=torch.long), "labels": (ids[0] > 50).long()}
+        mask = torch.ones(TOKENS, dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": mask, "labels": (ids[0] > 50).long()}
 
 
 class LateStart(TrainerCallback):  # type: ignore[misc]
