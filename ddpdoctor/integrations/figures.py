@@ -117,9 +117,9 @@ def step_figures(
         ends = [f["step_ms"] for f in out.ranks.values() if "step_ms" in f]
         if ends:
             out.run["slowest_step_ms"] = max(ends)
-        arrived = at.get(step)
-        if arrived:  # one number per DDP group: the largest margin of any of its ranks
-            lost = sum(max((m[0] for m in step_margins(sa).values()), default=0.0) for sa in arrived)
+        met = at.get(step)
+        if met:  # one number per DDP group: the largest margin of any of its ranks
+            lost = sum(max((m[0] for m in step_margins(sa).values()), default=0.0) for sa in met)
             out.run["lost_to_stragglers_ms"] = round(lost, 3)
     return [per_step[k] for k in sorted(per_step)]
 

@@ -34,7 +34,7 @@ from ddpdoctor.integrations.trainer_log import (
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
 except ImportError:  # the standalone package
-    from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef]
+    from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[assignment]
 
 #: Lightning's own log (its package logger has the handler Lightning set up).
 log = logging.getLogger(Callback.__module__.rsplit(".", 1)[0] + ".ddpdoctor")
@@ -43,7 +43,7 @@ log = logging.getLogger(Callback.__module__.rsplit(".", 1)[0] + ".ddpdoctor")
 _COLUMNS = ["step", "severity", "code", "ranks", "title", "detail", "fix"]
 
 
-class DDPDoctorCallback(Callback):  # type: ignore[misc]  # Lightning's classes are untyped here
+class DDPDoctorCallback(Callback):
     """Logs ddpdoctor's per-step figures and findings through the trainer's loggers, from rank 0.
 
     Args:
@@ -98,9 +98,9 @@ class DDPDoctorCallback(Callback):  # type: ignore[misc]  # Lightning's classes 
 
 def _log_text(logger: Any, f: Any, step: int) -> None:
     """A finding as text in loggers that take text: TensorBoard's writer, a W&B table."""
-    experiment = getattr(logger, "experiment", None)
-    if hasattr(experiment, "add_text"):  # TensorBoardLogger: a SummaryWriter
-        experiment.add_text(FINDINGS_KEY, finding_markdown(f), global_step=step)
+    add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+    if add_text is not None:  # TensorBoardLogger: a SummaryWriter
+        add_text(FINDINGS_KEY, finding_markdown(f), global_step=step)
     elif hasattr(logger, "log_text"):  # WandbLogger
         row = [step, f.severity, f.code, ",".join(map(str, f.ranks)), f.title, f.detail, f.fix]
         logger.log_text(key=FINDINGS_KEY, columns=_COLUMNS, data=[row])

@@ -55,8 +55,9 @@ def finding_line(f: Finding) -> str:
     return f"ddpdoctor [{f.severity}] {f.code}: {f.title}{ranks}{at}"
 
 
-def log_finding(log: logging.Logger, f: Finding) -> None:
-    """A finding in the trainer's own log: a warning or an error at those severities, else info."""
+def log_finding(log: Any, f: Finding) -> None:
+    """A finding in the trainer's own log (``log``: a ``logging.Logger``, or transformers' own
+    kind of it): a warning or an error at those severities, else info."""
     level = {"error": logging.ERROR, "warning": logging.WARNING}.get(f.severity, logging.INFO)
     log.log(level, finding_line(f))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from types import FrameType
 from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -50,7 +51,7 @@ _MAX_FRAMES = 8
 def _callers() -> tuple[Trainer | None, CallbackHandler | None]:
     """The ``Trainer`` and ``CallbackHandler`` whose event is being handled, from the calling frames."""
     trainer = handler = None
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(_MAX_FRAMES):
         if frame is None or (trainer is not None and handler is not None):
             break
@@ -63,7 +64,7 @@ def _callers() -> tuple[Trainer | None, CallbackHandler | None]:
     return trainer, handler
 
 
-class DDPDoctorCallback(TrainerCallback):  # type: ignore[misc]  # transformers' classes are untyped here
+class DDPDoctorCallback(TrainerCallback):
     """Logs ddpdoctor's per-step figures and findings through the ``Trainer``'s reporting
     integrations, from rank 0.
 
