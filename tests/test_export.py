@@ -3,19 +3,23 @@ read back with TensorBoard's own event reader."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
-from statistics import fmean
+from statistics import median
 
 import pytest
 
+from ddpdoctor.analysis.diagnose import diagnose
 from ddpdoctor.cli.demo_training import STRAGGLER_DELAY_S
 from ddpdoctor.cli.main import main
 from ddpdoctor.integrations import tensorboard_export
 from ddpdoctor.integrations.figures import RANK_FIGURES, RUN_FIGURES, StepFigures, blocks, step_figures
+from ddpdoctor.integrations.follow import RunFollower, finding_key
+from ddpdoctor.integrations.tensorboard_export import finding_markdown
 from ddpdoctor.runlog import load_run
-from tests.test_integrations import _env, _events, _missing, _texts, run_tree
+from tests.test_integrations import _env, _events, _missing, run_tree
 
 STEPS = 30
 
@@ -51,13 +55,18 @@ def test_export_writes_every_rank_and_the_run(
     # the straggler: rank 1 is the late one, by about its extra backward at its latest steps
     late = {r: [e.value for e in acc.Scalars("ddpdoctor/lateness_ms")] for r, acc in ranks.items()}
     assert max(late[1]) > STRAGGLER_DELAY_S * 1000 / 2, late
-    assert fmean(late[1]) > fmean(late[0]), late
+    # (step 0 left out, as the blame leaves it out: its arrivals hold the ranks' start-up skew)
+    assert median(late[1][1:]) > median(late[0][1:]), late
     # each point at its step's wall time, so TensorBoard's time axis is the run's
     loaded = load_run(demo_run)
     first = loaded.ranks[0].steps[0]
     assert abs(ranks[0].Scalars("ddpdoctor/step_ms")[0].wall_time - first.t0_wall_ns / 1e9) < 1.0
-    texts = _texts(run, "ddpdoctor/findings/text_summary")
-    assert any("`straggler` (rank 1)" in t for t in texts), texts
+    # the findings: the report's, each as text at the step it was first seen
+    findings = diagnose(loaded)
+    assert findings  # (on this demo: the straggler, or the bucket size that would hide its wait)
+    written = [(e.step, e.tensor_proto.string_val[0].decode()) for e in run.Tensors("ddpdoctor/findings/text_summary")]
+    last = STEPS - 1  # a finding of the whole run, without a step, at the last one
+    assert sorted(written) == sorted((last if f.step is None else f.step, finding_markdown(f)) for f in findings)
 
 
 def test_export_figures_are_the_analysis_figures(demo_run: Path, tmp_path: Path) -> None:
@@ -124,3 +133,29 @@ def test_the_export_command_in_a_process_of_its_own(demo_run: Path, tmp_path: Pa
     proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "tensorboard --logdir" in proc.stdout
+
+
+def test_the_callbacks_reader_follows_a_run_dir(demo_run: Path, tmp_path: Path) -> None:
+    """Rank 0's reader (``follow.RunFollower``) gives the figures ``export`` writes, each step once,
+    and each finding once; a torn or garbage line in a rank file is skipped, not fatal."""
+    copy = tmp_path / "run"
+    shutil.copytree(demo_run, copy)
+    with (copy / "rank-00001.jsonl").open("a") as f:
+        f.write('not json at all\n{"torn')
+    follower = RunFollower(copy)
+    try:
+        follower.poll()
+        first = follower.take()
+        follower.poll()
+        again = follower.take()
+    finally:
+        follower.close()
+    assert follower.error is None
+    assert [sf.step for sf in first.steps] == list(range(STEPS))
+    run = load_run(demo_run)
+    headers = {r: log.header for r, log in run.ranks.items()}
+    expected = step_figures({r: log.steps for r, log in run.ranks.items()}, headers)
+    late = [sf.ranks[1].get("lateness_ms") for sf in expected]
+    assert [sf.ranks[1].get("lateness_ms") for sf in first.steps] == late
+    assert len({finding_key(f) for f in first.findings}) == len(first.findings)
+    assert again.steps == [] and again.findings == []

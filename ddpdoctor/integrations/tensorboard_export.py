@@ -103,7 +103,8 @@ def export_tensorboard(run: Run, directory: str | os.PathLike[str]) -> Exported:
             done.scalars += _write_point(writers, sf)
         run_writer = writers["run"]
         for f in findings:
-            run_writer.add_text(f"{PREFIX}/findings", finding_markdown(f), global_step=f.step or last_step)
+            step = f.step if f.step is not None else last_step
+            run_writer.add_text(f"{PREFIX}/findings", finding_markdown(f), global_step=step)
         done.findings = len(findings)
     finally:
         for w in writers.values():

@@ -98,6 +98,11 @@ class DDPDoctorCallback(TrainerCallback):
                 # them before they close. Moving an earlier entry of the list being iterated
                 # leaves the entries after it where they were: every callback is still called once
                 handler.callbacks.insert(first, handler.callbacks.pop(mine))
+        if not self._reporters and not self.watch.why_not:
+            self.watch.why_not = (
+                f"no reporting integration to log figures to (report_to={args.report_to!r}); "
+                "findings go to this log only"
+            )
         if self.watch.why_not and state.is_world_process_zero:
             log.info("ddpdoctor: %s", self.watch.why_not)
 
