@@ -78,6 +78,8 @@ class DDPDoctorCallback(Callback):
             self.watch.follower = None
 
     def _log(self, trainer: Trainer, update: Update) -> None:
+        if (error := self.watch.read_error()) is not None:
+            log.warning(error)
         for sf in update.steps:
             metrics = metrics_of(sf)
             for logger in trainer.loggers:

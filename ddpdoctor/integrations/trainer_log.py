@@ -77,6 +77,7 @@ class TrainerWatch:
         self.findings_seen = 0
         self.why_not: str | None = None  # why there is nothing to log (said once)
         self._last_due = 0
+        self._error_said = False
 
     def attach(self, ddp: Any, rank: int) -> None:
         """Attach to ``ddp`` unless a monitor is on it already; rank 0 starts reading the run dir."""
@@ -119,6 +120,15 @@ class TrainerWatch:
         update = self.follower.take()
         self.findings_seen += len(update.findings)
         return update
+
+    def read_error(self) -> str | None:
+        """Why rank 0's reading of the run dir failed, the first time it did (then None): the
+        reading goes on, and training is never stopped for it."""
+        error = self.follower.error if self.follower is not None else None
+        if error is None or self._error_said:
+            return None
+        self._error_said = True
+        return f"ddpdoctor: reading the run dir failed ({type(error).__name__}: {error}); figures may be missing"
 
     def finish(self) -> Update:
         """Close the monitor this callback attached (its log ended and flushed); rank 0 reads once

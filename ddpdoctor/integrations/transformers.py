@@ -118,6 +118,8 @@ class DDPDoctorCallback(TrainerCallback):
     def _log(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, update: Update, kwargs: Any
     ) -> None:
+        if (error := self.watch.read_error()) is not None:
+            log.warning(error)
         extra = {k: v for k, v in kwargs.items() if k != "logs"}
         for sf in update.steps:
             self._report(args, state, control, sf.step, dict(metrics_of(sf)), extra)
