@@ -30,7 +30,7 @@ EXAMPLES = ROOT / "examples" / "integrations"
 STEPS = 40
 EVERY = 10
 #: The planted straggler: the last rank is this much slower at every step.
-STRAGGLE_MS = 40.0
+STRAGGLE_MS = 80.0
 
 pytestmark = pytest.mark.slow
 
@@ -102,13 +102,14 @@ def _check_series(acc: Any, prefix: str, points: int = STEPS - 2) -> None:
     for name in RUN_FIGURES:
         assert f"{prefix}ddpdoctor/run/{name}" in scalars
     late = {r: median(e.value for e in acc.Scalars(f"{prefix}ddpdoctor/lateness_ms/rank_{r}")) for r in (0, 1)}
-    assert late[1] > STRAGGLE_MS / 2, late
+    assert late[1] > STRAGGLE_MS / 4, late
     assert late[1] > late[0] + STRAGGLE_MS / 4, late
     lost = median(e.value for e in acc.Scalars(f"{prefix}ddpdoctor/run/lost_to_stragglers_ms"))
-    assert lost > STRAGGLE_MS / 2
+    assert lost > STRAGGLE_MS / 4
 
 
 def _check_straggler_named(acc: Any, tag: str, log_text: str) -> None:
+    assert tag in acc.Tags()["tensors"], (acc.Tags()["tensors"], log_text[-3000:])
     texts = _texts(acc, tag)
     assert any("`straggler` (rank 1)" in t for t in texts), texts
     # ... and in the trainer's own log
@@ -225,7 +226,7 @@ def test_lightning_wandb_offline(tmp_path: Path) -> None:
             logged = [row for row in rows if f"ddpdoctor/{name}/rank_{rank}" in row]
             assert len(logged) >= STEPS - 2, (name, rank, len(logged))
     late = median(float(row["ddpdoctor/lateness_ms/rank_1"]) for row in rows if "ddpdoctor/lateness_ms/rank_1" in row)
-    assert late > STRAGGLE_MS / 2
+    assert late > STRAGGLE_MS / 4
     # the findings: a table file per finding logged, the straggler among them
     tables = [p.read_text() for p in (runs[0] / "files" / "media" / "table" / "ddpdoctor").glob("findings_*.json")]
     assert any('"straggler"' in t for t in tables), tables
