@@ -34,7 +34,12 @@ from ddpdoctor.integrations.trainer_log import (
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
 except ImportError:  # the standalone package
-    from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[assignment]
+    try:
+        from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[assignment]
+    except ImportError as exc:
+        raise ImportError(
+            f"ddpdoctor's Lightning callback needs Lightning ({exc}): pip install 'ddpdoctor[lightning]'"
+        ) from exc
 
 #: Lightning's own log (its package logger has the handler Lightning set up).
 log = logging.getLogger(Callback.__module__.rsplit(".", 1)[0] + ".ddpdoctor")

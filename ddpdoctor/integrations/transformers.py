@@ -25,10 +25,15 @@ import sys
 from types import FrameType
 from typing import Any
 
-from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.integrations import get_reporting_integration_callbacks
-from transformers.trainer_callback import CallbackHandler
-from transformers.utils import logging as hf_logging
+try:
+    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.integrations import get_reporting_integration_callbacks
+    from transformers.trainer_callback import CallbackHandler
+    from transformers.utils import logging as hf_logging
+except ImportError as exc:
+    raise ImportError(
+        f"ddpdoctor's transformers callback needs transformers ({exc}): pip install 'ddpdoctor[transformers]'"
+    ) from exc
 
 from ddpdoctor.integrations.follow import Update
 from ddpdoctor.integrations.trainer_log import (
