@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from statistics import median
 
 import pytest
 
@@ -52,11 +51,11 @@ def test_export_writes_every_rank_and_the_run(
     run = _events(out / "run")
     for name in RUN_FIGURES:
         assert len(run.Scalars(f"ddpdoctor/{name}")) >= STEPS - 1
-    # the straggler: rank 1 is the late one, by about its extra backward at its latest steps
+    # the planted straggler shows in rank 1's lateness. (How late it is at each step depends on
+    # the host's load: on a busy 2-core machine rank 0 is sometimes the later one. The values are
+    # the analysis's, value for value: the next test; a steady straggler: test_integrations.py.)
     late = {r: [e.value for e in acc.Scalars("ddpdoctor/lateness_ms")] for r, acc in ranks.items()}
     assert max(late[1]) > STRAGGLER_DELAY_S * 1000 / 2, late
-    # (step 0 left out, as the blame leaves it out: its arrivals hold the ranks' start-up skew)
-    assert median(late[1][1:]) > median(late[0][1:]), late
     # each point at its step's wall time, so TensorBoard's time axis is the run's
     loaded = load_run(demo_run)
     first = loaded.ranks[0].steps[0]
