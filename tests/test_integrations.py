@@ -9,6 +9,7 @@ Each test skips, saying why, without its optional packages (the ``lightning``, `
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import os
 import struct
@@ -134,14 +135,21 @@ def _lightning(tmp_path: Path, *args: str, env: dict[str, str] | None = None) ->
     return proc
 
 
-def test_lightning_tensorboard_logger(tmp_path: Path) -> None:
+def test_lightning_tensorboard_and_csv_loggers(tmp_path: Path) -> None:
     _skip_without("lightning", "tensorboard")
-    proc = _lightning(tmp_path, "--logger", "tensorboard", "--save-dir", "tb", "--run-dir", "rd")
+    proc = _lightning(tmp_path, "--logger", "tensorboard,csv", "--save-dir", "tb", "--run-dir", "rd")
     acc = _events(tmp_path / "tb" / "lightning" / "version_0")
     _check_series(acc, "")  # every step but the last (it ends when the log closes)
     _check_straggler_named(acc, "ddpdoctor/findings/text_summary", proc.stderr + proc.stdout)
     assert "train_loss" in acc.Tags()["scalars"]  # beside the trainer's own series
     _one_monitor_per_rank(tmp_path / "rd")
+    # every logger the trainer has gets them: the CSV file too
+    with (tmp_path / "tb" / "lightning-csv" / "version_0" / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    for rank in (0, 1):
+        logged = [row for row in rows if row.get(f"ddpdoctor/lateness_ms/rank_{rank}")]
+        assert len(logged) >= STEPS - 2, (rank, len(logged))
+    assert any(row.get("ddpdoctor/run/findings") for row in rows)
 
 
 def test_lightning_beside_ddpdoctor_run(tmp_path: Path) -> None:

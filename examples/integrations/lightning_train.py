@@ -6,8 +6,8 @@
 The model is the demo's (``ddpdoctor demo``): a small convnet with BatchNorm buffers and several
 gradient buckets. ``--straggle-ms`` plants a straggler as the demo does: the last rank's backward
 is that much slower. ``--logger wandb`` logs to Weights & Biases instead (offline with
-``WANDB_MODE=offline``), ``csv`` to a CSV file. Run it under ``ddpdoctor run`` too: the callback
-then uses the monitor ``ddpdoctor run`` attached.
+``WANDB_MODE=offline``), ``csv`` to a CSV file, ``tensorboard,csv`` to both. Run it under
+``ddpdoctor run`` too: the callback then uses the monitor ``ddpdoctor run`` attached.
 """
 
 from __future__ import annotations
@@ -54,16 +54,20 @@ def make_logger(kind: str, save_dir: str) -> Any:
         from lightning.pytorch.loggers import WandbLogger
 
         return WandbLogger(project="ddpdoctor-example", save_dir=save_dir)
-    from lightning.pytorch.loggers import CSVLogger
+    if kind == "csv":
+        from lightning.pytorch.loggers import CSVLogger
 
-    return CSVLogger(save_dir, name="lightning")
+        return CSVLogger(save_dir, name="lightning-csv")
+    raise SystemExit(f"unknown logger {kind!r} (tensorboard, wandb, csv)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--logger", choices=["tensorboard", "wandb", "csv"], default="tensorboard")
+    parser.add_argument(
+        "--logger", default="tensorboard", help="tensorboard, wandb or csv, or several: tensorboard,csv"
+    )
     parser.add_argument("--save-dir", default="lightning-logs")
     parser.add_argument("--run-dir", help="ddpdoctor's run dir (default: ddpdoctor's own choice)")
     parser.add_argument("--straggle-ms", type=float, default=0.0, help="the last rank's backward is this much slower")
@@ -78,7 +82,7 @@ def main() -> None:
         strategy="ddp",
         devices=args.devices,
         max_steps=args.steps,
-        logger=make_logger(args.logger, args.save_dir),
+        logger=[make_logger(kind, args.save_dir) for kind in args.logger.split(",")],
         log_every_n_steps=args.every,
         callbacks=[DDPDoctorCallback(every_n_steps=args.every, **options)],
         enable_checkpointing=False,
