@@ -78,6 +78,7 @@ class TrainerWatch:
         self.why_not: str | None = None  # why there is nothing to log (said once)
         self._last_due = 0
         self._error_said = False
+        self._final_error: BaseException | None = None  # the reader's error once it stopped
 
     def attach(self, ddp: Any, rank: int) -> None:
         """Attach to ``ddp`` unless a monitor is on it already; rank 0 starts reading the run dir."""
@@ -124,7 +125,7 @@ class TrainerWatch:
     def read_error(self) -> str | None:
         """Why rank 0's reading of the run dir failed, the first time it did (then None): the
         reading goes on, and training is never stopped for it."""
-        error = self.follower.error if self.follower is not None else None
+        error = self.follower.error if self.follower is not None else self._final_error
         if error is None or self._error_said:
             return None
         self._error_said = True
@@ -148,8 +149,8 @@ class TrainerWatch:
         update = follower.take()
         update = dataclasses.replace(update, findings=[f for f in update.findings if f.code not in NOT_AT_FINISH])
         self.findings_seen += len(update.findings)
-        self.follower.close()
-        self.follower = None
+        follower.close()
+        self._final_error, self.follower = follower.error, None
         return update
 
 
