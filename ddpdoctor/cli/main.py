@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddpdoctor.cli import collect_cmd, compare_cmd, demo_cmd, report_cmd, run_cmd, trace_cmd, watch_cmd
+from ddpdoctor.cli import (
+    collect_cmd,
+    compare_cmd,
+    demo_cmd,
+    export_cmd,
+    report_cmd,
+    run_cmd,
+    trace_cmd,
+    watch_cmd,
+)
 from ddpdoctor.runlog import RunDirError
 
 
@@ -18,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     collect_cmd.add_parser(sub)
     compare_cmd.add_parser(sub)
     demo_cmd.add_parser(sub)
+    export_cmd.add_parser(sub)
     report_cmd.add_parser(sub)
     run_cmd.add_parser(sub)
     trace_cmd.add_parser(sub)
