@@ -20,6 +20,7 @@ from tests.divisor_workers import CUDA_CASES, divisor_runs
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.torch_compat,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
