@@ -61,7 +61,7 @@ class HangWarning(DDPDoctorWarning):
     """No progress: a hang or a lost rank."""
 
 
-#: The warning category of each finding code (the codes are DESIGN.md's contract).
+#: The warning category of each finding code (the codes are a stable contract: docs/design.md).
 CATEGORY_OF_CODE: dict[str, type[DDPDoctorWarning]] = {
     "frozen-after-wrap": StaleRequiresGradWarning,
     "unfrozen-after-wrap": StaleRequiresGradWarning,

@@ -11,7 +11,7 @@ SEVERITY_ORDER: dict[str, int] = {"info": 0, "warning": 1, "error": 2}
 
 @dataclass
 class Finding:
-    """One diagnosis. ``code`` is one of the stable codes documented in the README."""
+    """One diagnosis. ``code`` is one of the stable codes in docs/reference/findings.md."""
 
     code: str
     severity: Severity
