@@ -33,7 +33,7 @@ around it; a step's wall time is the slower rank's (exchanged after the run, not
   rounds (2.5th and 97.5th percentiles of 2,000 resamples). ``plain-2`` vs ``plain`` is what a
   tool that does nothing reads: the noise.
 * **Training thread, + µs/step**: the same ratio of the training thread's CPU, in µs a step
-  (CPU time leaves out the time a thread waits, for a peer or for a core the VM lent elsewhere).
+  (CPU time leaves out the time a thread waits, for a peer or for a core the VM gave elsewhere).
 * **ddpdoctor's threads**: their CPU time over the timed rounds (threads named ``ddpdoctor-*``,
   the log writer first), per instrumented step. They run while any contender steps, so the wall
   figures can miss part of them: a bound on what the wall figure leaves out, given apart.

@@ -160,7 +160,7 @@ class CpuClock:
     thread, ddpdoctor's threads (named ``ddpdoctor-*``) and the rest (gloo's and torch's native
     threads, where the native comm hook's completion callback also runs).
 
-    CPU time does not count the time a thread waits (for a peer, for a core the VM lent elsewhere),
+    CPU time does not count the time a thread waits (for a peer, for a core the VM gave elsewhere),
     so on a noisy machine it attributes what wall-clock pairs cannot: the work each thread did. It
     misses what ddpdoctor costs torch's own work (caches it evicts, a GIL hand-off's wait)."""
 

@@ -23,6 +23,8 @@ from ddpdoctor.analysis.buffers import broadcast_redundancy
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from tests.ddp_harness import run_ranks
 
+pytestmark = pytest.mark.torch_compat
+
 STEPS = 8
 MICRO = 2
 

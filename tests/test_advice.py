@@ -1,4 +1,4 @@
-"""The report side of issue 16 on hand-made records: the first compared step where replicas
+"""The report's advice on hand-made records: the first compared step where replicas
 differed, a static unused set, the buffer-broadcast verdict, the communication predictions."""
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ from ddpdoctor.runtime.attach import STEPS
 from tests.ddp_harness import run_ranks
 from tests.runtime_workers import attach_fault_checks
 
+pytestmark = pytest.mark.torch_compat
+
 #: Steps that run only when a comm hook was registered before instrument (the reducer is rebuilt).
 REBUILD_ONLY = {"rebuild_reducer", "retire_old_reducer"}
 

@@ -19,6 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpdoctor
 from tests.ddp_harness import run_ranks
 
+pytestmark = pytest.mark.torch_compat
+
 STEPS = 5
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from tests.ddp_harness import run_ranks
 
+pytestmark = pytest.mark.torch_compat
+
 STEPS_BEFORE, STEPS_AFTER, COPY_STEPS = 3, 3, 3
 
 

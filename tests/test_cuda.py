@@ -1,7 +1,7 @@
 """The CUDA path: event marks on the gradient's stream, resolved without blocking; NCCL; gloo over
 CUDA tensors; no added device synchronization; marks that agree with independent events.
 
-Skipped without a GPU (CI has none); run on a lent GPU with ``pytest -m gpu``.
+Skipped without a GPU (CI has none); on a GPU machine, run ``pytest -m gpu``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tests.divisor_workers import CUDA_CASES, divisor_runs
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.torch_compat,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 

@@ -13,6 +13,8 @@ import ddpdoctor
 from tests.ddp_harness import run_ranks
 from tests.divisor_workers import CASES, PYTHON_ROUTE, divisor_runs
 
+pytestmark = pytest.mark.torch_compat
+
 WORLD = 3
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -26,6 +27,8 @@ from ddpdoctor.events import Fingerprint, ProbeOff
 from ddpdoctor.runtime import torch_compat
 from ddpdoctor.sinks.memory import MemorySink
 from tests.ddp_harness import run_ranks
+
+pytestmark = pytest.mark.torch_compat
 
 SAMPLED = [0, 1, 3, 7, 15]
 

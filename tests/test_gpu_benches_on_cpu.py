@@ -1,5 +1,5 @@
 """The GPU attribution bench runs on CPU too (gloo, world size 1): each of its rows trains the same
-bits as plain DDP, so a row's figure on a GPU measures what it says (a lent GPU is scarce: a bench
+bits as plain DDP, so a row's figure on a GPU measures what it says (GPU time is scarce: a bench
 that broke meanwhile would waste it)."""
 
 from __future__ import annotations

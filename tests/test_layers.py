@@ -1,4 +1,4 @@
-"""Layer rules of DESIGN.md, enforced: what each layer may import."""
+"""Layer rules of docs/design.md, enforced: what each layer may import."""
 
 from __future__ import annotations
 

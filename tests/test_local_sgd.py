@@ -12,6 +12,8 @@ import pytest
 import ddpdoctor
 from tests.ddp_harness import run_ranks
 
+pytestmark = pytest.mark.torch_compat
+
 STEPS, START, PERIOD, CHECK_EVERY = 30, 6, 4, 8
 
 

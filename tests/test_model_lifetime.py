@@ -16,7 +16,11 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.ddp_harness import run_ranks
+
+pytestmark = pytest.mark.torch_compat
 
 
 def _model(bucket_view: bool = False) -> Any:

@@ -32,6 +32,8 @@ from tests.ddp_harness import run_ranks
 from tests.models import make_model
 from tests.runtime_workers import BUCKET_CAP_MB, sum_hook, train
 
+pytestmark = pytest.mark.torch_compat
+
 _ONCE = "can only be called once"
 
 

@@ -19,6 +19,8 @@ from ddpdoctor.runtime import torch_compat
 from tests.ddp_harness import run_ranks
 from tests.runtime_workers import DELAYS_S, core_checks, delay_checks, sampled_marks_run
 
+pytestmark = pytest.mark.torch_compat
+
 
 @pytest.fixture(scope="module")
 def core(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:

@@ -21,6 +21,8 @@ from torch import nn
 from ddpdoctor.runtime import native_hook
 from tests.ddp_harness import run_ranks
 
+pytestmark = pytest.mark.torch_compat
+
 
 @pytest.fixture(scope="module")
 def built() -> None:

@@ -15,6 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpdoctor
 from tests.ddp_harness import run_ranks
 
+pytestmark = pytest.mark.torch_compat
+
 #: sampled steps with check_every=10: 0, 1, 3, 7, 10, 20, 30; the branch runs between them
 CHECK_EVERY = 10
 STEPS = 32

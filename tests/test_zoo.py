@@ -13,6 +13,8 @@ from ddpdoctor.analysis import at_least
 from ddpdoctor.cli.main import main
 from tests.zoo_runs import ZooRuns
 
+pytestmark = pytest.mark.acceptance
+
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "examples" / "zoo"
 

@@ -11,9 +11,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import ddpdoctor
 from ddpdoctor.cli.main import main
 from tests.zoo_runs import ZooRuns
+
+pytestmark = pytest.mark.acceptance
 
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "examples" / "zoo"

@@ -34,7 +34,7 @@ REPORTED = [
 
 @dataclass
 class Report:
-    """What ``ddpdoctor report`` prints; ``to_dict()`` is the JSON shape of DESIGN.md."""
+    """What ``ddpdoctor report`` prints; ``to_dict()`` is the JSON shape of docs/design.md."""
 
     run: dict[str, Any]
     ranks: list[dict[str, Any]]

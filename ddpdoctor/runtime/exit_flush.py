@@ -1,6 +1,6 @@
 """Logs complete at the end of a process, without changing how the process reacts to signals.
 
-The contract (issue 13): a signal does to the process exactly what it does without ddpdoctor.
+The contract: a signal does to the process exactly what it does without ddpdoctor.
 
 - At interpreter exit every live monitor is closed (``End`` record, reason ``exit``; ``error:
   NAME`` where an uncaught exception ended the main thread, ``signal`` for a KeyboardInterrupt:

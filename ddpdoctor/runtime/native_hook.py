@@ -278,7 +278,7 @@ def ddp_scale(module: ModuleType, ddp: Any) -> Any:
     only be seen before the accumulation. A divide and a multiply by the reciprocal differ only for
     a divisor that is not a power of two, which DDP's divisor (the world size, or under ``Join``
     the ranks still training) can be from a world size of 3: below it nothing is watched. The
-    watch costs the backward 0.25-0.5 µs a parameter on the 2-core VM (``bench/grad_watch.py``)."""
+    watch costs the backward 0.25-0.5 µs a parameter on the 2-core VM (BENCHMARKS.md)."""
     size = ddp.process_group.size()
     watch = size >= 3 and bool(getattr(ddp, "gradient_as_bucket_view", False))
     params = [p for p in ddp.module.parameters() if p.requires_grad] if watch else []

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# The checks for a lent GPU machine (one GPU, torch already installed, no network), in one go:
+# The checks for a GPU host (one GPU, torch already installed, no network), in one go:
 # the GPU tests, the GPU overhead bench, then the CPU benches on that machine's quieter cores.
 # Each step is bounded so a hang in one still leaves the others' figures. Results go to $OUT
-# (or ./gpu-session): machine.txt, the JSON figures, and steps.tar (one NAME.txt a step). Wheels
+# (or ./gpu-checks): machine.txt, the JSON figures, and steps.tar (one NAME.txt a step). Wheels
 # missing there travel in .whl/ (ignored by git; for its Python 3.12, pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --platform manylinux...): msgspec, textual,
 # platformdirs, mdit-py-plugins, linkify-it-py, uc-micro-py, pytest-asyncio, and pytest, pluggy,
 # iniconfig (pytest-asyncio 1.5 needs pytest 8.4 or later: carried with it), 1.6 MB in all.
 #
-#   bash bench/gpu_session.sh            # all of it
-#   bash bench/gpu_session.sh gpu        # the GPU tests, real jobs and benches only
-#   bash bench/gpu_session.sh attrib     # those, and the transformer overhead's attribution
-#   bash bench/gpu_session.sh floor      # the GPU tests, real jobs, and the attribution with the comm hook's floor
-#   bash bench/gpu_session.sh cpu        # the CPU benches only (with the short model's split by thread)
-#   bash bench/gpu_session.sh goals      # issue 15's CPU goals and the short model's attribution on these cores,
+#   bash bench/gpu_checks.sh            # all of it
+#   bash bench/gpu_checks.sh gpu        # the GPU tests, real jobs and benches only
+#   bash bench/gpu_checks.sh attrib     # those, and the transformer overhead's attribution
+#   bash bench/gpu_checks.sh floor      # the GPU tests, real jobs, and the attribution with the comm hook's floor
+#   bash bench/gpu_checks.sh cpu        # the CPU benches only (with the short model's split by thread)
+#   bash bench/gpu_checks.sh goals      # the overhead goals on CPU and the short model's attribution on these cores,
 #                                        # then the GPU tests, real jobs and the transformer's overhead,
 #                                        # each step cut to what is left of $DEADLINE seconds (default 540)
 set -u
-out=${OUT:-gpu-session}
+out=${OUT:-gpu-checks}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -26,9 +26,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 else
   export PYTHONPATH=$PWD
 fi
-# Each step's output is appended to $out/steps.tar as NAME.txt once the step ends: the device tool
-# brings back at most 8 files, and a session writes more steps than that (a killed step's output
-# stays a file of its own).
+# Each step's output is appended to $out/steps.tar as NAME.txt once the step ends, so that the
+# results are a few files however many steps ran (a killed step's output stays a file of its own).
 start=$SECONDS
 deadline=${DEADLINE:-100000}
 step() {  # step NAME SECONDS COMMAND...: run it, bounded, its output to the screen and $out/NAME.txt
@@ -45,7 +44,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, bounded, its output to the scr
 { nvidia-smi -L; nproc; ls /dev | grep -E '^(nvidia|kfd)' | tr '\n' ' '; echo
   python3 -c "from ddpdoctor import native_cache; print('gpu_visible', native_cache.gpu_visible())"; python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version())"; } 2>&1 | tee "$out/machine.txt"
 mode=${1:-all}
-if [ "$mode" = goals ]; then  # one call of a lent machine: the figures that decide issue 15 first
+if [ "$mode" = goals ]; then  # the figures that decide the overhead goals first, within one deadline
   [ -z "${DEADLINE:-}" ] && deadline=540
   step native_build 100 python3 -m ddpdoctor.runtime.native
   step hot_path 60 python3 bench/hot_path.py --steps 2000
