@@ -77,6 +77,7 @@ CATEGORY_OF_CODE: dict[str, type[DDPDoctorWarning]] = {
     "bucket-size": PerformanceWarning,
     "hang": HangWarning,
     "rank-lost": HangWarning,
+    "mismatched-collectives": HangWarning,
 }
 
 

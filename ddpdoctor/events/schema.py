@@ -316,6 +316,10 @@ class Hang(_Record, tag="hang", kw_only=True):
     buckets_ready: int = 0  # buckets whose gradients were ready (comm hook called) in this step
     buckets_done: int = 0  # buckets whose all-reduce completed in this step
     stack: list[str] = []  # the main thread's Python stack, innermost frame last
+    # the torch.distributed call the stack shows the rank blocked in, where the step marks do not
+    # ("barrier", "all_reduce", ...; "broadcast_coalesced": DDP's buffer broadcast in a forward
+    # outside a training step); "" when none or read from the marks
+    collective: str = ""
 
 
 class StreamDrops(_Record, tag="stream_drops", kw_only=True):
