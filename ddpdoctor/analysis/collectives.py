@@ -59,9 +59,7 @@ def uneven_collectives(per_rank: Mapping[int, Mapping[int, StepCollectives]]) ->
     return []
 
 
-def _finding(
-    per_rank: Mapping[int, Mapping[int, StepCollectives]], what: str, label: str, odd: list[int]
-) -> Finding:
+def _finding(per_rank: Mapping[int, Mapping[int, StepCollectives]], what: str, label: str, odd: list[int]) -> Finding:
     first = odd[0]
     without = sorted(r for r, c in per_rank.items() if not getattr(c[first], what))
     with_it = sorted(r for r in per_rank if r not in without)

@@ -47,9 +47,7 @@ def hangs_in_run(run: Run) -> list[Finding]:
     bare = {r: log.bare_steps for r, log in run.ranks.items()}
     groups = ddp_groups({r: log.header for r, log in run.ranks.items()})
     steps = {r: step_collectives(log.steps) for r, log in run.ranks.items()}
-    params = {
-        r: {b.index: b.params for b in log.layouts[-1].buckets} for r, log in run.ranks.items() if log.layouts
-    }
+    params = {r: {b.index: b.params for b in log.layouts[-1].buckets} for r, log in run.ranks.items() if log.layouts}
     return hang_findings_in_groups(
         latest, last_step, run.world_size, groups, ended=ended, bare_steps=bare, collectives=steps, bucket_params=params
     )

@@ -106,10 +106,13 @@ def hang_findings(
             )
     if not waiting:
         return out
-    # the collective the job is stuck in: the earliest one a rank waits in (a rank that skipped a
-    # collective runs ahead and waits in a later one, or leaves training)
-    order = {"buffer broadcast": 0, "allreduce": 1, "collective": 2}
-    stuck = min(waiting.values(), key=lambda h: (h.step, order[h.phase], h.pending_bucket or 0))
+    # the collective the job is stuck in: the earliest of DDP's a rank waits in (a rank that skipped a
+    # collective runs ahead and waits in a later one, or leaves training: a rank in a collective of
+    # the script's own, a final barrier, is missing from DDP's)
+    order = {"buffer broadcast": 0, "allreduce": 1}
+    stuck = min(
+        waiting.values(), key=lambda h: (h.phase not in order, h.step, order.get(h.phase, 2), h.pending_bucket or 0)
+    )
     at = _where(stuck)
     waiters = sorted(r for r, h in waiting.items() if _where(h) == at)
     everyone = members if members is not None else range(max(world_size, max(latest) + 1))
@@ -123,14 +126,17 @@ def hang_findings(
         if r in ended:
             crashed = ended[r].startswith("error")
             info["cause"] = "crashed" if crashed else "left-loop"
-            left = "an exception ended it" if crashed else "it left the training loop while the others went on"
-            text = f"rank {r} has left training: its log ended ({ended[r]}) after step {last_step.get(r)}: {left}"
+            how = "an exception ended it" if crashed else "it left the training loop while the others went on"
+            text = f"rank {r} has left training: its log ended ({ended[r]}) after step {last_step.get(r)}: {how}"
             info["ended"] = ended[r]
         elif rec is not None:
             in_collective = rec.phase in COLLECTIVE_PHASES
-            info["cause"] = "other-collective" if in_collective else "stuck-in-compute"
+            left = rec.phase == "collective" and stuck.phase != "collective" and rec.step < stuck.step
+            info["cause"] = "left-loop" if left else "other-collective" if in_collective else "stuck-in-compute"
             ahead = " (it is ahead: it skipped the collective the others wait in)" if rec.step > stuck.step else ""
             busy = "" if in_collective else " (no collective on its stack: it is busy in its own code)"
+            if left:
+                busy = " (it left its training loop while the others train on)"
             text = (
                 f"rank {r} has waited {rec.waited_s:.0f} s in {_where(rec)}{ahead}{busy}; its stack:\n"
                 f"{_stack_tail(rec)}"
@@ -154,6 +160,7 @@ def hang_findings(
                 "all-reduced: from there on its collectives paired with the wrong ones, one step apart"
             )
             info["steps_without_allreduce"] = skipped[r][:20]
+            info["cause"] = "skipped-backward"
         lines.append(text)
         missing_info[r] = info
     if mismatch is not None:
@@ -191,8 +198,9 @@ def hang_findings(
         fix = (
             "Every rank must run the same collectives in the same order: the missing rank skipped a backward "
             "(or ran one more, or ran a forward through the wrapper with grad on that no backward followed: "
-            "validation through `model` instead of `model.module` on one rank). Look for data-dependent control flow around loss.backward() (skipping a "
-            "batch on a NaN loss or an empty batch on one rank only); skip on all ranks together (agree "
+            "validation through `model` instead of `model.module` on one rank). Look for data-dependent "
+            "control flow around loss.backward() (skipping a batch on a NaN loss or an empty batch on one rank "
+            "only); skip on all ranks together (agree "
             "with an all_reduce of a flag) or run the backward with a zero loss instead."
         )
     elif causes == {"left-loop"}:
@@ -221,6 +229,7 @@ def hang_findings(
         "crashed": "ended by an exception",
         "stuck-in-compute": "busy in its own code",
         "other-collective": "in another collective",
+        "skipped-backward": "a step without all-reduce",
     }
     because = sorted({why[c] for c in causes if c in why})
     out.append(

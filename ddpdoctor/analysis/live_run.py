@@ -17,9 +17,8 @@ which name a skipped backward), the bucket what-if from ``bucket_size``. No text
 
 from __future__ import annotations
 
-import itertools
-
 import dataclasses
+import itertools
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,9 +31,9 @@ from ddpdoctor.analysis.blame import Margins, blame, step_margins
 from ddpdoctor.analysis.bucket_size import RankBackward, bucket_size
 from ddpdoctor.analysis.bucket_wait import StepArrivals
 from ddpdoctor.analysis.clock_align import ClockOffsets
+from ddpdoctor.analysis.collectives import step_collectives, uneven_collectives
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding, Severity
 from ddpdoctor.analysis.groups import arrivals_in_groups, ddp_groups, group_clocks, merged_arrivals
-from ddpdoctor.analysis.collectives import step_collectives, uneven_collectives
 from ddpdoctor.analysis.hang import hang_findings_in_groups
 from ddpdoctor.analysis.live_view import EMPTY_HEALTH, LiveSnapshot, StepTime
 from ddpdoctor.analysis.lost import RankTail, lost_ranks
@@ -511,9 +510,7 @@ class LiveRun:
 
     def _check_collectives(self) -> None:
         """``mismatched-collectives`` once the ranks' steps ran different collectives (kept once seen)."""
-        if self._collectives_seen == self._records or any(
-            k.code == "mismatched-collectives" for k in self._findings
-        ):
+        if self._collectives_seen == self._records or any(k.code == "mismatched-collectives" for k in self._findings):
             return
         self._collectives_seen = self._records
         for members in self._ddp_groups():
