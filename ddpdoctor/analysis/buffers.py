@@ -12,7 +12,7 @@ from ddpdoctor.analysis.evidence import BufferEvidence
 from ddpdoctor.analysis.findings import Finding, Severity
 from ddpdoctor.analysis.framework_switches import framework_switches
 from ddpdoctor.analysis.replicas import fingerprints_by_step, tensor_keys
-from ddpdoctor.analysis.sizes import human_bytes, name_list
+from ddpdoctor.analysis.sizes import counted, human_bytes, name_list
 from ddpdoctor.events import Fingerprint, Header, Step
 
 #: Share of the step spent in buffer broadcast that deserves a warning, and an info.
@@ -215,7 +215,7 @@ def constant_buffers(
             severity=severity,
             ranks=[rank],
             step=evidence.first_step,
-            title=f"{len(constant)} constant buffer(s) broadcast at every forward",
+            title=f"{counted(len(constant), 'constant buffer')} broadcast at every forward",
             detail=(
                 f"{name_list(names)} ({human_bytes(const_bytes)}) never changed in {evidence.last_step} steps, yet DDP "
                 f"broadcasts them from rank 0 at every forward"
@@ -389,7 +389,7 @@ def advise_broadcast(cost: Finding, verdict: dict[str, Any] | None) -> Finding:
     if verdict is None:
         return cost
     steps = verdict["steps_compared"]
-    at = f"at {len(steps)} step(s) compared outside the broadcast ({', '.join(map(str, steps[:8]))})"
+    at = f"at {counted(len(steps), 'step')} compared outside the broadcast ({', '.join(map(str, steps[:8]))})"
     saving = cost.evidence.get("broadcast_ms")
     if verdict["redundant"]:
         detail = (

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from ddpdoctor.analysis.collectives import StepCollectives, uneven_collectives
 from ddpdoctor.analysis.collectives import evidence_text as collectives_text
 from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.sizes import name_list
 from ddpdoctor.events import Hang
 
 _V = TypeVar("_V")
@@ -174,7 +175,7 @@ def hang_findings(
     pending = stuck.pending_bucket if stuck.phase == "allreduce" else None
     params = list((bucket_params or {}).get(pending, [])) if pending is not None else []
     if params:
-        lines.append(f"bucket {pending} holds {_names(params)}")
+        lines.append(f"bucket {pending} holds {name_list(params)}")
     first = stuck.step
     waited = {
         r: {
@@ -248,18 +249,13 @@ def hang_findings(
     return out
 
 
-def _names(params: list[str], most: int = 6) -> str:
-    shown = ", ".join(params[:most])
-    return shown + (f" and {len(params) - most} more" if len(params) > most else "")
-
-
 def _nobody_missing(
     waited: dict[int, dict[str, Any]], longest: float, at: str, step: int, params: list[str]
 ) -> Finding:
     """Every rank waits in the same collective (``waited``: the finding's evidence of each):
     none is missing, the collective does not finish."""
     ranks = sorted(waited)
-    holds = f" Its bucket holds {_names(params)}." if params else ""
+    holds = f" Its bucket holds {name_list(params)}." if params else ""
     return Finding(
         code="hang",
         severity="error",
