@@ -6,6 +6,13 @@ not waiting in that same collective is missing from it, and its own record (phas
 says where it is instead. A rank that ran one collective fewer than the others (a backward
 skipped on one rank) lets every later collective pair with the wrong partner without any error,
 until the last one waits forever: its log then shows a step without any bucket all-reduce.
+
+Where the step marks cannot tell (a forward through the wrapper outside a training step, a
+collective of the script's own such as a final barrier), the watchdog reads the collective off
+the stack (``Hang.collective``): a job hung at its end is a hang too. Each missing rank gets its
+cause: it left its loop (uneven inputs), waits in another collective, ran a step without
+all-reduce, is busy in its own code, or crashed; the ranks' step records name a collective that
+only some ranks ran (``collectives``).
 """
 
 from __future__ import annotations
@@ -190,7 +197,7 @@ def hang_findings(
     }
     longest = max(h.waited_s for h in waiting.values())
     if not missing:
-        out.append(_nobody_missing(waited, longest, at, first, params))
+        out.append(_nobody_missing(waited, longest, at, first, params, ddp=stuck.phase != "collective"))
         return out
     causes = {missing_info[r].get("cause") for r in missing}
     if mismatch is not None:
@@ -250,7 +257,7 @@ def hang_findings(
 
 
 def _nobody_missing(
-    waited: dict[int, dict[str, Any]], longest: float, at: str, step: int, params: list[str]
+    waited: dict[int, dict[str, Any]], longest: float, at: str, step: int, params: list[str], ddp: bool = True
 ) -> Finding:
     """Every rank waits in the same collective (``waited``: the finding's evidence of each):
     none is missing, the collective does not finish."""
@@ -268,7 +275,11 @@ def _nobody_missing(
         ),
         evidence={"waiting": waited, "missing": {}},
         fix=(
-            "Suspect what runs the collective: a comm hook (yours, or a library's such as PowerSGD: check that it "
+            "Suspect the backend or the network (NCCL_DEBUG=INFO, a firewall, a wrong interface: NCCL_SOCKET_IFNAME / "
+            "GLOO_SOCKET_IFNAME), or a process group that not every rank passes to the call (a subgroup, another "
+            "group's barrier)."
+            if not ddp
+            else "Suspect what runs the collective: a comm hook (yours, or a library's such as PowerSGD: check that it "
             "completes its future, and that it issues the same collectives on every rank), the process group "
             "(a backend that cannot run this collective on these tensors or devices), or the network between "
             "the hosts (NCCL_DEBUG=INFO, a firewall, a wrong interface: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME). "
