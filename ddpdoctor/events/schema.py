@@ -302,7 +302,8 @@ class Hang(_Record, tag="hang", kw_only=True):
     ``state`` is "stalled" when the watchdog fires (flushed at once) and "resumed" when progress
     came back after a stall (a slow checkpoint, not a hang). ``phase`` is where the rank is:
     "forward", "buffer broadcast", "backward", "allreduce" (waiting for bucket
-    ``pending_bucket``), "optimizer", or "between steps" (data loading, evaluation, user code).
+    ``pending_bucket``), "optimizer", "collective" (a ``torch.distributed`` call of the script's
+    own, named in ``collective``), or "between steps" (data loading, evaluation, user code).
     """
 
     t_mono_ns: int
