@@ -48,9 +48,21 @@ def test_a_larger_cap_is_recommended_with_its_saving_and_why() -> None:
 
 
 def test_a_replay_that_cannot_predict_the_run_says_so() -> None:
-    p = _p(confidence="low", calibration_error_pct=65.0, best_is_current=False, recommended_bucket_cap_mb=1.0)
-    text, fix = _bucket_advice(p, 31.0)
-    assert "cannot predict this run" in text and "missed the measured step by 65%" in text and fix == ""
+    # no gain predicted, by a replay that misses the run: it says it cannot tell, not "nothing helps"
+    text, fix = _bucket_advice(_p(confidence="low", calibration_error_pct=65.0), 30.0)
+    assert text == (
+        "the bucket replay cannot predict this run (before calibration it missed the measured step by 65%), "
+        "so it says nothing of bucket_cap_mb"
+    )
+    assert fix == ""
+    # a large predicted gain is still worth trying, said with its confidence
+    p = _p(confidence="low", calibration_error_pct=81.0, best_is_current=False, recommended_bucket_cap_mb=1.0)
+    text, fix = _bucket_advice({**p, "bucket_cap_step_ms": 13.5}, 33.4)
+    assert text.startswith("with bucket_cap_mb=1 about 13.5 ms (19.9 ms saved: fewer all-reduces")
+    assert text.endswith(
+        "low confidence: before calibration the replay missed this run's step by 81%, try it and compare)"
+    )
+    assert "bucket_cap_mb=1" in fix
 
 
 def test_no_worthwhile_gain_names_the_best_other_cap() -> None:

@@ -135,12 +135,7 @@ def _bucket_advice(p: dict[str, Any], measured: float) -> tuple[str, str]:
     """The bucket part of the advice (a clause of the detail, and a fix or ""), never naming the
     run's own cap as a "best" to move to, and saying so where the replay cannot predict the run."""
     current = cap_text(p["current_bucket_cap_mb"])
-    if p.get("confidence") == "low":
-        return (
-            f"the bucket replay cannot predict this run (before calibration it missed the measured step by "
-            f"{p['calibration_error_pct']:.0f}%), so it names no bucket_cap_mb",
-            "",
-        )
+    low = p.get("confidence") == "low"
     if not p["best_is_current"] and p["bucket_cap_step_ms"] < measured * 0.98:
         cap = cap_text(p["recommended_bucket_cap_mb"])
         saving = measured - p["bucket_cap_step_ms"]
@@ -150,9 +145,21 @@ def _bucket_advice(p: dict[str, Any], measured: float) -> tuple[str, str]:
             if larger
             else "all-reduces that start earlier, while backward runs"
         )
+        trust = (
+            f"; low confidence: before calibration the replay missed this run's step by "
+            f"{p['calibration_error_pct']:.0f}%, try it and compare"
+            if low
+            else ""
+        )
         return (
-            f"with bucket_cap_mb={cap} about {p['bucket_cap_step_ms']:.1f} ms ({saving:.1f} ms saved: {why})",
+            f"with bucket_cap_mb={cap} about {p['bucket_cap_step_ms']:.1f} ms ({saving:.1f} ms saved: {why}{trust})",
             f"{why[0].upper()}{why[1:]}: DistributedDataParallel(net, bucket_cap_mb={cap}).",
+        )
+    if low:  # "nothing helps" is a prediction too: not made by a replay that misses the run
+        return (
+            f"the bucket replay cannot predict this run (before calibration it missed the measured step by "
+            f"{p['calibration_error_pct']:.0f}%), so it says nothing of bucket_cap_mb",
+            "",
         )
     if p["best_is_current"]:
         return f"no other bucket_cap_mb is predicted to help: the current {current} MiB is predicted best", ""
