@@ -218,7 +218,7 @@ def constant_buffers(
             title=f"{counted(len(constant), 'constant buffer')} broadcast at every forward",
             detail=(
                 f"{name_list(names)} ({human_bytes(const_bytes)}) never changed in {evidence.last_step} steps, yet DDP "
-                f"broadcasts them from rank 0 at every forward"
+                f"broadcasts {'it' if len(names) == 1 else 'them'} from rank 0 at every forward"
                 f"{saving}."
             ),
             evidence={
@@ -389,7 +389,8 @@ def advise_broadcast(cost: Finding, verdict: dict[str, Any] | None) -> Finding:
     if verdict is None:
         return cost
     steps = verdict["steps_compared"]
-    at = f"at {counted(len(steps), 'step')} compared outside the broadcast ({', '.join(map(str, steps[:8]))})"
+    listed = f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps[:8]))}"
+    at = f"at {counted(len(steps), 'step')} compared outside the broadcast ({listed})"
     saving = cost.evidence.get("broadcast_ms")
     if verdict["redundant"]:
         detail = (
@@ -406,7 +407,8 @@ def advise_broadcast(cost: Finding, verdict: dict[str, Any] | None) -> Finding:
         )
     else:
         detail = (
-            f"{cost.detail} {name_list(verdict['would_drift'])} differ across ranks between broadcasts {at}: "
+            f"{cost.detail} {name_list(verdict['would_drift'])} "
+            f"{'differs' if len(verdict['would_drift']) == 1 else 'differ'} across ranks between broadcasts {at}: "
             "each rank updates its own copy, so without the broadcast they would drift apart. Turning "
             "broadcast_buffers off is unsafe for them."
         )

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from ddpdoctor.analysis.comm_hooks import local_sgd
 from ddpdoctor.analysis.findings import Finding, Severity
-from ddpdoctor.analysis.sizes import name_list
+from ddpdoctor.analysis.sizes import counted, name_list
 from ddpdoctor.events import Fingerprint, Header
 
 RESYNC_FIX = (
@@ -212,7 +212,8 @@ def compare_fingerprints(
                 severity=severity,
                 ranks=ranks,
                 step=first,
-                title=f"{len(names)} {what}(s) differ across ranks from step {first}",
+                title=f"{counted(len(names), what)} {'differs' if len(names) == 1 else 'differ'} across ranks "
+                f"from step {first}",
                 detail=(
                     f"{name_list(names)} are not identical on every rank: {since} "
                     f"(ranks {ranks} differ from the others; {_size_text(max(v[2] for v in bad.values()))}; "
