@@ -199,16 +199,19 @@ def constant_buffers(
             "    model = DistributedDataParallel(net)"
         )
     timed = sum(1 for s in steps if s.bcast_us is not None)
+    them = "it" if len(names) == 1 else "them"
     if share is None:
         saving = ""
+    elif saving_ms is not None and saving_ms < 0.005:
+        saving = f"; excluding {them} would save next to nothing per step"
     elif timed < MIN_FLOOR_SAMPLES:
         first = "the first broadcast" if timed == 1 else f"the first {timed} broadcasts"
         saving = (
-            f"; excluding them would save up to {saving_ms:.2f} ms per step ({share:.1%}; from {first}, which "
+            f"; excluding {them} would save up to {saving_ms:.2f} ms per step ({share:.1%}; from {first}, which "
             "start-up and the other ranks' lateness slow: the report measures it over the run)"
         )
     else:
-        saving = f"; excluding them would save about {saving_ms:.2f} ms per step ({share:.1%})"
+        saving = f"; excluding {them} would save about {saving_ms:.2f} ms per step ({share:.1%})"
     return [
         Finding(
             code="constant-buffers",
