@@ -221,8 +221,9 @@ def hang_findings(
         )
     elif causes == {"stuck-in-compute"}:
         fix = (
-            "The missing rank is in its own code, not in a collective: its stack shows where (an endless loop, "
-            "a lock, a data loader or file read that does not return, a much slower step on that rank). "
+            "The missing rank is in its own code, not in a collective: its stack shows where. Evaluation, "
+            "checkpointing or logging on that rank alone (run it on every rank, or keep it under the process "
+            "group's timeout), an endless loop, a lock, a data loader or file read that does not return. "
             "`py-spy dump --pid PID` on its host shows native frames too."
         )
     else:
