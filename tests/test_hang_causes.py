@@ -175,3 +175,45 @@ def test_healthy_look_alikes_stay_silent(zoo_runs: ZooRuns, script: str, args: t
     live = LiveRun(label=source.label)
     live.feed(source.poll())
     assert not {"hang", "mismatched-collectives", "rank-lost"} & {f.code for f in live.snapshot().findings}
+
+
+def test_the_collective_is_read_off_the_stack() -> None:
+    from ddpdoctor.runtime.watchdog import collective_in_stack
+
+    site = "/usr/lib/python3.11/site-packages/torch"
+    barrier = [
+        "/job/train.py:52 in train: dist.barrier()",
+        f"{site}/distributed/c10d_logger.py:83 in wrapper: return func(*args, **kwargs)",
+        f"{site}/distributed/distributed_c10d.py:5356 in barrier: work.wait()",
+    ]
+    assert collective_in_stack(barrier) == "barrier"
+    gather = [
+        "/job/train.py:9 in main: dist.all_gather_object(out, obj)",
+        f"{site}/distributed/distributed_c10d.py:3100 in all_gather_object: all_gather(sizes, size)",
+        f"{site}/distributed/distributed_c10d.py:4000 in all_gather: work.wait()",
+        f"{site}/distributed/distributed_c10d.py:4100 in _private: x",
+    ]
+    assert collective_in_stack(gather) == "all_gather_object"  # the call the script made
+    broadcast = [
+        "/job/train.py:34 in validate: out = model(x)",
+        f"{site}/nn/parallel/distributed.py:2425 in _sync_buffers: self._sync_module_buffers(authoritative_rank)",
+        f"{site}/nn/parallel/distributed.py:2363 in _distributed_broadcast_coalesced: dist._broadcast_coalesced(",
+    ]
+    assert collective_in_stack(broadcast) == "broadcast_coalesced"
+    assert collective_in_stack(["/job/train.py:29 in forward: time.sleep(0.05)"]) == ""
+
+
+def test_collectives_compared_only_at_steps_every_rank_logged() -> None:
+    from ddpdoctor.analysis.collectives import StepCollectives, uneven_collectives
+
+    both = StepCollectives(broadcast=True, allreduce=True)
+    lone = StepCollectives(broadcast=False, allreduce=True)
+    same = {0: {s: both for s in range(10)}, 1: {s: both for s in range(8)}}  # rank 1 not there yet
+    assert uneven_collectives(same) == []
+    odd = {0: {**same[0], 5: lone}, 1: same[1]}
+    [f] = uneven_collectives(odd)
+    assert f.ranks == [0] and f.step == 5 and f.evidence["without"] == {0: [5]}
+    assert f.title.startswith("rank 0's buffer broadcasts are one off from the other ranks' from step 5")
+    bare = {0: {**same[0], 3: StepCollectives(broadcast=True, allreduce=False)}, 1: same[1]}
+    [g] = uneven_collectives(bare)
+    assert g.evidence["collective"] == "gradient all-reduce" and g.ranks == [0] and "zero loss" in g.fix
