@@ -1,19 +1,75 @@
 """Bucket what-if validation: predicted vs measured step time over bucket_cap_mb, on real 2-rank gloo runs.
 
 usage: python bench/bucket_whatif.py [--steps 20] [--rounds 3] [--base 25] [--json FILE]
+                                     [--keep DIR | --reuse DIR]
 
-Three model shapes (many small layers, a few large ones, mixed) are trained on two gloo ranks on
-CPU with each ``bucket_cap_mb`` in {1, 5, 25, 100}, instrumented by ddpdoctor (sampled checks
-every 5 steps, so the per-parameter gradient-ready times are there). All runs share one process
-group and run one after another, in ``--rounds`` rounds that visit the caps in a rotated order
-(the machine's speed drifts). The measured step time of a run is the median over its timed
-steps of the slower rank's wall time per step (``time.perf_counter`` around the whole step); a
-(model, cap) gets the median over its rounds.
+Four model shapes (``mlp-1mib``: about 1 MiB of gradients in 17 tensors, so one bucket per
+tensor at 0.01 MiB; many small layers; a few large ones; mixed) are trained on two gloo ranks on
+CPU with each ``bucket_cap_mb`` in {0.01, 0.1, 1, 5, 25, 100}, instrumented by ddpdoctor
+(sampled checks every 5 steps, so the per-parameter gradient-ready times are there). All runs
+share one process group and run one after another, in ``--rounds`` rounds that visit the caps in
+a rotated order (the machine's speed drifts). The measured step time of a run is the median over
+its timed steps of the slower rank's wall time per step (``time.perf_counter`` around the whole
+step); a (model, cap) gets the median over its rounds.
 
-The simulator sees only the logs of the ``--base`` runs of each model (one per round; the
-median of their predictions is used) and predicts the step time of every cap; the script prints
-predicted vs measured, the median prediction error, the cap the simulator recommends and how far
-its measured time is from the measured best.
+The simulator sees only the logs of the base runs of each model: ``--base`` (default 25) and the
+smallest cap, 0.01 MiB (a latency-bound run, where the advice once named the run's own cap as
+the best); the median of their rounds' predictions is used. The script prints predicted vs
+measured per base, the median prediction error, and what the report advises from each base run
+(``bucket-size``, or the bucket part of ``exposed-communication``) against the measured best.
+``--keep DIR`` keeps the logs and the measured times; ``--reuse DIR`` predicts again from them.
+
+Measured with ``python bench/bucket_whatif.py --steps 15 --rounds 2 --keep DIR`` on a shared
+2-core CPU machine (load average 9 to 13 from other work: the same layout measured at several
+caps, e.g. few-large's 3 buckets at 0.01 to 5 MiB, spread 271 to 392 ms, so differences under
+about 35% are noise here):
+
+    base model       cap MiB buckets  predicted  measured  error
+    0.01 mlp-1mib       0.01       8     29.2ms    33.4ms  12.7%
+    0.01 mlp-1mib        0.1       8     29.2ms    18.0ms  62.0%
+    0.01 mlp-1mib          1       1      9.8ms    12.2ms  19.7%
+    0.01 mlp-1mib          5       1      9.8ms    25.2ms  61.2%
+    0.01 mlp-1mib         25       1      9.8ms    15.3ms  35.8%
+    0.01 mlp-1mib        100       1      9.8ms    14.1ms  30.5%
+    0.01 many-small     0.01      48    444.0ms   241.3ms  84.0%
+    0.01 many-small        1      12    435.1ms   156.4ms 178.2%
+    0.01 many-small       25       1    442.1ms   248.6ms  77.9%
+    0.01 few-large      0.01       3    351.0ms   392.0ms  10.5%
+    0.01 few-large        25       1    362.4ms   394.3ms   8.1%
+    0.01 mixed          0.01      26    345.9ms   510.6ms  32.3%
+    0.01 mixed             1       3    295.4ms   221.6ms  33.3%
+    0.01 mixed             5       1    296.6ms   160.1ms  85.2%
+      25 mlp-1mib       0.01       8     69.9ms    33.4ms 109.0%
+      25 mlp-1mib          1       1     21.8ms    12.2ms  78.6%
+      25 mlp-1mib         25       1     21.8ms    15.3ms  42.8%
+      25 many-small     0.01      48    282.6ms   241.3ms  17.1%
+      25 many-small        1      12    234.4ms   156.4ms  49.9%
+      25 many-small        5       3    223.3ms   207.7ms   7.5%
+      25 many-small       25       1    240.2ms   248.6ms   3.4%
+      25 few-large      0.01       3    372.8ms   392.0ms   4.9%
+      25 few-large        25       1    430.1ms   394.3ms   9.1%
+      25 mixed          0.01      26   1371.7ms   510.6ms 168.7%
+      25 mixed             1       3    262.6ms   221.6ms  18.5%
+      25 mixed             5       1    192.2ms   160.1ms  20.0%
+    median prediction error: 36.3% over the 40 (model, cap) pairs other than the base runs
+    (max 287.7%; the table above leaves out some rows)
+
+What the report advised from each base run, against the measured best:
+
+    mlp-1mib from 0.01 (33.4 ms; best 1 MiB, 12.2 ms): bucket_cap_mb=1, 68% faster, low confidence
+    mixed from 0.01 (510.6 ms; best 5 MiB, 160.1 ms): bucket_cap_mb=2, 21% faster, low confidence
+    few-large from 0.01 (392.0 ms; 25 MiB measured 394.3 ms): bucket_cap_mb=25, 11% faster, low
+        confidence (the 3 buckets at 0.01 are the 3 tensors: within the noise)
+    many-small from 0.01 (241.3 ms; best 1 MiB, 156.4 ms): nothing about the cap (predicted flat)
+    mlp-1mib from 25 (15.3 ms): "the bucket replay cannot predict this run ... says nothing of
+        bucket_cap_mb" (it missed the run by 45%)
+    many-small from 25 (248.6 ms): bucket_cap_mb=5, 9% faster (measured 207.7 ms)
+    few-large from 25 (394.3 ms): bucket_cap_mb=5, 17% faster (measured 290.2 ms)
+    mixed from 25 (164.3 ms; best 5 MiB, 160.1 ms): nothing about the cap
+
+From a 0.01 MiB run the advice never names 0.01 (the run's own cap) and recommends a larger one
+where it predicts a gain; no recommended cap measured slower beyond the noise (few-large from
+0.01: 392.0 -> 394.3 ms).
 """
 
 from __future__ import annotations
@@ -32,8 +88,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import free_port, init_gloo
 
-CAPS = (1.0, 5.0, 25.0, 100.0)
-MODELS = ("many-small", "few-large", "mixed")
+CAPS = (0.01, 0.1, 1.0, 5.0, 25.0, 100.0)
+MODELS = ("mlp-1mib", "many-small", "few-large", "mixed")
 
 
 def build(name: str) -> tuple[object, object]:
@@ -41,6 +97,10 @@ def build(name: str) -> tuple[object, object]:
     from torch import nn
 
     torch.manual_seed(0)
+    if name == "mlp-1mib":  # ~1 MiB of gradients in 17 tensors: 16 buckets at bucket_cap_mb=0.01
+        return nn.Sequential(
+            nn.Linear(256, 180), *[m for _ in range(7) for m in (nn.Linear(180, 180), nn.ReLU())], nn.Linear(180, 4)
+        ), torch.randn(32, 256)
     if name == "many-small":
         layers: list[nn.Module] = []
         for _ in range(48):
@@ -93,104 +153,129 @@ def worker(rank: int, world: int, port: int, out: str, steps: int, rounds: int, 
     os._exit(0)
 
 
+def _advice(run: Any) -> str:
+    """What the report says about the bucket cap of one run: the bucket-size finding's title, or
+    the bucket part of exposed-communication's advice, or that it says nothing."""
+    from ddpdoctor.analysis.diagnose import diagnose
+
+    said = []
+    for f in diagnose(run):
+        if f.code == "bucket-size":
+            said.append(f"bucket-size: {f.title}")
+        elif f.code == "exposed-communication" and "bucket_cap_mb" in f.detail:
+            said.append("exposed-communication: " + f.detail[f.detail.find("Predicted step") :])
+    return " | ".join(said) or "nothing about the bucket cap"
+
+
+def _measure(out: str, steps: int, rounds: int) -> dict[tuple[str, float], float]:
+    """Train every (model, cap) on two gloo ranks; the median measured step time of each (ms)."""
+    import torch.multiprocessing as mp
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, 2, port, out, steps, rounds, queue), daemon=True) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        measured: dict[tuple[str, float], float] = queue.get(timeout=3600)
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return measured
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--base", type=float, default=25.0, help="the cap whose run the simulator sees")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep", type=Path, help="keep the runs' logs and measured times here")
+    ap.add_argument("--reuse", type=Path, help="predict again from the logs a --keep run left (no training)")
     args = ap.parse_args()
-    import torch.multiprocessing as mp
-
+    bases = sorted({args.base, min(CAPS)})  # the default-like cap, and the smallest (latency-bound)
     from ddpdoctor.analysis.bucket_sim import Prediction
-    from ddpdoctor.analysis.bucket_size import MIN_GAIN_SHARE
     from ddpdoctor.analysis.from_run import what_if_run
     from ddpdoctor.runlog import load_run
 
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="ddpdoctor-whatif-") as out:
-        procs = [
-            ctx.Process(target=worker, args=(r, 2, port, out, args.steps, args.rounds, queue), daemon=True)
-            for r in range(2)
-        ]
-        try:
-            for p in procs:
-                p.start()
-            measured = queue.get(timeout=1800)
-            for p in procs:
-                p.join(60)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
+    keep = args.reuse or args.keep
+    with tempfile.TemporaryDirectory(prefix="ddpdoctor-whatif-") as tmp:
+        out = str(keep) if keep else tmp
+        if args.reuse:
+            raw = json.loads((args.reuse / "measured.json").read_text())
+            measured = {(m, float(c)): v for m, c, v in raw}
+        else:
+            measured = _measure(out, args.steps, args.rounds)
+            if args.keep:
+                (args.keep / "measured.json").write_text(json.dumps([[m, c, v] for (m, c), v in measured.items()]))
         rows, errors, picks = [], [], {}
-        for model_name in MODELS:
-            whatifs = [
-                w
-                for rnd in range(args.rounds)
-                if (w := what_if_run(load_run(Path(out) / f"{model_name}-{args.base:g}-r{rnd}"), caps_mb=CAPS))
-            ]
-            if not whatifs:
-                print(f"{model_name}: no prediction (not enough samples)")
-                continue
-            w = whatifs[0]
-            predicted = {
-                cap: Prediction(
-                    cap_mb=cap,
-                    buckets=w.candidates[i].buckets,
-                    step_ms=statistics.median(x.candidates[i].step_ms for x in whatifs),
-                )
-                for i, cap in enumerate(CAPS)
-            }
-            for cap in CAPS:
-                pred = predicted[cap].step_ms  # calibrated by what_if on the base run's own measured step
-                meas = measured[(model_name, cap)]
-                err = abs(pred - meas) / meas
-                if cap != args.base:  # the base run is the calibration point: its error is 0 by construction
-                    errors.append(err)
-                rows.append(
-                    {
-                        "model": model_name,
-                        "bucket_cap_mb": cap,
-                        "buckets": predicted[cap].buckets,
-                        "predicted_ms": round(pred, 2),
-                        "measured_ms": round(meas, 2),
-                        "error_pct": round(100 * err, 1),
-                    }
-                )
-            best_meas = min(CAPS, key=lambda c: measured[(model_name, c)])
-            # the finding's rule: move only for a predicted gain of MIN_GAIN_SHARE or more
-            best = min(CAPS, key=lambda c: (round(predicted[c].step_ms, 3), abs(c - args.base)))
-            gain = 1 - predicted[best].step_ms / predicted[args.base].step_ms
-            pick = best if gain >= MIN_GAIN_SHARE else args.base
-            picks[model_name] = {
-                "recommended": pick,
-                "measured_best": best_meas,
-                "recommended_vs_best_pct": round(
-                    100 * (measured[(model_name, pick)] / measured[(model_name, best_meas)] - 1), 1
-                ),
-                "confidence": w.confidence,
-                "calibration_error_pct": round(w.calibration_error_pct, 1),
-                "comm_model": w.to_dict()["comm_model"],
-                "hook": w.to_dict()["hook_cost"],
-            }
-    print(f"{'model':<11} {'cap MiB':>7} {'buckets':>7} {'predicted':>10} {'measured':>9} {'error':>6}")
+        for base in bases:
+            for model_name in MODELS:
+                runs = [load_run(Path(out) / f"{model_name}-{base:g}-r{rnd}") for rnd in range(args.rounds)]
+                whatifs = [w for run in runs if (w := what_if_run(run, caps_mb=CAPS))]
+                if not whatifs:
+                    print(f"{model_name} from {base:g} MiB: no prediction (not enough samples)")
+                    continue
+                w = whatifs[0]
+                by_cap = [{round(c.cap_mb, 3): c for c in x.candidates} for x in whatifs]
+                predicted = {
+                    cap: Prediction(
+                        cap_mb=cap,
+                        buckets=by_cap[0][cap].buckets,
+                        step_ms=statistics.median(b[cap].step_ms for b in by_cap),
+                    )
+                    for cap in CAPS
+                }
+                for cap in CAPS:
+                    pred = predicted[cap].step_ms  # calibrated by what_if on the base run's own measured step
+                    meas = measured[(model_name, cap)]
+                    err = abs(pred - meas) / meas
+                    if cap != base:  # the base run is the calibration point: its error is 0 by construction
+                        errors.append(err)
+                    rows.append(
+                        {
+                            "base": base,
+                            "model": model_name,
+                            "bucket_cap_mb": cap,
+                            "buckets": predicted[cap].buckets,
+                            "predicted_ms": round(pred, 2),
+                            "measured_ms": round(meas, 2),
+                            "error_pct": round(100 * err, 1),
+                        }
+                    )
+                best_meas = min(CAPS, key=lambda c: measured[(model_name, c)])
+                # what the report advises from the base run (bucket-size, or exposed-communication's advice)
+                advice = _advice(runs[0])
+                picks[f"{model_name} from {base:g}"] = {
+                    "advice": advice,
+                    "measured_best": best_meas,
+                    "measured_base_ms": round(measured[(model_name, base)], 2),
+                    "measured_best_ms": round(measured[(model_name, best_meas)], 2),
+                    "confidence": w.confidence,
+                    "calibration_error_pct": round(w.calibration_error_pct, 1),
+                    "comm_model": w.to_dict()["comm_model"],
+                }
+    print(f"{'base':>5} {'model':<11} {'cap MiB':>7} {'buckets':>7} {'predicted':>10} {'measured':>9} {'error':>6}")
     for r in rows:
         print(
-            f"{r['model']:<11} {r['bucket_cap_mb']:>7g} {r['buckets']:>7} {r['predicted_ms']:>8.1f}ms "
+            f"{r['base']:>5g} {r['model']:<11} {r['bucket_cap_mb']:>7g} {r['buckets']:>7} {r['predicted_ms']:>8.1f}ms "
             f"{r['measured_ms']:>7.1f}ms {r['error_pct']:>5.1f}%"
         )
-    print(
-        f"median prediction error: {100 * statistics.median(errors):.1f}% over the {len(errors)} (model, cap) pairs "
-        f"other than the base run (max {100 * max(errors):.1f}%)"
-    )
+    if errors:
+        print(
+            f"median prediction error: {100 * statistics.median(errors):.1f}% over the {len(errors)} (model, cap) "
+            f"pairs other than the base runs (max {100 * max(errors):.1f}%)"
+        )
     for m, pick in picks.items():
         print(
-            f"{m}: recommended {pick['recommended']:g} MiB, measured best {pick['measured_best']:g} MiB, "
-            f"recommended is {pick['recommended_vs_best_pct']:+.1f}% vs best; confidence {pick['confidence']} "
-            f"(calibration {pick['calibration_error_pct']}%), comm {pick['comm_model']}, hook {pick['hook']}"
+            f"{m}: measured {pick['measured_base_ms']} ms there, best {pick['measured_best']:g} MiB "
+            f"({pick['measured_best_ms']} ms); confidence {pick['confidence']} (calibration "
+            f"{pick['calibration_error_pct']}%); advice: {pick['advice']}"
         )
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "picks": picks}, indent=2))

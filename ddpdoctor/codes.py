@@ -149,6 +149,13 @@ CODES: dict[str, Code] = {
         _code("bucket-size", PerformanceWarning, "warning", "A bucket_cap_mb predicted to be faster", "watch report"),
         _code("hang", HangWarning, "error", "Ranks stopped making progress", "script watch report"),
         _code("rank-lost", HangWarning, "error", "A rank's log ends without an end", "watch report"),
+        _code(
+            "mismatched-collectives",
+            HangWarning,
+            "error",
+            "Ranks ran different collectives at the same step",
+            "watch report",
+        ),
     )
 }
 

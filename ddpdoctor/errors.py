@@ -9,7 +9,7 @@ that catches the builtin keeps working::
     │                   (AttachError, HookUnsupported, NativeUnavailable)
     ├── InputError      what was given to read is not what ddpdoctor reads
     │                   (RunDirError, CorruptLine, UnknownRecord, StreamError)
-    └── OutputError     where records go cannot be written (SinkError)
+    └── OutputError     where records go cannot be written (SinkError, ExportError)
 
 None of them is ever raised into a training step: the runtime catches its own failures, turns
 the probe off and warns (``ProbeDisabledWarning``); these reach a caller of the API or the CLI.

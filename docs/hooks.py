@@ -1,8 +1,9 @@
 """mkdocs hook: the findings reference's table of codes, built from the registry.
 
 ``ddpdoctor/codes.py`` declares every finding code (its category, severity, title, where it is
-raised). The hook writes that table where ``<!-- codes-table -->`` stands in ``reference/findings.md`` and fails the build
-(``mkdocs build --strict``) when a code has no ``### `code` `` entry on any findings page.
+raised). The hook writes that table where ``<!-- codes-table -->`` stands in
+``reference/findings.md`` and fails the build (``mkdocs build --strict``) when a code has no
+``### `code` `` entry on any findings page.
 """
 
 from __future__ import annotations
@@ -33,7 +34,5 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     rows = ["| code | what | severity at worst | warning category | raised in |", "|---|---|---|---|---|"]
     for name, code in CODES.items():
         where = ", ".join(w for w in ("script", "watch", "report") if w in code.raised)
-        rows.append(
-            f"| [`{name}`](#{name}) | {code.title} | {code.severity} | `{code.category.__name__}` | {where} |"
-        )
+        rows.append(f"| [`{name}`](#{name}) | {code.title} | {code.severity} | `{code.category.__name__}` | {where} |")
     return markdown.replace(MARK, "\n".join(rows))

@@ -132,7 +132,11 @@ def test_missing_rank_between_steps_or_gone_is_named_with_its_stack() -> None:
     }
     [f] = hang_findings(latest, {0: 6, 1: 6, 2: 7, 3: 5}, 4, ended={3: "close"})
     assert f.severity == "error" and f.ranks == [2, 3]
-    assert f.title == "ranks 0, 1 wait in the all-reduce of bucket 1 of step 7; missing: ranks 2, 3"
+    assert f.title == (
+        "ranks 0, 1 wait in the all-reduce of bucket 1 of step 7; missing: ranks 2, 3 "
+        "(busy in its own code, left its training loop)"
+    )
+    assert f.evidence["missing"][2]["cause"] == "stuck-in-compute" and f.evidence["missing"][3]["cause"] == "left-loop"
     assert "batch = next(it)" in f.detail and "rank 3 has left training" in f.detail
     assert "Join" in f.fix  # no skipped step known: the uneven-data advice
     assert f.evidence["missing"][3]["ended"] == "close"
@@ -164,7 +168,9 @@ def test_a_hang_in_one_ddp_group_names_only_that_groups_missing_rank() -> None:
     bare = {3: [5]}
     [f] = hang_findings_in_groups(latest, last, 4, [[0, 1], [2, 3]], bare_steps=bare)
     assert f.severity == "error" and f.ranks == [3]
-    assert f.title == "rank 2 waits in the all-reduce of bucket 0 of step 7; missing: rank 3"
+    assert (
+        f.title == "rank 2 waits in the all-reduce of bucket 0 of step 7; missing: rank 3 (a step without all-reduce)"
+    )
     assert f.evidence["missing"][3]["steps_without_allreduce"] == [5] and "skipped a backward" in f.fix
     # the same records read as one group (what was said before): ranks 0 and 1 named missing too
     [whole] = hang_findings_in_groups(latest, last, 4, [[0, 1, 2, 3]], bare_steps=bare)

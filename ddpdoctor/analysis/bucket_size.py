@@ -34,6 +34,17 @@ WARN_GAIN_SHARE, WARN_GAIN_MS = 0.15, 5.0
 MIN_SAMPLES = 3
 
 
+def cap_text(mb: float) -> str:
+    """A bucket cap in MiB as a person set it: DDP keeps ``int(0.01 * 2**20)`` bytes, which reads
+    0.00999928 MiB back; three significant digits give 0.01 again."""
+    return f"{mb:.3g}"
+
+
+def same_cap(a: float, b: float) -> bool:
+    """Two caps in MiB that are one setting (one read back from DDP's bytes, one as set)."""
+    return abs(a - b) <= 1e-3 * max(a, b)
+
+
 @dataclass(frozen=True)
 class RankBackward:
     """What the what-if needs of one rank: its header, recent steps and sampled backward passes.
@@ -65,6 +76,12 @@ class WhatIf:
     @property
     def best(self) -> Prediction:
         return min(self.candidates, key=lambda p: (round(p.step_ms, 3), abs(p.cap_mb - self.current.cap_mb)))
+
+    @property
+    def best_other(self) -> Prediction | None:
+        """The best candidate other than the run's own cap (None if there is none)."""
+        others = [p for p in self.candidates if not same_cap(p.cap_mb, self.current.cap_mb)]
+        return min(others, key=lambda p: (round(p.step_ms, 3), p.cap_mb)) if others else None
 
     @property
     def confidence(self) -> str:
@@ -155,7 +172,7 @@ def bucket_size(ranks: Mapping[int, RankBackward]) -> list[Finding]:
     best = w.best
     gain_ms = w.current.step_ms - best.step_ms
     share = gain_ms / w.current.step_ms if w.current.step_ms > 0 else 0.0
-    if share < MIN_GAIN_SHARE or gain_ms < MIN_GAIN_MS or abs(best.cap_mb - w.current.cap_mb) < 1e-6:
+    if share < MIN_GAIN_SHARE or gain_ms < MIN_GAIN_MS or same_cap(best.cap_mb, w.current.cap_mb):
         return []
     warn = share >= WARN_GAIN_SHARE and gain_ms >= WARN_GAIN_MS and w.confidence == "high"
     predicted_ms = w.measured_step_ms * (1.0 - share)
@@ -166,16 +183,17 @@ def bucket_size(ranks: Mapping[int, RankBackward]) -> list[Finding]:
             ranks=sorted(ranks),
             step=None,
             title=(
-                f"bucket_cap_mb={best.cap_mb:g} is predicted to make the step {share:.0%} faster "
+                f"bucket_cap_mb={cap_text(best.cap_mb)} is predicted to make the step {share:.0%} faster "
                 f"({w.measured_step_ms:.1f} -> {predicted_ms:.1f} ms; {w.confidence} confidence)"
             ),
             detail=(
                 f"Replaying the measured backward ({w.samples} sampled steps) with a communication model fitted "
-                f"to this run's all-reduces (latency {w.model.latency_us:.0f} µs, {w.model.bandwidth_gbps:.2f} GB/s) "
-                f"predicts {best.step_ms:.1f} ms per step with {best.buckets} buckets of up to {best.cap_mb:g} MiB, "
-                f"against {w.current.step_ms:.1f} ms with the current {w.current.buckets} buckets "
-                f"(cap {w.current.cap_mb:g} MiB). Before calibration the model predicted the current configuration "
-                f"within {w.calibration_error_pct:.0f}% of the measured {w.measured_step_ms:.1f} ms; the rest was "
+                f"to this run's all-reduces (latency {w.model.latency_us:.0f} µs, {_bandwidth(w.model)}) predicts "
+                f"{best.step_ms:.1f} ms per step with {_buckets(best.buckets)} of up to {cap_text(best.cap_mb)} MiB, "
+                f"against {w.current.step_ms:.1f} ms with the current {_buckets(w.current.buckets)} "
+                f"(cap {cap_text(w.current.cap_mb)} MiB). Before calibration the model predicted the current "
+                f"configuration within {w.calibration_error_pct:.0f}% of the measured {w.measured_step_ms:.1f} ms; "
+                "the rest was "
                 "charged to each all-reduce's fixed cost."
             ),
             evidence={
@@ -185,7 +203,18 @@ def bucket_size(ranks: Mapping[int, RankBackward]) -> list[Finding]:
                 "predicted_step_ms": round(predicted_ms, 3),
                 **w.to_dict(),
             },
-            fix=f"DistributedDataParallel(model, bucket_cap_mb={best.cap_mb:g}), then compare the step time "
+            fix=f"DistributedDataParallel(model, bucket_cap_mb={cap_text(best.cap_mb)}), then compare the step time "
             "in the report.",
         )
     ]
+
+
+def _buckets(n: int) -> str:
+    return f"{n} bucket{'s' if n != 1 else ''}"
+
+
+def _bandwidth(model: CommModel) -> str:
+    """The fitted bandwidth, or why there is none (durations that do not grow with the bytes)."""
+    if model.us_per_byte <= 0:
+        return "no time per byte measurable: the all-reduces took as long whatever their size"
+    return f"{model.bandwidth_gbps:.2f} GB/s"

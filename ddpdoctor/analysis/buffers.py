@@ -12,7 +12,7 @@ from ddpdoctor.analysis.evidence import BufferEvidence
 from ddpdoctor.analysis.findings import Finding, Severity
 from ddpdoctor.analysis.framework_switches import framework_switches
 from ddpdoctor.analysis.replicas import fingerprints_by_step, tensor_keys
-from ddpdoctor.analysis.sizes import human_bytes, name_list
+from ddpdoctor.analysis.sizes import counted, human_bytes, name_list
 from ddpdoctor.events import Fingerprint, Header, Step
 
 #: Share of the step spent in buffer broadcast that deserves a warning, and an info.
@@ -199,26 +199,29 @@ def constant_buffers(
             "    model = DistributedDataParallel(net)"
         )
     timed = sum(1 for s in steps if s.bcast_us is not None)
+    them = "it" if len(names) == 1 else "them"
     if share is None:
         saving = ""
+    elif saving_ms is not None and saving_ms < 0.005:
+        saving = f"; excluding {them} would save next to nothing per step"
     elif timed < MIN_FLOOR_SAMPLES:
         first = "the first broadcast" if timed == 1 else f"the first {timed} broadcasts"
         saving = (
-            f"; excluding them would save up to {saving_ms:.2f} ms per step ({share:.1%}; from {first}, which "
+            f"; excluding {them} would save up to {saving_ms:.2f} ms per step ({share:.1%}; from {first}, which "
             "start-up and the other ranks' lateness slow: the report measures it over the run)"
         )
     else:
-        saving = f"; excluding them would save about {saving_ms:.2f} ms per step ({share:.1%})"
+        saving = f"; excluding {them} would save about {saving_ms:.2f} ms per step ({share:.1%})"
     return [
         Finding(
             code="constant-buffers",
             severity=severity,
             ranks=[rank],
             step=evidence.first_step,
-            title=f"{len(constant)} constant buffer(s) broadcast at every forward",
+            title=f"{counted(len(constant), 'constant buffer')} broadcast at every forward",
             detail=(
                 f"{name_list(names)} ({human_bytes(const_bytes)}) never changed in {evidence.last_step} steps, yet DDP "
-                f"broadcasts them from rank 0 at every forward"
+                f"broadcasts {'it' if len(names) == 1 else 'them'} from rank 0 at every forward"
                 f"{saving}."
             ),
             evidence={
@@ -389,7 +392,8 @@ def advise_broadcast(cost: Finding, verdict: dict[str, Any] | None) -> Finding:
     if verdict is None:
         return cost
     steps = verdict["steps_compared"]
-    at = f"at {len(steps)} step(s) compared outside the broadcast ({', '.join(map(str, steps[:8]))})"
+    listed = f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps[:8]))}"
+    at = f"at {counted(len(steps), 'step')} compared outside the broadcast ({listed})"
     saving = cost.evidence.get("broadcast_ms")
     if verdict["redundant"]:
         detail = (
@@ -406,7 +410,8 @@ def advise_broadcast(cost: Finding, verdict: dict[str, Any] | None) -> Finding:
         )
     else:
         detail = (
-            f"{cost.detail} {name_list(verdict['would_drift'])} differ across ranks between broadcasts {at}: "
+            f"{cost.detail} {name_list(verdict['would_drift'])} "
+            f"{'differs' if len(verdict['would_drift']) == 1 else 'differ'} across ranks between broadcasts {at}: "
             "each rank updates its own copy, so without the broadcast they would drift apart. Turning "
             "broadcast_buffers off is unsafe for them."
         )

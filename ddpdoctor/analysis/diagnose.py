@@ -18,7 +18,7 @@ from ddpdoctor.analysis.buffers import (
 from ddpdoctor.analysis.comm_advice import advise_communication
 from ddpdoctor.analysis.comm_hooks import comm_hook_name
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding, Severity
-from ddpdoctor.analysis.from_run import bucket_size_in_run, hangs_in_run, lost_in_run
+from ddpdoctor.analysis.from_run import bucket_size_in_run, collectives_in_run, hangs_in_run, lost_in_run
 from ddpdoctor.analysis.groups import ddp_groups, group_arrivals
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
@@ -142,6 +142,7 @@ def diagnose(run: Run, arrived: list[list[StepArrivals]] | None = None) -> list[
         derived += [_whole_run(f, run, len(group_arrived)) for f in stragglers(group_steps, group_arrived)]
     derived += lost_in_run(run)
     derived += hangs_in_run(run)
+    derived += collectives_in_run(run)
     derived += bucket_size_in_run(run)
     codes = {f.code for f in derived}
     logged = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ddpdoctor.analysis.bucket_sim import CANDIDATE_CAPS_MB
 from ddpdoctor.analysis.bucket_size import RankBackward, WhatIf, bucket_size, what_if
+from ddpdoctor.analysis.collectives import step_collectives, uneven_collectives
 from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.groups import ddp_groups
 from ddpdoctor.analysis.hang import hang_findings_in_groups
@@ -45,7 +46,20 @@ def hangs_in_run(run: Run) -> list[Finding]:
     ended = {r: log.end.reason for r, log in run.ranks.items() if log.end is not None}
     bare = {r: log.bare_steps for r, log in run.ranks.items()}
     groups = ddp_groups({r: log.header for r, log in run.ranks.items()})
-    return hang_findings_in_groups(latest, last_step, run.world_size, groups, ended=ended, bare_steps=bare)
+    steps = {r: step_collectives(log.steps) for r, log in run.ranks.items()}
+    params = {r: {b.index: b.params for b in log.layouts[-1].buckets} for r, log in run.ranks.items() if log.layouts}
+    return hang_findings_in_groups(
+        latest, last_step, run.world_size, groups, ended=ended, bare_steps=bare, collectives=steps, bucket_params=params
+    )
+
+
+def collectives_in_run(run: Run) -> list[Finding]:
+    """``collectives.uneven_collectives`` within each DDP group of a loaded run."""
+    groups = ddp_groups({r: log.header for r, log in run.ranks.items()})
+    out: list[Finding] = []
+    for members in groups:
+        out += uneven_collectives({r: step_collectives(run.ranks[r].steps) for r in members if r in run.ranks})
+    return out
 
 
 def bucket_size_in_run(run: Run) -> list[Finding]:

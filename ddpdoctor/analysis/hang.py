@@ -6,31 +6,53 @@ not waiting in that same collective is missing from it, and its own record (phas
 says where it is instead. A rank that ran one collective fewer than the others (a backward
 skipped on one rank) lets every later collective pair with the wrong partner without any error,
 until the last one waits forever: its log then shows a step without any bucket all-reduce.
+
+Where the step marks cannot tell (a forward through the wrapper outside a training step, a
+collective of the script's own such as a final barrier), the watchdog reads the collective off
+the stack (``Hang.collective``): a job hung at its end is a hang too. Each missing rank gets its
+cause: it left its loop (uneven inputs), waits in another collective, ran a step without
+all-reduce, is busy in its own code, or crashed; the ranks' step records name a collective that
+only some ranks ran (``collectives``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from ddpdoctor.analysis.collectives import StepCollectives, uneven_collectives
+from ddpdoctor.analysis.collectives import evidence_text as collectives_text
 from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.sizes import name_list
 from ddpdoctor.events import Hang
 
 _V = TypeVar("_V")
 
-#: Phases in which a stalled rank is waiting for the other ranks.
-COLLECTIVE_PHASES = ("allreduce", "buffer broadcast")
+#: Phases in which a stalled rank is waiting for the other ranks ("collective": one of the
+#: script's own, read from its stack: ``Hang.collective``).
+COLLECTIVE_PHASES = ("allreduce", "buffer broadcast", "collective")
 
 
-def _where(h: Hang) -> str:
+def where_waiting(h: Hang) -> str:
+    """Where a stalled rank is, in words: "the all-reduce of bucket 2 of step 7"."""
     if h.phase == "allreduce":
         return f"the all-reduce of bucket {h.pending_bucket} of step {h.step}"
+    if h.phase == "buffer broadcast" and h.collective:
+        return f"the buffer broadcast of a forward outside the training steps, after step {h.step}"
     if h.phase == "buffer broadcast":
         return f"the buffer broadcast of step {h.step}"
+    if h.phase == "collective":
+        return f"torch.distributed.{h.collective}(), after step {h.step}"
     return f"{h.phase} at step {h.step}"
+
+
+_where = where_waiting
 
 
 def _is_library(frame: str) -> bool:
     path = frame.split(":", 1)[0].replace("\\", "/")
+    if path.startswith("<"):  # "<string>": a launcher's entry (multiprocessing's spawn_main)
+        return True
     return "/site-packages/" in path or "/ddpdoctor/runtime/" in path or "/lib/python3" in path
 
 
@@ -51,6 +73,8 @@ def hang_findings(
     ended: dict[int, str] | None = None,
     no_allreduce_steps: dict[int, list[int]] | None = None,
     members: list[int] | None = None,
+    mismatch: Finding | None = None,
+    bucket_params: Mapping[int, list[str]] | None = None,
 ) -> list[Finding]:
     """The ``hang`` finding from each rank's latest watchdog record.
 
@@ -63,6 +87,10 @@ def hang_findings(
             ranks did all-reduce in them (the usual cause: a backward skipped on that rank).
         members: the ranks that all-reduce together (one DDP group; None: every rank of the job):
             a rank of another group is never missing from this group's collective.
+        mismatch: the group's ``mismatched-collectives`` finding, if any (``collectives``): the
+            cause of the hang, named with it.
+        bucket_params: per bucket index, its parameters (the latest layout), to name the
+            parameters of the bucket whose all-reduce waits.
     """
     ended = ended or {}
     stalled = {r: h for r, h in latest.items() if h.state == "stalled"}
@@ -86,10 +114,13 @@ def hang_findings(
             )
     if not waiting:
         return out
-    # the collective the job is stuck in: the earliest one a rank waits in (a rank that skipped a
-    # collective runs ahead and waits in a later one, or leaves training)
+    # the collective the job is stuck in: the earliest of DDP's a rank waits in (a rank that skipped a
+    # collective runs ahead and waits in a later one, or leaves training: a rank in a collective of
+    # the script's own, a final barrier, is missing from DDP's)
     order = {"buffer broadcast": 0, "allreduce": 1}
-    stuck = min(waiting.values(), key=lambda h: (h.step, order[h.phase], h.pending_bucket or 0))
+    stuck = min(
+        waiting.values(), key=lambda h: (h.phase not in order, h.step, order.get(h.phase, 2), h.pending_bucket or 0)
+    )
     at = _where(stuck)
     waiters = sorted(r for r, h in waiting.items() if _where(h) == at)
     everyone = members if members is not None else range(max(world_size, max(latest) + 1))
@@ -101,17 +132,31 @@ def hang_findings(
         rec = stalled.get(r)
         info: dict[str, Any] = {"last_step": last_step.get(r)}
         if r in ended:
-            text = f"rank {r} has left training: its log ended ({ended[r]}) after step {last_step.get(r)}"
+            crashed = ended[r].startswith("error")
+            info["cause"] = "crashed" if crashed else "left-loop"
+            how = "an exception ended it" if crashed else "it left the training loop while the others went on"
+            text = f"rank {r} has left training: its log ended ({ended[r]}) after step {last_step.get(r)}: {how}"
             info["ended"] = ended[r]
         elif rec is not None:
+            in_collective = rec.phase in COLLECTIVE_PHASES
+            left = rec.phase == "collective" and stuck.phase != "collective" and rec.step < stuck.step
+            info["cause"] = "left-loop" if left else "other-collective" if in_collective else "stuck-in-compute"
             ahead = " (it is ahead: it skipped the collective the others wait in)" if rec.step > stuck.step else ""
+            busy = "" if in_collective else " (no collective on its stack: it is busy in its own code)"
+            if left:
+                busy = " (it left its training loop while the others train on)"
             text = (
-                f"rank {r} is stalled in {_where(rec)}{ahead} for {rec.waited_s:.0f} s; its stack:\n{_stack_tail(rec)}"
+                f"rank {r} has waited {rec.waited_s:.0f} s in {_where(rec)}{ahead}{busy}; its stack:\n"
+                f"{_stack_tail(rec)}"
             )
             info.update(phase=rec.phase, step=rec.step, stack=rec.stack)
+            if rec.collective:
+                info["collective"] = rec.collective
         elif r not in latest and last_step.get(r) is None:
+            info["cause"] = "silent"
             text = f"rank {r} has logged nothing"
         else:
+            info["cause"] = "silent"
             text = (
                 f"rank {r} last logged step {last_step.get(r)} and recorded no stall: it is still busy outside "
                 "DDP's steps, or it died without a word (see rank-lost)"
@@ -123,8 +168,21 @@ def hang_findings(
                 "all-reduced: from there on its collectives paired with the wrong ones, one step apart"
             )
             info["steps_without_allreduce"] = skipped[r][:20]
+            info["cause"] = "skipped-backward"
         lines.append(text)
         missing_info[r] = info
+    if mismatch is not None:
+        lines.append(
+            f"cause: {collectives_text(mismatch.evidence)} (see mismatched-collectives): a forward through the DDP "
+            f"wrapper that only rank{'s' if len(mismatch.ranks) > 1 else ''} {', '.join(map(str, mismatch.ranks))} "
+            "ran; the collectives paired one off from there on"
+        )
+    for r in waiters:
+        lines.append(f"rank {r}'s stack (waiting):\n{_stack_tail(waiting[r])}")
+    pending = stuck.pending_bucket if stuck.phase == "allreduce" else None
+    params = list((bucket_params or {}).get(pending, [])) if pending is not None else []
+    if params:
+        lines.append(f"bucket {pending} holds {name_list(params)}")
     first = stuck.step
     waited = {
         r: {
@@ -132,19 +190,41 @@ def hang_findings(
             "step": waiting[r].step,
             "pending_bucket": waiting[r].pending_bucket,
             "waited_s": waiting[r].waited_s,
+            "collective": waiting[r].collective,
+            "stack": waiting[r].stack,
         }
         for r in waiters
     }
     longest = max(h.waited_s for h in waiting.values())
     if not missing:
-        out.append(_nobody_missing(waited, longest, at, first))
+        out.append(_nobody_missing(waited, longest, at, first, params, ddp=stuck.phase != "collective"))
         return out
-    if any(skipped.get(r) for r in missing):
+    causes = {missing_info[r].get("cause") for r in missing}
+    if mismatch is not None:
+        fix = "Every rank must run the same collectives in the same order. " + mismatch.fix
+    elif any(skipped.get(r) for r in missing):
         fix = (
             "Every rank must run the same collectives in the same order: the missing rank skipped a backward "
-            "(or ran one more). Look for data-dependent control flow around loss.backward() (skipping a "
-            "batch on a NaN loss or an empty batch on one rank only); skip on all ranks together (agree "
+            "(or ran one more, or ran a forward through the wrapper with grad on that no backward followed: "
+            "validation through `model` instead of `model.module` on one rank). Look for data-dependent "
+            "control flow around loss.backward() (skipping a batch on a NaN loss or an empty batch on one rank "
+            "only); skip on all ranks together (agree "
             "with an all_reduce of a flag) or run the backward with a zero loss instead."
+        )
+    elif causes == {"left-loop"}:
+        fix = (
+            "The ranks ran different numbers of steps: uneven inputs (a rank with fewer batches left its loop "
+            "while the others still train). Give every rank the same number of batches "
+            "(DistributedSampler(drop_last=True), or the same len() per rank), or wrap the loop in "
+            "`with torch.distributed.algorithms.join.Join([model]):`, which shadows the collectives of a "
+            "rank that ran out of data."
+        )
+    elif causes == {"stuck-in-compute"}:
+        fix = (
+            "The missing rank is in its own code, not in a collective: its stack shows where. Evaluation, "
+            "checkpointing or logging on that rank alone (run it on every rank, or keep it under the process "
+            "group's timeout), an endless loop, a lock, a data loader or file read that does not return. "
+            "`py-spy dump --pid PID` on its host shows native frames too."
         )
     else:
         fix = (
@@ -153,13 +233,22 @@ def hang_findings(
             "manager), evaluation or checkpointing on one rank only, an exception swallowed on one rank, "
             "a collective inside data-dependent control flow."
         )
+    why = {
+        "left-loop": "left its training loop",
+        "crashed": "ended by an exception",
+        "stuck-in-compute": "busy in its own code",
+        "other-collective": "in another collective",
+        "skipped-backward": "a step without all-reduce",
+    }
+    because = sorted({why[c] for c in causes if c in why})
     out.append(
         Finding(
             code="hang",
             severity="error",
             ranks=missing,
             step=first,
-            title=f"{waits}; missing: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}",
+            title=f"{waits}; missing: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+            + (f" ({', '.join(because)})" if because else ""),
             detail=f"{waits[0].upper()}{waits[1:]} (no progress for {longest:.0f} s).\n" + "\n".join(lines),
             evidence={"waiting": waited, "missing": missing_info},
             fix=fix,
@@ -168,10 +257,13 @@ def hang_findings(
     return out
 
 
-def _nobody_missing(waited: dict[int, dict[str, Any]], longest: float, at: str, step: int) -> Finding:
+def _nobody_missing(
+    waited: dict[int, dict[str, Any]], longest: float, at: str, step: int, params: list[str], ddp: bool = True
+) -> Finding:
     """Every rank waits in the same collective (``waited``: the finding's evidence of each):
     none is missing, the collective does not finish."""
     ranks = sorted(waited)
+    holds = f" Its bucket holds {name_list(params)}." if params else ""
     return Finding(
         code="hang",
         severity="error",
@@ -180,11 +272,15 @@ def _nobody_missing(waited: dict[int, dict[str, Any]], longest: float, at: str, 
         title=f"every rank waits in {at}: no rank is missing, the collective does not complete",
         detail=(
             f"Ranks {', '.join(map(str, ranks))} all wait in {at} (no progress for {longest:.0f} s), so none of "
-            "them skipped or added a collective: the all-reduce they all entered never finishes."
+            f"them skipped or added a collective: the collective they all entered never finishes.{holds}"
         ),
         evidence={"waiting": waited, "missing": {}},
         fix=(
-            "Suspect what runs the collective: a comm hook (yours, or a library's such as PowerSGD: check that it "
+            "Suspect the backend or the network (NCCL_DEBUG=INFO, a firewall, a wrong interface: NCCL_SOCKET_IFNAME / "
+            "GLOO_SOCKET_IFNAME), or a process group that not every rank passes to the call (a subgroup, another "
+            "group's barrier)."
+            if not ddp
+            else "Suspect what runs the collective: a comm hook (yours, or a library's such as PowerSGD: check that it "
             "completes its future, and that it issues the same collectives on every rank), the process group "
             "(a backend that cannot run this collective on these tensors or devices), or the network between "
             "the hosts (NCCL_DEBUG=INFO, a firewall, a wrong interface: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME). "
@@ -231,12 +327,16 @@ def hang_findings_in_groups(
     ended: dict[int, str] | None = None,
     bare_steps: dict[int, list[int]] | None = None,
     history: dict[int, Hang] | None = None,
+    collectives: Mapping[int, Mapping[int, StepCollectives]] | None = None,
+    bucket_params: Mapping[int, Mapping[int, list[str]]] | None = None,
 ) -> list[Finding]:
     """``hang_findings`` within each DDP group (``groups.ddp_groups``): ranks of different groups
     never meet at DDP's collectives, so a hang in one group names its own missing ranks, and a
     skipped backward is found by comparing a rank with its own group. ``bare_steps``: per rank, its
     steps without any bucket; ``history``: every rank's latest hang record where ``latest`` holds
-    only the current ones (the live view), for telling a skipped backward."""
+    only the current ones (the live view), for telling a skipped backward. ``collectives``: per
+    rank, the collectives of its steps (``collectives.step_collectives``), for the cause;
+    ``bucket_params``: per rank, its latest layout's parameters per bucket index."""
     ended = ended or {}
     bare_steps = bare_steps or {}
     history = history if history is not None else latest
@@ -258,6 +358,8 @@ def hang_findings_in_groups(
             ended=_only(ended, members),
             no_allreduce_steps=skipped,
             members=members,
+            mismatch=next(iter(uneven_collectives(_only(dict(collectives or {}), members))), None),
+            bucket_params=next((p for r, p in sorted((bucket_params or {}).items()) if r in group_latest), None),
         )
     return out
 

@@ -18,6 +18,7 @@ which name a skipped backward), the bucket what-if from ``bucket_size``. No text
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from ddpdoctor.analysis.blame import Margins, blame, step_margins
 from ddpdoctor.analysis.bucket_size import RankBackward, bucket_size
 from ddpdoctor.analysis.bucket_wait import StepArrivals
 from ddpdoctor.analysis.clock_align import ClockOffsets
+from ddpdoctor.analysis.collectives import step_collectives, uneven_collectives
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding, Severity
 from ddpdoctor.analysis.groups import arrivals_in_groups, ddp_groups, group_clocks, merged_arrivals
 from ddpdoctor.analysis.hang import hang_findings_in_groups
@@ -103,6 +105,12 @@ class _RankState:
     last_wall_ns: int = 0  # newest wall time in any of its records
     sampled: deque[Unused] = field(default_factory=lambda: deque(maxlen=WHATIF_SAMPLES))  # with ready times
     bare: deque[int] = field(default_factory=lambda: deque(maxlen=BARE_STEPS))  # steps without any bucket
+    bucket_params: dict[int, list[str]] = field(default_factory=dict)  # from the latest layout
+
+
+def _latest(steps: deque[Step], n: int = BARE_STEPS) -> list[Step]:
+    """The latest ``n`` steps (the ranks' collectives are compared over these, not the history)."""
+    return list(itertools.islice(reversed(steps), n))
 
 
 def _step_wall_ns(s: Step) -> int:
@@ -164,6 +172,7 @@ class LiveRun:
         self._lost_for_others: dict[int, float] = {}  # rank -> ms the others lost for it, over the window
         self._lost: set[int] = set()  # ranks lost, as of the last feed
         self._hung: set[int] = set()  # ranks waiting in a hang, as of the last feed
+        self._collectives_seen = -1  # the records count when the collectives were last compared
         self._checked_upto: int | None = None
         self._whatif_at: int | None = None  # complete step of the last bucket what-if
         self._whatif_final = False
@@ -188,6 +197,7 @@ class LiveRun:
         self._check_bucket_size()
         self._lost = self._check_lost()
         self._hung = self._check_hangs()
+        self._check_collectives()
 
     def set_source_health(self, health: SourceHealth) -> None:
         self._source = health
@@ -231,6 +241,7 @@ class LiveRun:
             st.last_wall_ns = max(st.last_wall_ns, rec.t_wall_ns)
         elif isinstance(rec, Layout):
             st.buckets = len(rec.buckets)
+            st.bucket_params = {b.index: b.params for b in rec.buckets}
         elif isinstance(rec, Unused):
             if rec.param_ready_us:
                 st.sampled.append(rec)
@@ -497,6 +508,16 @@ class LiveRun:
             self._findings.setdefault(_crossed("rank-lost", (f.ranks[0],)), f)
         return {r for f in found for r in f.ranks}
 
+    def _check_collectives(self) -> None:
+        """``mismatched-collectives`` once the ranks' steps ran different collectives (kept once seen)."""
+        if self._collectives_seen == self._records or any(k.code == "mismatched-collectives" for k in self._findings):
+            return
+        self._collectives_seen = self._records
+        for members in self._ddp_groups():
+            steps = {r: step_collectives(_latest(self._ranks[r].steps)) for r in members if r in self._ranks}
+            for f in uneven_collectives(steps):
+                self._findings.setdefault(_crossed("mismatched-collectives", tuple(members)), f)
+
     def _check_hangs(self) -> set[int]:
         """Ranks that are part of a hang now (waiting in a collective that cannot complete)."""
         latest = {r: st.last_hang for r, st in self._ranks.items() if st.last_hang is not None}
@@ -509,7 +530,15 @@ class LiveRun:
         try:
             bare = {r: list(st.bare) for r, st in self._ranks.items() if st.bare}  # names a skipped backward
             found = hang_findings_in_groups(
-                current, last, self._expected(), self._ddp_groups(), ended=ended, bare_steps=bare, history=latest
+                current,
+                last,
+                self._expected(),
+                self._ddp_groups(),
+                ended=ended,
+                bare_steps=bare,
+                history=latest,
+                collectives={r: step_collectives(_latest(st.steps)) for r, st in self._ranks.items()},
+                bucket_params={r: st.bucket_params for r, st in self._ranks.items()},
             )
         except Exception:  # noqa: BLE001 - the live view must not die of one detector's bug
             return self._hung

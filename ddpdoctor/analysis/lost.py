@@ -63,19 +63,28 @@ def lost_ranks(tails: Mapping[int, RankTail]) -> list[Finding]:
         if t is None:  # nothing reached the file: it died within its first flush interval
             t = min(known.values())
         last_step = log.last_step.step if log.last_step is not None else None
-        others = [r for r in known if r != rank]
+        others = sorted(closed - {rank}) or sorted(r for r in known if r != rank)
+        after = f"after step {last_step}" if last_step is not None else "before its first steps reached its log"
+        failed = {r: tails[r].end.reason for r in others if tails[r].end is not None}  # type: ignore[union-attr]
+        failed = {r: why for r, why in failed.items() if why.startswith("error")}
+        then = (
+            f"{_ranks(sorted(failed))} then failed in {'its' if len(failed) == 1 else 'their'} next collective "
+            f"({', '.join(sorted(set(failed.values())))}: the backend noticed the lost peer)"
+            if failed
+            else "the other ranks' collectives waited for it from there on"
+        )
         out.append(
             Finding(
                 code="rank-lost",
                 severity="error",
                 ranks=[rank],
                 step=last_step,
-                title=f"rank {rank} stopped logging after step {last_step} while the others went on",
+                title=f"rank {rank} stopped logging {after}, with no end record, while the others went on",
                 detail=(
                     f"Rank {rank}'s log ends without an end record (killed: SIGKILL, out of memory, a crash in "
-                    f"native code) while ranks {sorted(closed - {rank}) or others} went on "
-                    f"({(latest - t) / 1e9:.1f} s more of their records). Its "
-                    "records up to then are intact; the other ranks' collectives waited for it from there on."
+                    f"native code) while {_ranks(others)} went on ({(latest - t) / 1e9:.1f} s more of "
+                    f"{'its' if len(others) == 1 else 'their'} records). Its records up to then are intact (steps "
+                    f"still batched in memory are lost); {then}."
                 ),
                 evidence={
                     "last_step": last_step,
@@ -92,3 +101,7 @@ def lost_ranks(tails: Mapping[int, RankTail]) -> list[Finding]:
             )
         )
     return out
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

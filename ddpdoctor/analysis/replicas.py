@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from ddpdoctor.analysis.comm_hooks import local_sgd
 from ddpdoctor.analysis.findings import Finding, Severity
-from ddpdoctor.analysis.sizes import name_list
+from ddpdoctor.analysis.sizes import counted, name_list
 from ddpdoctor.events import Fingerprint, Header
 
 RESYNC_FIX = (
@@ -212,10 +212,11 @@ def compare_fingerprints(
                 severity=severity,
                 ranks=ranks,
                 step=first,
-                title=f"{len(names)} {what}(s) differ across ranks from step {first}",
+                title=f"{counted(len(names), what)} {'differs' if len(names) == 1 else 'differ'} across ranks "
+                f"from step {first}",
                 detail=(
-                    f"{name_list(names)} are not identical on every rank: {since} "
-                    f"(ranks {ranks} differ from the others; {_size_text(max(v[2] for v in bad.values()))}; "
+                    f"{name_list(names)} {'is' if len(names) == 1 else 'are'} not identical on every rank: {since} "
+                    f"({_who_differs(ranks, len(prints))}; {_size_text(max(v[2] for v in bad.values()))}; "
                     f"steps compared: {_steps_text(compared)}). "
                     "The cause ran between step "
                     f"{last_equal if last_equal is not None else 'the start'} and step {first}."
@@ -233,3 +234,12 @@ def compare_fingerprints(
             )
         )
     return out
+
+
+def _who_differs(ranks: list[int], compared: int) -> str:
+    """ "rank 1 differs from the others", or, where every rank compared differs (two ranks), "the
+    ranks differ from each other"."""
+    if len(ranks) >= compared:
+        return "the ranks differ from each other"
+    many = len(ranks) > 1
+    return f"rank{'s' if many else ''} {', '.join(map(str, ranks))} differ{'' if many else 's'} from the others"

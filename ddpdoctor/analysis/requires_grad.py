@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from ddpdoctor.analysis.evidence import FlagEvidence
 from ddpdoctor.analysis.findings import Finding, Severity
-from ddpdoctor.analysis.sizes import human_bytes, name_list, param_bytes
+from ddpdoctor.analysis.sizes import counted, human_bytes, name_list, param_bytes
 from ddpdoctor.events import GradFlags, Header
 
 REWRAP_FIX = (
@@ -46,7 +46,7 @@ def stale_requires_grad(header: Header, flags: Sequence[GradFlags] | FlagEvidenc
                 severity=severity,
                 ranks=[rank],
                 step=frozen_step,
-                title=f"{len(frozen)} parameter(s) frozen after DDP was built",
+                title=f"{counted(len(frozen), 'parameter')} frozen after DDP was built",
                 detail=(
                     f"{name_list(frozen)} had requires_grad=True when DDP was built and False since step "
                     f"{frozen_step}. DDP decides once, in its constructor, which gradients it reduces. {consequence}"
@@ -64,7 +64,9 @@ def stale_requires_grad(header: Header, flags: Sequence[GradFlags] | FlagEvidenc
                 severity="error",
                 ranks=[rank],
                 step=unfrozen_step,
-                title=f"{len(unfrozen)} parameter(s) unfrozen after DDP was built: gradients never synchronized",
+                title=(
+                    f"{counted(len(unfrozen), 'parameter')} unfrozen after DDP was built: gradients never synchronized"
+                ),
                 detail=(
                     f"{name_list(unfrozen)} gained requires_grad=True at step {unfrozen_step}, after DDP was built "
                     "without them. Each rank now updates them with its own local gradient: the replicas drift "

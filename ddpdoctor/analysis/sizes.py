@@ -62,6 +62,11 @@ def first_seen(records: Sequence[Any], attr: str) -> tuple[list[str], int | None
     return names, first
 
 
+def counted(n: int, noun: str) -> str:
+    """'1 step', '5 steps' for messages (a noun with its plural in -s)."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def name_list(names: list[str], most: int = 6) -> str:
     """'a, b, c and 4 more' for messages."""
     shown = ", ".join(names[:most])

@@ -302,7 +302,8 @@ class Hang(_Record, tag="hang", kw_only=True):
     ``state`` is "stalled" when the watchdog fires (flushed at once) and "resumed" when progress
     came back after a stall (a slow checkpoint, not a hang). ``phase`` is where the rank is:
     "forward", "buffer broadcast", "backward", "allreduce" (waiting for bucket
-    ``pending_bucket``), "optimizer", or "between steps" (data loading, evaluation, user code).
+    ``pending_bucket``), "optimizer", "collective" (a ``torch.distributed`` call of the script's
+    own, named in ``collective``), or "between steps" (data loading, evaluation, user code).
     """
 
     t_mono_ns: int
@@ -316,6 +317,10 @@ class Hang(_Record, tag="hang", kw_only=True):
     buckets_ready: int = 0  # buckets whose gradients were ready (comm hook called) in this step
     buckets_done: int = 0  # buckets whose all-reduce completed in this step
     stack: list[str] = []  # the main thread's Python stack, innermost frame last
+    # the torch.distributed call the stack shows the rank blocked in, where the step marks do not
+    # ("barrier", "all_reduce", ...; "broadcast_coalesced": DDP's buffer broadcast in a forward
+    # outside a training step); "" when none or read from the marks
+    collective: str = ""
 
 
 class StreamDrops(_Record, tag="stream_drops", kw_only=True):

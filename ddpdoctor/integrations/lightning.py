@@ -42,7 +42,7 @@ except ImportError:  # the standalone package
         ) from exc
 
 #: Lightning's own log (its package logger has the handler Lightning set up).
-log = logging.getLogger(Callback.__module__.rsplit(".", 1)[0] + ".ddpdoctor")
+log = logging.getLogger(".".join((Callback.__module__.rsplit(".", 1)[0], "ddpdoctor")))
 
 #: The text columns of a finding in a W&B table.
 _COLUMNS = ["step", "severity", "code", "ranks", "title", "detail", "fix"]

@@ -21,6 +21,7 @@ from typing import Any
 
 from ddpdoctor.analysis.diagnose import diagnose
 from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.errors import OutputError
 from ddpdoctor.integrations.figures import StepFigures, blocks, step_figures
 from ddpdoctor.runlog import Run
 from ddpdoctor.sinks.compact import WINDOW_ROWS
@@ -31,7 +32,7 @@ EVERY_STEP_UPTO = 2048
 PREFIX = "ddpdoctor"
 
 
-class ExportError(ValueError):
+class ExportError(OutputError, ValueError):
     """The export cannot be written (the message says why); nothing was written."""
 
 

@@ -303,7 +303,9 @@ class SampledChecks:
                 after = self._buffer_versions()
                 if len(after) == len(sample.pre_versions):  # only DDP's broadcast ran in between
                     self.broadcast_bumps = [max(0, a - b) for a, b in zip(after, sample.pre_versions, strict=True)]
-            self.fingerprint(sample.step, self.bcast_in_forward)
+            # a forward through the wrapper in eval mode (validation on every rank) broadcast the
+            # buffers after the last training forward that did: they are still rank 0's copy here
+            self.fingerprint(sample.step, self.bcast_in_forward or self.buffers_from_broadcast)
         except Exception as exc:  # a failing probe is reported and switched off; it must never break training
             if self._failed is None:
                 raise

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ddpdoctor.analysis.hang import COLLECTIVE_PHASES
+from ddpdoctor.analysis.hang import COLLECTIVE_PHASES, where_waiting
 from ddpdoctor.categories import HangWarning, warn
 from ddpdoctor.events import FindingRecord, Hang
 from ddpdoctor.events.layout import HANG_TIMEOUT_ENV
@@ -123,6 +123,26 @@ def locate(
         "buckets_done": sum(1 for m in done if m is not None),
         "buckets": max(len(ready), len(recorder.layout_bytes())),
     }
+
+
+#: DDP's methods that broadcast the module buffers (``nn/parallel/distributed.py``).
+_DDP_BROADCAST = (" in _sync_buffers:", " in _sync_module_buffers:", " in _distributed_broadcast_coalesced:")
+
+
+def collective_in_stack(stack: Sequence[str]) -> str:
+    """The collective a stack is blocked in, where the step marks cannot tell (a forward outside a
+    training step, a collective of the script's own): "broadcast_coalesced" for DDP's buffer
+    broadcast, else the outermost public ``torch.distributed`` function on the stack (the call the
+    script made: ``barrier``, ``all_reduce``, ``all_gather_object``), else "" (not in a collective)."""
+    for line in stack:
+        path = line.split(":", 1)[0].replace("\\", "/")
+        if path.endswith("torch/nn/parallel/distributed.py") and any(m in line for m in _DDP_BROADCAST):
+            return "broadcast_coalesced"
+        if path.endswith("torch/distributed/distributed_c10d.py"):
+            name = line.split(" in ", 1)[1].split(":", 1)[0] if " in " in line else ""
+            if name and not name.startswith("_"):
+                return name
+    return ""
 
 
 def thread_stack(thread_id: int | None) -> list[str]:
@@ -246,6 +266,13 @@ class Watchdog:
             monitor.optimizer_running(),
         )
         stack = thread_stack(watch.thread_id) if state == "stalled" else []
+        collective = ""
+        if where["phase"] in ("between steps", "forward"):
+            # the marks see no collective, the stack may: a forward through the wrapper outside a
+            # training step (grad off) broadcasting the buffers, the script's own barrier
+            collective = collective_in_stack(stack)
+            if collective:
+                where["phase"] = "buffer broadcast" if collective == "broadcast_coalesced" else "collective"
         record = Hang(
             rank=monitor.rank,
             ddp=monitor.ddp_index,
@@ -254,17 +281,13 @@ class Watchdog:
             state=state,
             waited_s=round(waited, 3),
             stack=stack,
+            collective=collective,
             **where,
         )
         monitor.emit(record)
         if state == "stalled" and record.phase in COLLECTIVE_PHASES:
-            what = (
-                f"the all-reduce of bucket {record.pending_bucket}"
-                if record.phase == "allreduce"
-                else "the buffer broadcast"
-            )
             title = (
-                f"rank {monitor.rank} has waited {waited:.0f} s in {what} of step {record.step}: "
+                f"rank {monitor.rank} has waited {waited:.0f} s in {where_waiting(record)}: "
                 "another rank is not there, or the collective does not complete"
             )
             fix = (
