@@ -8,6 +8,7 @@ latest records, the heatmap one of a step's arrivals. No textual, no torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -249,3 +250,40 @@ def run_health(rows: Sequence[RankView], findings: Iterable[Finding]) -> str:
     if worst >= 1 or statuses & {"straggler", "stalled", "terminated"}:
         return "warning"
     return "ok"
+
+
+#: Up to this many hosts are named one by one; above, in ranges of numbered names.
+LISTED_HOSTS = 3
+#: At most this many ranges of host names, then how many more.
+HOST_RANGES = 6
+
+
+def hosts_text(hosts: Iterable[str]) -> str:
+    """The hosts in a few words: "node000, node001", or "32 hosts: node000–node031" (names that
+    end in a number, in ranges of consecutive numbers), the report's header and the live view's."""
+    names = sorted(set(hosts))
+    if len(names) <= LISTED_HOSTS:
+        return ", ".join(names)
+    numbered: dict[tuple[str, int], list[int]] = {}
+    plain: list[str] = []
+    for name in names:
+        m = re.fullmatch(r"(.*?)(\d+)", name)
+        if m is None:
+            plain.append(name)
+        else:
+            numbered.setdefault((m.group(1), len(m.group(2))), []).append(int(m.group(2)))
+    parts: list[str] = []
+    for (prefix, width), numbers in sorted(numbered.items()):
+        numbers.sort()
+        start = prev = numbers[0]
+        for n in [*numbers[1:], None]:
+            if n is not None and n == prev + 1:
+                prev = n
+                continue
+            first, last = f"{prefix}{start:0{width}d}", f"{prefix}{prev:0{width}d}"
+            parts.append(first if start == prev else f"{first}{'–' if prev > start + 1 else ', '}{last}")
+            if n is not None:
+                start = prev = n
+    parts += plain
+    more = f", ... ({len(parts) - HOST_RANGES} more ranges)" if len(parts) > HOST_RANGES else ""
+    return f"{len(names)} hosts: {', '.join(parts[:HOST_RANGES])}{more}"
