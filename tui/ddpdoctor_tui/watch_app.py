@@ -121,8 +121,9 @@ class WatchApp(App[None]):
         self._show_detail()
 
     def _show_detail(self) -> None:
-        if self.snapshot is not None:
-            table = self.query_one(RanksTable)
+        tables = self.query(RanksTable)  # (none once the app is closing: a late highlight)
+        if self.snapshot is not None and tables:
+            table = tables.first()
             rank = table.detail_rank()
             self.query_one(RankDetail).show(self.snapshot, rank)
             self.query_one(BucketHeatmap).show(self.snapshot, rank, at_scale=table.at_scale)
