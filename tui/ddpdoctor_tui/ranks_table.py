@@ -183,14 +183,25 @@ class RanksTable(DataTable[object]):
             rows = [(str(r.rank), _cells(r)) for r in self._ordered(kept, worst_first)]
         self.shown_rows = len(rows)
         order = [key for key, _ in rows]
-        if order[: len(self._order)] != self._order or self.by_node != self._order_is_nodes():
-            self.clear()  # the order changed: the rows are laid out again (the cursor is put back)
-            self._shown = {}
-            self._order = []
+        wanted = set(order)
+        gone = [key for key in self._shown if key not in wanted]
+        if len(gone) > len(wanted) or self.by_node != self._order_is_nodes():
+            self.clear()  # most rows go (a filter, the roll-up): lay them out again
+            self._shown, self._order = {}, []
+        else:
+            for key in gone:
+                self.remove_row(key)
+                del self._shown[key]
+            self._order = [key for key in self._order if key in self._shown]
+        added = [(key, cells) for key, cells in rows if key not in self._shown]
+        # the new rows' widths once per column (not per cell: at 2,048 rows that was most of the time)
+        if added:
+            self._fit(
+                (column, max((cells[i] for _, cells in added), key=_width)) for i, (column, _) in enumerate(COLUMNS)
+            )
         for key, cells in rows:
             old = self._shown.get(key)
             if old is None:
-                self._fit(zip((k for k, _ in COLUMNS), cells, strict=True))
                 self.add_row(*cells, key=key)
                 self._order.append(key)
             elif old != cells:
@@ -204,6 +215,12 @@ class RanksTable(DataTable[object]):
                             self._fit(((column, new),))
                         self.update_cell(key, column, new, update_width=wider)
             self._shown[key] = cells
+        if self._order != order:
+            # the same rows in another order: sorted in place (the row keys stay, the cursor's
+            # row is put back below); each row's first cell, its rank or its host's ranks, is unique
+            place = {cells[0]: i for i, (_, cells) in enumerate(rows)}
+            self.sort("rank", key=lambda label: place[label])
+            self._order = order
         if self.at_scale:
             self._put_cursor()
         self._title(judged is not None)

@@ -99,6 +99,8 @@ class WatchApp(App[None]):
 
     @on(SnapshotReady)
     def _show(self, message: SnapshotReady) -> None:
+        if not self.query(RanksTable):
+            return  # the app is closing: the screen is gone
         self.snapshot = snap = message.snapshot
         if self.paused and self.view_step is None and snap.view_step is not None:
             self._set_view(snap.view_step)  # paused before any step was complete: hold the first one
