@@ -15,6 +15,12 @@ runs), and whether the planted straggler was named. ``--slow-node N`` plants a s
 ranks' forward 15 ms slower), ``--dead-rank R`` a rank that stops after three quarters of the
 steps without an end record. ``--text`` times the text report instead of the JSON one and prints
 its length in lines.
+
+Measured (2 cores shared with other jobs, load average 9-12): 2,048 ranks x 40 steps with a
+straggler, a slow node and a dead rank (``--ranks 2048 --steps 40 --straggler 1234 --slow-node 100
+--dead-rank 1900``): ``ddpdoctor report`` (text) 5.3-5.5 s of CPU (11-16 s wall under that
+load), 221 MiB peak RSS, 28 lines; the tree before the report led with the ranks out of line took
+the same CPU time (5.4-5.5 s) and printed 2,066 lines.
 """
 
 from __future__ import annotations

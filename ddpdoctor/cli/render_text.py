@@ -300,10 +300,12 @@ def render(report: Report, all_ranks: bool = False) -> str:
     listed = [o for o in view.get("ranks", []) if not o["in_host"]]
     if many:
         n_hosts = view.get("nodes", {}).get("count", 0)
+        hosts = view.get("hosts", [])
+        in_hosts = sum(len(h["ranks"]) for h in hosts)
         lines += [
             "",
-            f"Out of line ({len(listed)} of {len(report.ranks)} ranks, {len(view.get('hosts', []))} of "
-            f"{n_hosts} hosts; worst first):",
+            f"Out of line, worst first: {len(listed)} of {len(report.ranks)} ranks on their own, "
+            f"{len(hosts)} of {n_hosts} hosts ({in_hosts} ranks):",
         ]
         lines += ["  " + line for line in ahead]
     elif listed:

@@ -64,6 +64,7 @@ class BucketHeatmap(ScrollView):
             self.border_subtitle = "all ranks on time"
         self._ranks = list(heat.late_ms)
         if at_scale:
+            self.border_title += ", slowest and latest first"
             cost = {r.rank: r.lost_for_others_ms or 0.0 for r in snap.ranks}
             late = {rank: max(row, default=0.0) for rank, row in heat.late_ms.items()}
             self._ranks.sort(key=lambda rank: (-cost.get(rank, 0.0), -late[rank], rank))

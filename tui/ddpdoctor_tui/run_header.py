@@ -63,8 +63,9 @@ NAMED = 6
 
 
 def _out_of_line_text(judged: OutOfLine) -> Text:
-    """ " out of line: rank 77 (straggler, cost 632 ms), host node012 (ranks 96-103: forward +15.0), ..." """
-    text = Text(" out of line: ", style="bold")
+    """ " out of line (10 of 256 ranks, 1 hosts): rank 77 (straggler, cost 632 ms, ...), host node012 (...)" """
+    total = judged.within + len(judged.order)
+    text = Text(f" out of line ({len(judged.order)} of {total} ranks, {len(judged.hosts)} hosts): ", style="bold")
     parts: list[tuple[str, str]] = []
     for o in judged.ranks:
         why = o.status or ("straggler" if o.named else "")
@@ -80,5 +81,4 @@ def _out_of_line_text(judged: OutOfLine) -> Text:
         text.append((", " if i else "") + words, style=style)
     if len(parts) > NAMED:
         text.append(f", {len(parts) - NAMED} more (s: sort, n: per host)", style="dim")
-    text.append(f"; {judged.within} ranks within noise", style="dim")
     return text
