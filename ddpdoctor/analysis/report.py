@@ -136,18 +136,17 @@ def judged_values(entry: dict[str, Any]) -> dict[str, float | None]:
     return {**entry["medians_ms"], "late": entry.get("late_ms")}
 
 
-def _summary(entries: list[dict[str, Any]], values: dict[Any, dict[str, float | None]]) -> dict[str, Any]:
-    """The median of each number over ``entries`` (ranks or hosts), and the range of their step."""
-    keys = [e["key"] for e in entries]
+def _summary(keys: list[Any], values: dict[Any, dict[str, float | None]]) -> dict[str, Any]:
+    """The median of each ``SUMMARISED`` number over ``keys`` (ranks or hosts), and the median
+    and range of their step."""
     steps = [v for k in keys if (v := values[k].get("step")) is not None]
-    out: dict[str, Any] = {
+    return {
         "count": len(keys),
         "step_ms": [_median(steps), round(min(steps), 3), round(max(steps), 3)] if steps else None,
+        "medians_ms": {
+            name: _median([v for k in keys if (v := values[k].get(name)) is not None]) for name, _ in SUMMARISED
+        },
     }
-    out["medians_ms"] = {
-        name: _median([v for k in keys if (v := values[k].get(name)) is not None]) for name, _ in SUMMARISED
-    }
-    return out
 
 
 def out_of_line_view(ranks: list[dict[str, Any]], groups: list[list[int]], named: set[int]) -> dict[str, Any]:
@@ -172,7 +171,7 @@ def out_of_line_view(ranks: list[dict[str, Any]], groups: list[list[int]], named
     out_ranks = {o.key for o in rank_out}
     out_hosts = {o.key for o in host_out}
     within = [
-        {"group": ranks_text(g), **_summary([{"key": r} for r in g if r not in out_ranks and r in values], values)}
+        {"group": ranks_text(g), **_summary([r for r in g if r not in out_ranks and r in values], values)}
         for g in (groups or [sorted(values)])
         if g
     ]
@@ -205,7 +204,7 @@ def out_of_line_view(ranks: list[dict[str, Any]], groups: list[list[int]], named
         "nodes": {
             "count": len(members),
             "ranks_per_host": [sizes[0], sizes[-1]] if sizes else None,
-            "within_noise": _summary([{"key": h} for h in host_values if h not in out_hosts], host_values),
+            "within_noise": _summary([h for h in host_values if h not in out_hosts], host_values),
         },
     }
 

@@ -9,6 +9,7 @@ from ddpdoctor.analysis import Report
 from ddpdoctor.analysis.findings import SEVERITY_ORDER
 from ddpdoctor.analysis.groups import groups_text, ranks_text
 from ddpdoctor.analysis.live_view import hosts_text
+from ddpdoctor.analysis.report import SUMMARISED
 from ddpdoctor.analysis.sizes import human_bytes
 
 #: Up to this many ranks the report shows every rank's row; above, the ranks out of line, the rest
@@ -59,13 +60,7 @@ def _group_summary(summary: dict[str, Any], what: str) -> str:
     parts = [f"step {step[0]:.1f} ms [{step[1]:.1f}, {step[2]:.1f}]"] if step else []
     parts += [
         f"{words} {value:.1f} ms"
-        for name, words in (
-            ("forward", "forward"),
-            ("backward", "backward"),
-            ("bucket_wait", "all-reduce wait"),
-            ("optimizer", "optimizer"),
-            ("late", "late"),
-        )
+        for name, words in SUMMARISED
         if (value := (summary.get("medians_ms") or {}).get(name)) is not None
     ]
     n = summary["count"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any, cast
 
 from rich.text import Text
 from textual import events
@@ -143,19 +144,11 @@ class RanksTable(DataTable[object]):
         get = SORTS[key]
         place = {r: i for i, r in enumerate(worst_first)}
         ascending = (key in ASCENDING) != self.reverse
-
-        def order(r: RankView) -> tuple[object, ...]:
-            v = get(r)
-            if v is None:
-                return (1, 0, place.get(r.rank, len(place)), r.rank)
-            if isinstance(v, str):
-                return (0, v if ascending else "", place.get(r.rank, len(place)), r.rank)
-            return (0, v if ascending else -v, place.get(r.rank, len(place)), r.rank)
-
-        out = sorted(rows, key=order)
-        if key == "host" and not ascending:
-            out.reverse()
-        return out
+        out = sorted(rows, key=lambda r: (place.get(r.rank, len(place)), r.rank))  # the ties' order
+        present = [r for r in out if get(r) is not None]
+        # stable, reversed too: the ties keep their order
+        present.sort(key=lambda r: cast(Any, get(r)), reverse=not ascending)
+        return present + [r for r in out if get(r) is None]
 
     def show(self, snap: LiveSnapshot) -> None:
         """Bring the rows up to ``snap``: sorted and filtered, per rank or rolled up per host."""
