@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import exp, lgamma, log, log1p
 from statistics import median
+from typing import Any
 
 from ddpdoctor.analysis.bucket_wait import StepArrivals
 from ddpdoctor.events import Step
@@ -305,3 +306,178 @@ def pattern(rb: RankBlame, window: Sequence[int]) -> Pattern:
         if every >= 2 and count >= PERIOD_SHARE * len(diffs):
             return Pattern("periodic", main[0], main[-1], every)
     return Pattern("intermittent", first, last)
+
+
+# -- out of line: which ranks (and hosts) every view leads with ----------------------------------
+
+#: The per-rank numbers (ms) judged against the other ranks, with their words. Only the ones where
+#: more is worse for the rank itself: the time a rank spends waiting in collectives is what the
+#: others cost it, not what it costs them.
+JUDGED: tuple[tuple[str, str], ...] = (
+    ("late", "late"),
+    ("step", "step"),
+    ("forward", "forward"),
+    ("backward", "backward"),
+    ("optimizer", "optimizer"),
+    ("rest", "rest"),
+)
+#: Rank statuses out of line by themselves, with their weight in "worst first" (higher: first).
+STATUS_WEIGHT: dict[str, int] = {"lost": 4, "failed": 4, "hung": 4, "stalled": 3, "terminated": 2}
+#: A rank that stopped this many steps (or this share of the steps) before the others ended early.
+EARLY_STEPS = 2
+EARLY_SHARE = 0.01
+
+
+@dataclass(frozen=True)
+class Outlier:
+    """One rank (or host) out of line with the others: why, and by how much.
+
+    ``excess_ms``: per judged number, how far above the others' median it is; ``base_ms``: that
+    median. ``cost_ms``: what it cost the others (the blame), ``status``: a status out of line
+    by itself, ``ended``: the step it ended at while the others went on to ``of``."""
+
+    key: int | str
+    excess_ms: dict[str, float]
+    base_ms: dict[str, float]
+    cost_ms: float = 0.0
+    named: bool = False
+    status: str | None = None
+    ended: int | None = None
+    of: int | None = None
+
+    def order(self) -> tuple[float, ...]:
+        """Sort key, worst first: a dead or hung rank, then what it cost the others, then excess."""
+        return (
+            -float(STATUS_WEIGHT.get(self.status or "", 0)),
+            -float(self.named),
+            -self.cost_ms,
+            -max(self.excess_ms.values(), default=0.0),
+        )
+
+    def reasons(self) -> list[str]:
+        """Why, in a few words each: "lost", "cost the others 1.2 s", "backward +30.1 ms (50.4)"."""
+        out: list[str] = []
+        if self.status is not None:
+            out.append(self.status)
+        if self.ended is not None:
+            out.append(f"logged {self.ended} of {self.of} steps")
+        if self.named or self.cost_ms > 0.0:
+            cost = f"{self.cost_ms / 1000.0:.2f} s" if self.cost_ms >= 1000.0 else f"{self.cost_ms:.0f} ms"
+            out.append(f"cost the others {cost}")
+        for name, words in JUDGED:
+            if name in self.excess_ms:
+                out.append(f"{words} +{self.excess_ms[name]:.1f} ms (others {self.base_ms[name]:.1f})")
+        return out
+
+
+def spread_floor_ms(values: Sequence[float], step_ms: float) -> float:
+    """How far above the others' median a number must be to be out of line: the blame's noise
+    floor (``NOISE_FLOOR_MS``, ``NOISE_FLOOR_SHARE`` of the median step) or ``JITTER_MADS``
+    median absolute deviations of the ranks' values, whichever is larger."""
+    mad = 0.0
+    if len(values) >= 3:
+        middle = median(values)
+        mad = median(abs(v - middle) for v in values)
+    return max(NOISE_FLOOR_MS, NOISE_FLOOR_SHARE * step_ms, JITTER_MADS * mad)
+
+
+def out_of_line(
+    values: Mapping[Any, Mapping[str, float | None]],
+    *,
+    cost_ms: Mapping[int, float | None] | None = None,
+    named: set[int] | None = None,
+    statuses: Mapping[int, str] | None = None,
+    steps: Mapping[int, int | None] | None = None,
+) -> list[Outlier]:
+    """The ranks (or hosts: ``values`` keyed by host) out of line with the others, worst first.
+
+    ``values``: per rank its numbers in ms (``JUDGED`` names; others ignored). A number is out of
+    line when it is above the median of the *other* ranks' by more than ``spread_floor_ms`` (the
+    step is the median of the ranks' "step"). ``named``: the ranks the blame names (their cost is
+    material, not jitter), with ``cost_ms`` what each cost the others; ``statuses``: a rank
+    lost, failed, hung, stalled or terminated is out of line by that alone; ``steps``: a rank that
+    logged ``EARLY_STEPS`` (or ``EARLY_SHARE``) fewer steps than the most ended early. The report,
+    its text, Markdown and HTML, and the live view all judge with this one function."""
+    keys = list(values)
+    steps_ms = [v for k in keys if (v := values[k].get("step")) is not None]
+    step_ms = median(steps_ms) if steps_ms else 0.0
+    excess: dict[int | str, dict[str, float]] = {k: {} for k in keys}
+    base: dict[int | str, dict[str, float]] = {k: {} for k in keys}
+    if len(keys) >= 2:
+        for name, _ in JUDGED:
+            have = {k: v for k in keys if (v := values[k].get(name)) is not None}
+            if len(have) < 2:
+                continue
+            ordered = sorted(have.values())
+            floor = spread_floor_ms(ordered, step_ms)
+            middle = median(ordered)
+            for k, v in have.items():
+                if v - middle <= floor:
+                    continue  # cheap: most ranks are near the median of them all
+                others = _median_without(ordered, v)
+                if v - others > floor:
+                    excess[k][name] = v - others
+                    base[k][name] = others
+    top = max((n for n in (steps or {}).values() if n is not None), default=0)
+    early = top - max(EARLY_STEPS, EARLY_SHARE * top)
+    out: list[Outlier] = []
+    for k in keys:
+        rank = k if isinstance(k, int) else -1
+        status = (statuses or {}).get(rank)
+        status = status if status in STATUS_WEIGHT else None
+        n = (steps or {}).get(rank)
+        ended = n if n is not None and n < early else None
+        is_named = rank in (named or set())
+        cost = (cost_ms or {}).get(rank) or 0.0
+        if excess[k] or status or ended is not None or is_named:
+            out.append(
+                Outlier(
+                    key=k,
+                    excess_ms=excess[k],
+                    base_ms=base[k],
+                    cost_ms=cost,
+                    named=is_named,
+                    status=status,
+                    ended=ended,
+                    of=top if ended is not None else None,
+                )
+            )
+    out.sort(key=lambda o: (*o.order(), str(o.key)))
+    return out
+
+
+def by_host(
+    values: Mapping[int, Mapping[str, float | None]], hosts: Mapping[int, str]
+) -> dict[str, dict[str, float | None]]:
+    """Per host, the median over its ranks of each judged number (what ``out_of_line`` judges
+    hosts on: a slow node is one host out of line, however many ranks it holds)."""
+    members: dict[str, list[int]] = {}
+    for rank, host in hosts.items():
+        if rank in values:
+            members.setdefault(host, []).append(rank)
+    out: dict[str, dict[str, float | None]] = {}
+    for host, ranks in members.items():
+        row: dict[str, float | None] = {}
+        for name, _ in JUDGED:
+            have = [v for r in ranks if (v := values[r].get(name)) is not None]
+            row[name] = median(have) if have else None
+        out[host] = row
+    return out
+
+
+def fold_into_hosts(ranks: Sequence[Outlier], hosts_out: Sequence[Outlier], hosts: Mapping[int, str]) -> list[Outlier]:
+    """The ranks still to list one by one once the hosts out of line are: a rank out of line only
+    in numbers its host is out of line in too (a slow node's ranks) is that host's line."""
+    judged = {o.key: set(o.excess_ms) for o in hosts_out}
+    return [
+        o
+        for o in ranks
+        if not (
+            isinstance(o.key, int)
+            and hosts.get(o.key) in judged
+            and o.status is None
+            and o.ended is None
+            and not o.named
+            and set(o.excess_ms) <= judged[hosts[o.key]]
+        )
+    ]

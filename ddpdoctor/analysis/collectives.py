@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.groups import ranks_named
 from ddpdoctor.events import Step
 
 
@@ -71,16 +72,16 @@ def _finding(per_rank: Mapping[int, Mapping[int, StepCollectives]], what: str, l
     steps_text = ", ".join(str(s) for s in odd[:5]) + (f" and {len(odd) - 5} more" if len(odd) > 5 else "")
     if what == "broadcast":
         how = (
-            f"{_ranks(without)} ran no buffer broadcast in step {first} where {_ranks(with_it)} did. DDP broadcasts "
-            "the module buffers at every forward through the wrapper; a forward through it with grad off (validation "
-            f"under torch.no_grad() on {_ranks(without)} alone) ran that broadcast instead, outside any training step, "
-            f"and paired silently with the others' broadcast of step {first}."
+            f"{ranks_named(without)} ran no buffer broadcast in step {first} where {ranks_named(with_it)} did. "
+            "DDP broadcasts the module buffers at every forward through the wrapper; a forward through it with grad "
+            f"off (validation under torch.no_grad() on {ranks_named(without)} alone) ran that broadcast instead, "
+            f"outside any training step, and paired silently with the others' broadcast of step {first}."
         )
     else:
         how = (
-            f"{_ranks(without)} logged step {first} without any gradient all-reduce while {_ranks(with_it)} "
+            f"{ranks_named(without)} logged step {first} without any gradient all-reduce while {ranks_named(with_it)} "
             "all-reduced in it: a forward through the wrapper with grad on that no backward followed (validation "
-            f"through `model` instead of `model.module` on {_ranks(without)} alone), or a backward skipped there. "
+            f"through `model` instead of `model.module` on {ranks_named(without)} alone), or a backward skipped there. "
             "From there on the step indices and collectives of the ranks are one off."
         )
     return Finding(
@@ -88,8 +89,8 @@ def _finding(per_rank: Mapping[int, Mapping[int, StepCollectives]], what: str, l
         severity="error",
         ranks=culprit,
         step=first,
-        title=f"{_ranks(culprit)}'s {label}s are one off from the other ranks' from step {first}: a forward "
-        f"through the DDP wrapper on {_ranks(culprit)} alone",
+        title=f"{ranks_named(culprit)}'s {label}s are one off from the other ranks' from step {first}: a forward "
+        f"through the DDP wrapper on {ranks_named(culprit)} alone",
         detail=(
             f"{how} Steps where the ranks differ: {steps_text}. Every rank must run DDP's collectives in the same "
             "order; paired one off, the buffers and gradients exchanged come from the wrong forward, and the job "
@@ -104,7 +105,7 @@ def _finding(per_rank: Mapping[int, Mapping[int, StepCollectives]], what: str, l
             "ranks_with": with_it,
         },
         fix=(
-            f"Run the forward that only {_ranks(culprit)} runs through the bare model, which runs no collective: "
+            f"Run the forward that only {ranks_named(culprit)} runs through the bare model, which runs no collective: "
             "`model.module(x)` instead of `model(x)` (under model.eval() and torch.no_grad() as before). Or run it "
             "on every rank through the wrapper (each rank its share of the validation set)."
             + (
@@ -114,10 +115,6 @@ def _finding(per_rank: Mapping[int, Mapping[int, StepCollectives]], what: str, l
             )
         ),
     )
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def evidence_text(evidence: Mapping[str, Any]) -> str:

@@ -99,6 +99,19 @@ def ranks_text(members: Sequence[int]) -> str:
     return ",".join(parts)
 
 
+#: Up to this many ranks a finding's words list them one by one; more are said in ranges.
+LISTED_RANKS = 8
+
+
+def ranks_named(ranks: Sequence[int]) -> str:
+    """A finding's words for some ranks: "rank 3", "ranks 0, 1", or at scale "ranks 0-199,201-255
+    (255 ranks)" (a finding about one lost rank of 2,048 must not list the other 2,047)."""
+    ordered = sorted(ranks)
+    if len(ordered) <= LISTED_RANKS:
+        return f"rank{'s' if len(ordered) > 1 else ''} {', '.join(map(str, ordered))}"
+    return f"ranks {ranks_text(ordered)} ({len(ordered)} ranks)"
+
+
 def groups_text(groups: Sequence[Sequence[int]]) -> str:
     """How the report and the live view say the DDP groups: "" for one group (the common case),
     "in 2 DDP groups (ranks 0,1 / 2,3)", or "in 32 DDP groups of 8 ranks" where there are many."""

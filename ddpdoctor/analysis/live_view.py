@@ -8,9 +8,12 @@ latest records, the heatmap one of a step's arrivals. No textual, no torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from statistics import median
 
+from ddpdoctor.analysis.blame import Outlier, by_host, fold_into_hosts, out_of_line
 from ddpdoctor.analysis.bucket_wait import StepArrivals
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
 from ddpdoctor.events import End, Hang, Header, ProcSample, Step
@@ -249,3 +252,129 @@ def run_health(rows: Sequence[RankView], findings: Iterable[Finding]) -> str:
     if worst >= 1 or statuses & {"straggler", "stalled", "terminated"}:
         return "warning"
     return "ok"
+
+
+#: Up to this many hosts are named one by one; above, in ranges of numbered names.
+LISTED_HOSTS = 3
+#: At most this many ranges of host names, then how many more.
+HOST_RANGES = 6
+
+
+def hosts_text(hosts: Iterable[str]) -> str:
+    """The hosts in a few words: "node000, node001", or "32 hosts: node000–node031" (names that
+    end in a number, in ranges of consecutive numbers), the report's header and the live view's."""
+    names = sorted(set(hosts))
+    if len(names) <= LISTED_HOSTS:
+        return ", ".join(names)
+    numbered: dict[tuple[str, int], list[int]] = {}
+    plain: list[str] = []
+    for name in names:
+        m = re.fullmatch(r"(.*?)(\d+)", name)
+        if m is None:
+            plain.append(name)
+        else:
+            numbered.setdefault((m.group(1), len(m.group(2))), []).append(int(m.group(2)))
+    parts: list[str] = []
+    for (prefix, width), numbers in sorted(numbered.items()):
+        numbers.sort()
+        start = prev = numbers[0]
+        for n in [*numbers[1:], None]:
+            if n is not None and n == prev + 1:
+                prev = n
+                continue
+            first, last = f"{prefix}{start:0{width}d}", f"{prefix}{prev:0{width}d}"
+            parts.append(first if start == prev else f"{first}{'–' if prev > start + 1 else ', '}{last}")
+            if n is not None:
+                start = prev = n
+    parts += plain
+    more = f", ... ({len(parts) - HOST_RANGES} more ranges)" if len(parts) > HOST_RANGES else ""
+    return f"{len(names)} hosts: {', '.join(parts[:HOST_RANGES])}{more}"
+
+
+#: Above this many ranks the live view leads with the worst ranks: its table sorted by what each
+#: rank cost the others, the rank detail following the worst, the heatmap's latest and slowest
+#: first (up to it, ranks in rank order, as the report shows every rank's row).
+AT_SCALE = 16
+
+
+def judged_values(r: RankView) -> dict[str, float | None]:
+    """A row's numbers as ``blame.out_of_line`` judges them (the report's, at the viewed step)."""
+    return {"late": r.late_ms, "step": r.step_ms, "forward": r.fwd_ms, "backward": r.bwd_ms}
+
+
+@dataclass(frozen=True)
+class OutOfLine:
+    """The live view's ranks and hosts out of line (``blame.out_of_line``, as the report judges):
+    ``ranks`` worst first, less those listed with their host; ``hosts``; ``order``: every rank
+    out of line (host's ones too), worst first."""
+
+    ranks: tuple[Outlier, ...]
+    hosts: tuple[Outlier, ...]
+    order: tuple[int, ...]
+    within: int  # ranks not out of line
+
+
+def live_out_of_line(rows: Sequence[RankView]) -> OutOfLine:
+    """Judge the rows at the viewed step: lateness, step, forward, backward against the others'
+    spread, the blame's stragglers, lost, hung, failed or stalled ranks, ranks that ended early."""
+    values = {r.rank: judged_values(r) for r in rows}
+    hosts = {r.rank: r.host for r in rows if r.host}
+    ranks = out_of_line(
+        values,
+        cost_ms={r.rank: r.lost_for_others_ms for r in rows},
+        named={r.rank for r in rows if r.status == "straggler"},
+        statuses={r.rank: r.status for r in rows},
+        steps={r.rank: r.step + 1 if r.step is not None else None for r in rows},
+    )
+    host_values = by_host(values, hosts)
+    host_out = out_of_line(host_values) if len(host_values) >= 2 else []
+    return OutOfLine(
+        ranks=tuple(fold_into_hosts(ranks, host_out, hosts)),
+        hosts=tuple(host_out),
+        order=tuple(int(o.key) for o in ranks),
+        within=len(rows) - len(ranks),
+    )
+
+
+def node_rows(rows: Sequence[RankView]) -> list[RankView]:
+    """One row per host: the medians of its ranks' numbers, the sum of what they cost the others,
+    the loudest status; ``rank`` is its lowest rank (the row's ranks: ``host_ranks``)."""
+    members: dict[str, list[RankView]] = {}
+    for r in rows:
+        members.setdefault(r.host or "?", []).append(r)
+
+    def mid(values: Iterable[float | None]) -> float | None:
+        have = [v for v in values if v is not None]
+        return median(have) if have else None
+
+    out = []
+    for host, views in members.items():
+        steps = [v.step for v in views if v.step is not None]
+        costs = [v.lost_for_others_ms for v in views if v.lost_for_others_ms is not None]
+        rss = [v.rss_bytes for v in views if v.rss_bytes is not None]
+        out.append(
+            RankView(
+                rank=min(v.rank for v in views),
+                host=host,
+                step=max(steps) if steps else None,
+                step_ms=mid(v.step_ms for v in views),
+                fwd_ms=mid(v.fwd_ms for v in views),
+                bwd_ms=mid(v.bwd_ms for v in views),
+                wait_ms=mid(v.wait_ms for v in views),
+                bcast_ms=mid(v.bcast_ms for v in views),
+                late_ms=mid(v.late_ms for v in views),
+                cpu_pct=mid(v.cpu_pct for v in views),
+                rss_bytes=max(rss) if rss else None,
+                status=max((v.status for v in views), key=STATUSES.index),
+                lost_for_others_ms=sum(costs) if costs else None,
+            )
+        )
+    return out
+
+
+def host_ranks(rows: Sequence[RankView]) -> dict[str, list[int]]:
+    """The ranks of each host, in rank order."""
+    out: dict[str, list[int]] = {}
+    for r in sorted(rows, key=lambda r: r.rank):
+        out.setdefault(r.host or "?", []).append(r.rank)
+    return out

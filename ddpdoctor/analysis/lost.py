@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.groups import ranks_named
 from ddpdoctor.events import End, Header, ProcSample, Step
 
 #: A rank is lost when another rank logged this long after its last record.
@@ -68,7 +69,7 @@ def lost_ranks(tails: Mapping[int, RankTail]) -> list[Finding]:
         failed = {r: tails[r].end.reason for r in others if tails[r].end is not None}  # type: ignore[union-attr]
         failed = {r: why for r, why in failed.items() if why.startswith("error")}
         then = (
-            f"{_ranks(sorted(failed))} then failed in {'its' if len(failed) == 1 else 'their'} next collective "
+            f"{ranks_named(sorted(failed))} then failed in {'its' if len(failed) == 1 else 'their'} next collective "
             f"({', '.join(sorted(set(failed.values())))}: the backend noticed the lost peer)"
             if failed
             else "the other ranks' collectives waited for it from there on"
@@ -82,7 +83,7 @@ def lost_ranks(tails: Mapping[int, RankTail]) -> list[Finding]:
                 title=f"rank {rank} stopped logging {after}, with no end record, while the others went on",
                 detail=(
                     f"Rank {rank}'s log ends without an end record (killed: SIGKILL, out of memory, a crash in "
-                    f"native code) while {_ranks(others)} went on ({(latest - t) / 1e9:.1f} s more of "
+                    f"native code) while {ranks_named(others)} went on ({(latest - t) / 1e9:.1f} s more of "
                     f"{'its' if len(others) == 1 else 'their'} records). Its records up to then are intact (steps "
                     f"still batched in memory are lost); {then}."
                 ),
@@ -101,7 +102,3 @@ def lost_ranks(tails: Mapping[int, RankTail]) -> list[Finding]:
             )
         )
     return out
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

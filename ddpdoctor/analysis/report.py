@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-from ddpdoctor.analysis.blame import blame
+from ddpdoctor.analysis.blame import JUDGED, blame, by_host, fold_into_hosts, out_of_line
 from ddpdoctor.analysis.clock_align import ClockOffsets
 from ddpdoctor.analysis.diagnose import diagnose
 from ddpdoctor.analysis.findings import Finding
-from ddpdoctor.analysis.groups import ddp_groups, group_arrivals
+from ddpdoctor.analysis.groups import ddp_groups, group_arrivals, ranks_text
 from ddpdoctor.analysis.live_view import end_status
 from ddpdoctor.analysis.phases import PHASES, step_phases
 from ddpdoctor.events import SCHEMA_VERSION, Header, Layout
@@ -119,6 +119,96 @@ def _rank_entry(log: RankLog, wait_ms: list[float], offset_us: float, method: st
     }
 
 
+#: A rank's median lateness is read from at most this many steps, spread over the run.
+LATE_SAMPLES = 1000
+#: The numbers the line of the ranks within noise gives (median over them), with their words.
+SUMMARISED = (
+    ("forward", "forward"),
+    ("backward", "backward"),
+    ("bucket_wait", "all-reduce wait"),
+    ("optimizer", "optimizer"),
+    ("late", "late"),
+)
+
+
+def judged_values(entry: dict[str, Any]) -> dict[str, float | None]:
+    """A rank entry's numbers as ``blame.out_of_line`` judges them: its medians and lateness."""
+    return {**entry["medians_ms"], "late": entry.get("late_ms")}
+
+
+def _summary(keys: list[Any], values: dict[Any, dict[str, float | None]]) -> dict[str, Any]:
+    """The median of each ``SUMMARISED`` number over ``keys`` (ranks or hosts), and the median
+    and range of their step."""
+    steps = [v for k in keys if (v := values[k].get("step")) is not None]
+    return {
+        "count": len(keys),
+        "step_ms": [_median(steps), round(min(steps), 3), round(max(steps), 3)] if steps else None,
+        "medians_ms": {
+            name: _median([v for k in keys if (v := values[k].get(name)) is not None]) for name, _ in SUMMARISED
+        },
+    }
+
+
+def out_of_line_view(ranks: list[dict[str, Any]], groups: list[list[int]], named: set[int]) -> dict[str, Any]:
+    """What every view leads with (``blame.out_of_line``, the one judgement): the ranks and hosts
+    out of line, worst first (a rank out of line only as its host is, as a slow node's ranks are,
+    is left to its host's entry); the rest of the ranks summarised per DDP group; the hosts."""
+    values = {e["rank"]: judged_values(e) for e in ranks}
+    hosts = {e["rank"]: e["host"] for e in ranks if e.get("host")}
+    rank_out = out_of_line(
+        values,
+        cost_ms={e["rank"]: e.get("time_lost_for_others_ms") for e in ranks},
+        named=named,
+        statuses={e["rank"]: e["status"] for e in ranks},
+        steps={e["rank"]: e["steps"] for e in ranks},
+    )
+    host_values = by_host(values, hosts)
+    host_out = out_of_line(host_values) if len(host_values) >= 2 else []
+    listed = {o.key for o in fold_into_hosts(rank_out, host_out, hosts)}
+    members: dict[str, list[int]] = {}
+    for rank, host in sorted(hosts.items()):
+        members.setdefault(host, []).append(rank)
+    out_ranks = {o.key for o in rank_out}
+    out_hosts = {o.key for o in host_out}
+    within = [
+        {"group": ranks_text(g), **_summary([r for r in g if r not in out_ranks and r in values], values)}
+        for g in (groups or [sorted(values)])
+        if g
+    ]
+    sizes = sorted({len(m) for m in members.values()})
+    return {
+        "judged": [name for name, _ in JUDGED],
+        "ranks": [
+            {
+                "rank": o.key,
+                "host": hosts.get(o.key) if isinstance(o.key, int) else None,
+                "reasons": o.reasons(),
+                "excess_ms": {k: round(v, 3) for k, v in o.excess_ms.items()},
+                "cost_ms": round(o.cost_ms, 3),
+                "status": o.status,
+                # listed with its host's entry instead of on its own line
+                "in_host": o.key not in listed,
+            }
+            for o in rank_out
+        ],
+        "hosts": [
+            {
+                "host": o.key,
+                "ranks": members.get(str(o.key), []),
+                "reasons": o.reasons(),
+                "excess_ms": {k: round(v, 3) for k, v in o.excess_ms.items()},
+            }
+            for o in host_out
+        ],
+        "within_noise": within,
+        "nodes": {
+            "count": len(members),
+            "ranks_per_host": [sizes[0], sizes[-1]] if sizes else None,
+            "within_noise": _summary([h for h in host_values if h not in out_hosts], host_values),
+        },
+    }
+
+
 def _ddp_options(header: Header | None, layout: Layout | None) -> dict[str, Any]:
     """The header's DDP options, with the comm hook in effect: one registered after ``instrument``
     is named by the layout records only (the header was written at attach)."""
@@ -134,10 +224,17 @@ def analyze(run: Run) -> Report:
     groups = ddp_groups({r: log.header for r, log in run.ranks.items()})
     clocks, arrived_by_group = group_arrivals(steps_by_rank, groups)
     wait_ms: dict[int, list[float]] = {r: [] for r in run.ranks}
+    late_ms: dict[int, list[float]] = {r: [] for r in run.ranks}
     for arrived in arrived_by_group:
         for sa in arrived:
             for r, w in sa.wait_us.items():
                 wait_ms[r].append(w / 1000.0)
+        # each rank's lateness (behind the earliest, at the collective it was latest for): a median,
+        # read from at most LATE_SAMPLES steps spread over the run
+        for sa in arrived[1:][:: max(1, len(arrived) // LATE_SAMPLES)]:
+            for r, lat in sa.lateness_us.items():
+                if lat:
+                    late_ms[r].append(max(lat) / 1000.0)
     findings = diagnose(run, arrived_by_group)
     lost = {r for f in findings if f.code == "rank-lost" for r in f.ranks}
     ranks = [
@@ -147,13 +244,16 @@ def analyze(run: Run) -> Report:
     # what each rank cost the others of its DDP group (wall ms over the steps read, margins above
     # the noise floor)
     lost_ms: dict[int, float] = {}
+    named: set[int] = set()
     for members, arrived in zip(groups, arrived_by_group, strict=True):
         if len(members) > 1 and arrived:
             blamed = blame({r: steps_by_rank[r] for r in members}, arrived)
             lost_ms.update({r: rb.lost_ms for r, rb in blamed.ranks.items()})
+            named |= {rb.rank for rb in blamed.named()}
     for entry in ranks:
         cost = lost_ms.get(entry["rank"])
         entry["time_lost_for_others_ms"] = round(cost, 3) if cost is not None else None
+        entry["late_ms"] = _median(late_ms.get(entry["rank"], []))
     header = next((log.header for log in run.ranks.values() if log.header is not None), None)
     layout = None
     for log in run.ranks.values():
@@ -205,5 +305,6 @@ def analyze(run: Run) -> Report:
         if layout
         else [],
         "layout_rebuilt": any(lay.reason == "rebuilt" for log in run.ranks.values() for lay in log.layouts),
+        "out_of_line": out_of_line_view(ranks, groups, named),
     }
     return Report(run=run_info, ranks=ranks, stats=stats, findings=findings)

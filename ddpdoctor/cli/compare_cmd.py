@@ -10,7 +10,7 @@ from pathlib import Path
 from ddpdoctor.analysis import analyze
 from ddpdoctor.analysis.compare import COMPARED, Comparison, compare
 from ddpdoctor.cli.model_option import add_ddp_argument, add_job_argument
-from ddpdoctor.cli.render_compare import render_compare, render_compare_markdown
+from ddpdoctor.cli.render_compare import MAX_RANK_ROWS, render_compare, render_compare_markdown
 from ddpdoctor.runlog import load_run
 
 
@@ -26,6 +26,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("new", type=Path, help="the run dir after the change")
     p.add_argument("--format", choices=["text", "json", "markdown", "html"], default="text")
     p.add_argument("-o", "--output", type=Path, help="write to this file instead of stdout")
+    p.add_argument(
+        "--all-ranks",
+        action="store_true",
+        help=f"every rank's row (by default, above {MAX_RANK_ROWS} ranks, the ranks whose step or wait moved most)",
+    )
     p.add_argument(
         "--fail-on-regression",
         type=float,
@@ -69,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
         text = render_compare_html(c)
     else:
-        text = render_compare(c)
+        text = render_compare(c, all_ranks=args.all_ranks)
     if args.output is not None:
         args.output.write_text(text)
     else:

@@ -67,7 +67,8 @@ def bucket_rows(c: Comparison) -> list[list[str]]:
     return rows
 
 
-#: Above this many ranks, the text shows only the ranks whose step or wait moved most (JSON has all).
+#: Above this many ranks, the text shows only the ranks whose step or wait moved most, most first
+#: (``--all-ranks``: every rank, in rank order; JSON has all).
 MAX_RANK_ROWS = 16
 
 
@@ -78,11 +79,13 @@ def _moved(r: dict[str, float | None]) -> float:
     return max(delta(r["base_step_ms"], r["new_step_ms"]), delta(r["base_wait_ms"], r["new_wait_ms"]))
 
 
-def rank_rows(c: Comparison) -> list[list[str]]:
+def rank_rows(c: Comparison, all_ranks: bool = False) -> list[list[str]]:
+    """The per-rank table: every rank up to ``MAX_RANK_ROWS`` (or ``all_ranks``), else the ranks
+    that moved most, most first."""
     rows = [["rank", "base step ms", "new step ms", "base wait ms", "new wait ms"]]
     ranks = c.ranks
-    if len(ranks) > MAX_RANK_ROWS:
-        ranks = sorted(sorted(ranks, key=lambda r: -_moved(r))[:MAX_RANK_ROWS], key=lambda r: r["rank"])
+    if len(ranks) > MAX_RANK_ROWS and not all_ranks:
+        ranks = sorted(ranks, key=lambda r: (-_moved(r), r["rank"]))[:MAX_RANK_ROWS]
     for r in ranks:
         rows.append(
             [
@@ -128,8 +131,21 @@ def run_ranks_text(facts: dict[str, Any]) -> str:
     return f"{facts['world_size']} ranks {groups}" if groups else f"{facts['world_size']} ranks"
 
 
-def render_compare(c: Comparison) -> str:
-    """The comparison as plain text."""
+def _findings(c: Comparison) -> list[str]:
+    lines = ["Findings"]
+    if not c.findings:
+        lines.append("  none in either run")
+    for f in c.findings:
+        sev = f.severity if f.base_severity in (None, f.severity) else f"{f.base_severity} -> {f.severity}"
+        lines.append(f"  {f.status.upper():<9} [{sev}] {f.code}: {f.title}")
+        if f.status == "new":
+            lines.append(f"            fix: {f.fix}")
+    return lines
+
+
+def render_compare(c: Comparison, all_ranks: bool = False) -> str:
+    """The comparison as plain text: the verdict and the findings first, then phases, buckets and
+    ranks (above ``MAX_RANK_ROWS`` the ranks that moved most, unless ``all_ranks``)."""
     lines = [
         f"ddpdoctor compare: {c.base['dir']} (base) -> {c.new['dir']} (new)",
         f"  base: {run_ranks_text(c.base)}, {c.base['steps']} steps; "
@@ -138,6 +154,7 @@ def render_compare(c: Comparison) -> str:
         _headline(c),
     ]
     lines += [f"  {w}" for w in _where(c)]
+    lines += ["", *_findings(c)]
     lines += ["", "Phases (ms, median over steps of the slowest rank; confidence: Mann-Whitney over steps)"]
     lines += ["  " + row for row in _table(phase_rows(c))]
     if c.buckets:
@@ -146,17 +163,12 @@ def render_compare(c: Comparison) -> str:
             lines.append(f"  note: {c.buckets_note}")
         lines += ["  " + row for row in _table(bucket_rows(c))]
     if c.ranks:
-        more = len(c.ranks) > MAX_RANK_ROWS
-        lines += ["", f"Ranks (medians{f'; the {MAX_RANK_ROWS} that moved most of {len(c.ranks)}' if more else ''})"]
-        lines += ["  " + row for row in _table(rank_rows(c))]
-    lines += ["", "Findings"]
-    if not c.findings:
-        lines.append("  none in either run")
-    for f in c.findings:
-        sev = f.severity if f.base_severity in (None, f.severity) else f"{f.base_severity} -> {f.severity}"
-        lines.append(f"  {f.status.upper():<9} [{sev}] {f.code}: {f.title}")
-        if f.status == "new":
-            lines.append(f"            fix: {f.fix}")
+        more = len(c.ranks) > MAX_RANK_ROWS and not all_ranks
+        which = f"; the {MAX_RANK_ROWS} of {len(c.ranks)} that moved most, most first" if more else ""
+        lines += ["", f"Ranks (medians{which})"]
+        lines += ["  " + row for row in _table(rank_rows(c, all_ranks))]
+        if more:
+            lines.append("  every rank: --all-ranks (or --format json)")
     return "\n".join(lines) + "\n"
 
 
@@ -177,6 +189,11 @@ def render_compare_markdown(c: Comparison) -> str:
         "",
     ]
     lines += [f"- {w}" for w in _where(c)]
+    lines += ["", "### Findings", ""]
+    if not c.findings:
+        lines.append("none in either run")
+    for f in c.findings:
+        lines.append(f"- **{f.status}** `{f.code}` ({f.severity}): {f.title}")
     lines += [
         "",
         "### Phases",
@@ -190,9 +207,4 @@ def render_compare_markdown(c: Comparison) -> str:
         if c.buckets_note:
             lines += [f"_{c.buckets_note}_", ""]
         lines += _md_table(bucket_rows(c))
-    lines += ["", "### Findings", ""]
-    if not c.findings:
-        lines.append("none in either run")
-    for f in c.findings:
-        lines.append(f"- **{f.status}** `{f.code}` ({f.severity}): {f.title}")
     return "\n".join(lines) + "\n"

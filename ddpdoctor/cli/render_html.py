@@ -15,11 +15,20 @@ from typing import Any
 from ddpdoctor.analysis import Report
 from ddpdoctor.analysis.compare import Comparison
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding
+from ddpdoctor.analysis.live_view import hosts_text
 from ddpdoctor.analysis.plot_data import PlotData
 from ddpdoctor.analysis.report import REPORTED
 from ddpdoctor.analysis.sizes import human_bytes
 from ddpdoctor.cli.render_compare import render_compare, run_ranks_text
-from ddpdoctor.cli.render_text import ended_text, render, world_text
+from ddpdoctor.cli.render_text import (
+    LISTED_OUT_OF_LINE,
+    ended_text,
+    many_ranks,
+    out_of_line_lines,
+    render,
+    short_rank_lists,
+    world_text,
+)
 
 #: Stacked per rank, in timeline order: together they make up the step.
 STACKED = [
@@ -137,13 +146,13 @@ def _ms(v: float | None) -> str:
 
 
 def _finding(f: Finding) -> str:
-    where = f" · ranks {_esc(f.ranks)}" if f.ranks else ""
+    where = f" · ranks {_esc(short_rank_lists(str(f.ranks)))}" if f.ranks else ""
     at = f" · from step {f.step}" if f.step is not None else ""
     evidence = json.dumps(f.evidence, indent=2, default=str)
     return (
         f'<div class="finding {_esc(f.severity)}"><span class="sev">{_esc(f.severity)}</span> '
-        f'<code>{_esc(f.code)}</code>: <b>{_esc(f.title)}</b><span class="facts">{where}{at}</span>'
-        f"<p>{_esc(f.detail)}</p><h3>Fix</h3><pre>{_esc(f.fix)}</pre>"
+        f'<code>{_esc(f.code)}</code>: <b>{_esc(short_rank_lists(f.title))}</b><span class="facts">{where}{at}</span>'
+        f"<p>{_esc(short_rank_lists(f.detail))}</p><h3>Fix</h3><pre>{_esc(f.fix)}</pre>"
         f"<details><summary>Evidence</summary><pre>{_esc(evidence)}</pre></details></div>"
     )
 
@@ -168,14 +177,15 @@ def _step_figure(data: PlotData) -> dict[str, Any]:
     return {"data": traces, "layout": _layout(title, "step", "ms")}
 
 
-def _phase_figure(report: Report) -> dict[str, Any]:
-    ranks = [f"rank {r['rank']}" for r in report.ranks]
+def _phase_figure(report: Report, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stacked phases of ``entries`` (every rank, or the ranks out of line and the others' medians)."""
+    ranks = [f"rank {r['rank']}" if isinstance(r["rank"], int) else str(r["rank"]) for r in entries]
     traces = [
         {
             "type": "bar",
             "name": name,
             "x": ranks,
-            "y": [r["medians_ms"].get(name) or 0.0 for r in report.ranks],
+            "y": [r["medians_ms"].get(name) or 0.0 for r in entries],
             "marker": {"color": color},
         }
         for name, color in STACKED
@@ -186,7 +196,7 @@ def _phase_figure(report: Report) -> dict[str, Any]:
             "mode": "markers",
             "name": "bucket_wait (inside the above)",
             "x": ranks,
-            "y": [r["medians_ms"].get("bucket_wait") or 0.0 for r in report.ranks],
+            "y": [r["medians_ms"].get("bucket_wait") or 0.0 for r in entries],
             "marker": {"symbol": "diamond", "size": 9, "color": "#222"},
         }
     )
@@ -249,41 +259,81 @@ def _timeline_figure(data: PlotData) -> dict[str, Any]:
     }
 
 
-def render_report_html(report: Report, data: PlotData) -> str:
-    """The report as one self-contained HTML page (text content, plots, findings with evidence and fix)."""
+def _rank_table(ranks: list[dict[str, Any]]) -> str:
+    return _table(
+        ["rank", "host", "status", "steps", *REPORTED],
+        [
+            [
+                _esc(r["rank"]),
+                _esc(r["host"] or "?"),
+                _esc(r["status"]),
+                _esc(r["steps"]),
+                *(_ms(r["medians_ms"].get(c)) for c in REPORTED),
+            ]
+            for r in ranks
+        ],
+        left=3,
+    )
+
+
+def _others_medians(report: Report, listed: dict[Any, int]) -> dict[str, float | None]:
+    """The median over the ranks not listed out of line of each reported phase."""
+    out: dict[str, float | None] = {}
+    for name in REPORTED:
+        values = sorted(
+            v for r in report.ranks if r["rank"] not in listed and (v := r["medians_ms"].get(name)) is not None
+        )
+        out[name] = values[len(values) // 2] if values else None
+    return out
+
+
+def render_report_html(report: Report, data: PlotData, all_ranks: bool = False) -> str:
+    """The report as one self-contained HTML page (text content, plots, findings with evidence and
+    fix): the findings, the ranks and hosts out of line, then the plots; every rank's row in a
+    collapsed section where there are many (open with ``all_ranks``)."""
     run, stats = report.run, report.stats
     page = _Page(f"ddpdoctor report: {run['dir']}")
     page.add(
         f'<h1>ddpdoctor report</h1><p class="facts"><code>{_esc(run["dir"])}</code><br>'
         f"world size {_esc(world_text(run))}, backend {_esc(run['backend'])}, torch {_esc(run['torch'])}, "
-        f"device {_esc(run['device'])}, {_esc(stats['steps'])} steps, "
+        f"device {_esc(run['device'])}, {_esc(hosts_text(run['hosts']) or '?')}, {_esc(stats['steps'])} steps, "
         f"{_esc(ended_text(report, 'not finished'))}</p>"
     )
     findings = sorted(report.findings, key=lambda f: -SEVERITY_ORDER[f.severity])
     page.add(f"<h2>Findings ({len(findings)})</h2>")
     page.add("".join(_finding(f) for f in findings) or "<p>No findings.</p>")
-    page.add("<h2>Per-rank medians (ms)</h2>")
-    cols = REPORTED
-    page.add(
-        _table(
-            ["rank", "host", "status", "steps", *cols],
-            [
-                [
-                    _esc(r["rank"]),
-                    _esc(r["host"] or "?"),
-                    _esc(r["status"]),
-                    _esc(r["steps"]),
-                    *(_ms(r["medians_ms"].get(c)) for c in cols),
-                ]
-                for r in report.ranks
-            ],
-            left=3,
+    view = report.stats.get("out_of_line") or {}
+    listed = [o for o in view.get("ranks", []) if not o["in_host"]]
+    order = {o["rank"]: i for i, o in enumerate(listed[:LISTED_OUT_OF_LINE])}
+    out_rows = sorted((r for r in report.ranks if r["rank"] in order), key=lambda r: order[r["rank"]])
+    many = many_ranks(report)
+    ahead = out_of_line_lines(report)
+    if many or listed:
+        page.add(f"<h2>Out of line ({len(listed)} of {len(report.ranks)} ranks, worst first)</h2>")
+        page.add(
+            "<ul>" + "".join(f"<li>{_esc(line)}</li>" for line in (ahead if many else ahead[: len(listed)])) + "</ul>"
         )
-    )
+    if many and out_rows:
+        page.add("<h3>Per-rank medians (ms) of the ranks out of line</h3>")
+        page.add(_rank_table(out_rows))
+    if many:
+        opened = " open" if all_ranks else ""
+        page.add(
+            f"<details{opened}><summary>Per-rank medians (ms) of every rank ({len(report.ranks)})</summary>"
+            f"{_rank_table(report.ranks)}</details>"
+        )
+    else:
+        page.add("<h2>Per-rank medians (ms)</h2>")
+        page.add(_rank_table(report.ranks))
     page.add("<h2>Step time</h2>")
     page.figure(_step_figure(data))
     page.add("<h2>Phase breakdown</h2>")
-    page.figure(_phase_figure(report), height=max(360, 300 + 4 * len(report.ranks)))
+    entries = report.ranks
+    if many:  # the ranks out of line beside the median of the others (every rank: the table above)
+        within = (view.get("within_noise") or [{}])[0]
+        others = {"rank": f"{within.get('count', 0)} others (median)", "medians_ms": _others_medians(report, order)}
+        entries = [*out_rows, others]
+    page.figure(_phase_figure(report, entries), height=max(360, 300 + 4 * len(entries)))
     page.add(
         '<h2>Bucket arrival</h2><p class="facts">How late each rank reaches each collective (the buffer '
         "broadcast, then each gradient bucket), behind the earliest rank, on aligned clocks. The ranks that "

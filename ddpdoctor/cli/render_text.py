@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ddpdoctor.analysis import Report
 from ddpdoctor.analysis.findings import SEVERITY_ORDER
-from ddpdoctor.analysis.groups import groups_text
+from ddpdoctor.analysis.groups import groups_text, ranks_text
+from ddpdoctor.analysis.live_view import hosts_text
+from ddpdoctor.analysis.report import SUMMARISED
 from ddpdoctor.analysis.sizes import human_bytes
+
+#: Up to this many ranks the report shows every rank's row; above, the ranks out of line, the rest
+#: summarised and the hosts rolled up (``--all-ranks`` adds every rank's row; JSON has them all).
+ALL_RANKS_UP_TO = 16
+#: At most this many ranks and hosts out of line are listed one per line; the rest are counted.
+LISTED_OUT_OF_LINE = 20
 
 _COLUMNS = [
     ("step", "step"),
@@ -43,6 +52,61 @@ def rank_table(ranks: list[dict[str, Any]]) -> list[str]:
         )
         for row in rows
     ]
+
+
+def _group_summary(summary: dict[str, Any], what: str) -> str:
+    """ "254 ranks within noise: step 119.0 ms [118.9, 119.1], forward 24.2 ms, ..." """
+    step = summary.get("step_ms")
+    parts = [f"step {step[0]:.1f} ms [{step[1]:.1f}, {step[2]:.1f}]"] if step else []
+    parts += [
+        f"{words} {value:.1f} ms"
+        for name, words in SUMMARISED
+        if (value := (summary.get("medians_ms") or {}).get(name)) is not None
+    ]
+    n = summary["count"]
+    return f"{n} {what}{'s' if n != 1 else ''} within noise: {', '.join(parts) or 'no steps'}"
+
+
+def out_of_line_lines(report: Report, limit: int = LISTED_OUT_OF_LINE) -> list[str]:
+    """The ranks and hosts out of line, worst first (at most ``limit``), then the rest of the ranks
+    summarised per DDP group, then the hosts rolled up: one line each (no indent), what the text,
+    Markdown and HTML reports lead with. Empty for a report without that view."""
+    view = report.stats.get("out_of_line")
+    if not view:
+        return []
+    entries: list[tuple[tuple[int, float], str]] = []
+    for i, o in enumerate(view["ranks"]):
+        if not o["in_host"]:
+            host = f" ({o['host']})" if o.get("host") else ""
+            entries.append(((i, 0.0), f"rank {o['rank']}{host}: {'; '.join(o['reasons'])}"))
+    # a host after the ranks that cost the others more, before the ones that only stand out
+    first_plain = next(
+        (i for i, o in enumerate(view["ranks"]) if not o["status"] and not o["cost_ms"] and not o["in_host"]),
+        len(view["ranks"]),
+    )
+    for j, h in enumerate(view["hosts"]):
+        ranks = f" (ranks {ranks_text(h['ranks'])})" if h["ranks"] else ""
+        entries.append(((first_plain, -1.0 + j / 1e6), f"host {h['host']}{ranks}: {'; '.join(h['reasons'])}"))
+    entries.sort(key=lambda e: e[0])
+    lines = [text for _, text in entries[:limit]]
+    if len(entries) > limit:
+        rest = [o["rank"] for o in view["ranks"] if not o["in_host"]][limit:]
+        lines.append(f"... and {len(entries) - limit} more out of line (ranks {ranks_text(sorted(rest))}; --all-ranks)")
+    groups = view["within_noise"]
+    for g in groups:
+        where = f" of ranks {g['group']}" if len(groups) > 1 else ""
+        lines.append(_group_summary(g, "rank") + where)
+    nodes = view["nodes"]
+    if nodes["count"] >= 2:
+        size = nodes["ranks_per_host"]
+        each = f"{size[0]} ranks each" if size[0] == size[1] else f"{size[0]} to {size[1]} ranks each"
+        named = ", ".join(h["host"] for h in view["hosts"])
+        out = f"; {named} out of line (above)" if named else ""
+        lines.append(
+            f"{nodes['count']} hosts, {each}{out}; by host (medians of each host's ranks): "
+            + _group_summary(nodes["within_noise"], "host")
+        )
+    return lines
 
 
 def _stream_note(report: Report) -> str | None:
@@ -147,14 +211,57 @@ def ended_text(report: Report, unfinished: str) -> str:
     return f"ended by a signal ({'; '.join(parts)})"
 
 
-def render(report: Report) -> str:
-    """The whole report as readable text."""
+def _hosts(run: dict[str, Any]) -> str:
+    text = hosts_text(run["hosts"])
+    return text if " hosts: " in text else f"hosts {text or '?'}"
+
+
+def _findings(report: Report) -> list[str]:
+    if not report.findings:
+        return ["No findings."]
+    lines = [f"Findings ({len(report.findings)}):"]
+    for f in sorted(report.findings, key=lambda f: -SEVERITY_ORDER[f.severity]):
+        where = f" ranks {_finding_ranks(f.ranks)}" if f.ranks else ""
+        at = f" from step {f.step}" if f.step is not None else ""
+        fix = f.fix.replace("\n", "\n           ")
+        lines += [
+            f"  [{f.severity}] {f.code}: {short_rank_lists(f.title)}{where}{at}",
+            *("      " + line for line in short_rank_lists(f.detail).splitlines()),
+            f"      fix: {fix}",
+        ]
+    return lines
+
+
+#: A list of ranks longer than this is written in ranges ("0-199,201-2047 (2047 ranks)").
+LISTED_RANKS = 8
+_RANK_LIST = re.compile(r"\[(\d+(?:, \d+){" + str(LISTED_RANKS) + r",})\]")
+
+
+def _finding_ranks(ranks: list[int]) -> str:
+    """A finding's ranks: as a list up to a few, else in ranges (a finding may name hundreds)."""
+    return str(ranks) if len(ranks) <= LISTED_RANKS else f"{ranks_text(sorted(ranks))} ({len(ranks)} ranks)"
+
+
+def short_rank_lists(text: str) -> str:
+    """``text`` with every long list of ranks ("ranks [0, 1, 2, ..., 2047]" in a finding's words)
+    in ranges: at 2,048 ranks one such list would be a screen of numbers."""
+    return _RANK_LIST.sub(lambda m: _finding_ranks([int(v) for v in m.group(1).split(", ")]), text)
+
+
+def many_ranks(report: Report) -> bool:
+    """Whether the report is at a size where it shows the ranks out of line instead of every rank."""
+    return len(report.ranks) > ALL_RANKS_UP_TO
+
+
+def render(report: Report, all_ranks: bool = False) -> str:
+    """The whole report as readable text: the run, the findings, the ranks and hosts out of line
+    and the rest summarised, then every rank's row where there are few (or ``all_ranks``)."""
     run, stats = report.run, report.stats
     opts = run.get("ddp_options") or {}
     lines = [
         f"ddpdoctor report: {run['dir']}",
         f"  world size {world_text(run)}, backend {run['backend']}, torch {run['torch']}, "
-        f"device {run['device']}, hosts {', '.join(run['hosts']) or '?'}",
+        f"device {run['device']}, {_hosts(run)}",
         f"  {stats['steps']} steps, {ended_text(report, 'not finished (still running, or a rank died)')}",
         *([f"  {bare}"] if (bare := bare_text(stats)) else []),
         *([f"  {models}"] if (models := models_text(run)) else []),
@@ -181,41 +288,55 @@ def render(report: Report) -> str:
         lines.append(f"  skipped {run['corrupt_lines']} corrupt and {run['unknown_lines']} unknown log lines")
     if stream := _stream_note(report):
         lines.append(f"  {stream}")
-    lines += ["", "Per-rank medians (ms):"]
-    lines += ["  " + line for line in rank_table(report.ranks)]
-    if lost := _lost_line(report):
-        lines.append(f"  {lost}")
+    lines += ["", *_findings(report)]
+    many = many_ranks(report)
+    ahead = out_of_line_lines(report)
+    view = report.stats.get("out_of_line") or {}
+    listed = [o for o in view.get("ranks", []) if not o["in_host"]]
+    if many:
+        n_hosts = view.get("nodes", {}).get("count", 0)
+        hosts = view.get("hosts", [])
+        in_hosts = sum(len(h["ranks"]) for h in hosts)
+        lines += [
+            "",
+            f"Out of line, worst first: {len(listed)} of {len(report.ranks)} ranks on their own, "
+            f"{len(hosts)} of {n_hosts} hosts ({in_hosts} ranks):",
+        ]
+        lines += ["  " + line for line in ahead]
+    elif listed:
+        lines += ["", "Out of line (worst first):"]
+        lines += ["  " + line for line in ahead[: len(listed)]]
+    if many and not all_ranks:
+        shown = {o["rank"] for o in listed[:LISTED_OUT_OF_LINE]}
+        rows = [r for r in report.ranks if r["rank"] in shown]
+        order = {o["rank"]: i for i, o in enumerate(listed)}
+        rows.sort(key=lambda r: order[r["rank"]])
+        if rows:
+            lines += ["", "Per-rank medians (ms) of the ranks out of line:"]
+            lines += ["  " + line for line in rank_table(rows)]
+        lines.append(f"  every rank's row: ddpdoctor report {report.run['dir']} --all-ranks (or --format json)")
+    else:
+        lines += ["", "Per-rank medians (ms):"]
+        lines += ["  " + line for line in rank_table(report.ranks)]
+        if not many and (lost := _lost_line(report)):
+            lines.append(f"  {lost}")
     buckets = stats.get("buckets") or []
     if buckets:
         total = sum(b["bytes"] for b in buckets)
         sizes = ", ".join(human_bytes(b["bytes"]) for b in buckets)
         rebuilt = " (rebuilt after the first step)" if stats.get("layout_rebuilt") else ""
         lines += ["", f"Buckets: {len(buckets)}, {human_bytes(total)} per step{rebuilt}: {sizes}"]
-    lines.append("")
-    if not report.findings:
-        lines.append("No findings.")
-    else:
-        lines.append(f"Findings ({len(report.findings)}):")
-        for f in sorted(report.findings, key=lambda f: -SEVERITY_ORDER[f.severity]):
-            where = f" ranks {f.ranks}" if f.ranks else ""
-            at = f" from step {f.step}" if f.step is not None else ""
-            fix = f.fix.replace("\n", "\n           ")
-            lines += [
-                f"  [{f.severity}] {f.code}: {f.title}{where}{at}",
-                *("      " + line for line in f.detail.splitlines()),
-                f"      fix: {fix}",
-            ]
     return "\n".join(lines) + "\n"
 
 
-def render_markdown(report: Report) -> str:
-    """The report as Markdown (for CI summaries, issues, notebooks)."""
+def render_markdown(report: Report, all_ranks: bool = False) -> str:
+    """The report as Markdown (for CI summaries, issues, notebooks), in the text report's order."""
     run, stats = report.run, report.stats
     lines = [
         f"# ddpdoctor report: `{run['dir']}`",
         "",
         f"World size {world_text(run)}, backend {run['backend']}, torch {run['torch']}, device {run['device']}, "
-        f"{stats['steps']} steps, {ended_text(report, 'not finished')}.",
+        f"{stats['steps']} steps, {ended_text(report, 'not finished')}; {_hosts(run)}.",
     ]
     if run["missing_ranks"]:
         lines.append(f"Missing rank files: {run['missing_ranks']}.")
@@ -224,30 +345,16 @@ def render_markdown(report: Report) -> str:
             lines.append(note[0].upper() + note[1:] + ".")
     if run["corrupt_lines"] or run["unknown_lines"]:
         lines.append(f"Skipped {run['corrupt_lines']} corrupt and {run['unknown_lines']} unknown log lines.")
-    lines += [
-        "",
-        "## Per-rank medians (ms)",
-        "",
-        "| rank | host | steps | status | " + " | ".join(short for _, short in _COLUMNS) + " |",
-        "|---|---|---:|---|" + "---:|" * len(_COLUMNS),
-    ]
-    for r in report.ranks:
-        m = r["medians_ms"]
-        lines.append(
-            f"| {r['rank']} | {r['host'] or '?'} | {r['steps']} | {r['status']} | "
-            + " | ".join(_ms(m.get(name)) for name, _ in _COLUMNS)
-            + " |"
-        )
     lines += ["", "## Findings", ""]
     if not report.findings:
         lines.append("No findings.")
     for f in sorted(report.findings, key=lambda f: -SEVERITY_ORDER[f.severity]):
-        where = f", ranks {f.ranks}" if f.ranks else ""
+        where = f", ranks {_finding_ranks(f.ranks)}" if f.ranks else ""
         at = f", from step {f.step}" if f.step is not None else ""
         lines += [
-            f"### {f.severity}: `{f.code}`: {f.title}",
+            f"### {f.severity}: `{f.code}`: {short_rank_lists(f.title)}",
             "",
-            f"{f.detail} ({f.code}{where}{at})",
+            f"{short_rank_lists(f.detail)} ({f.code}{where}{at})",
             "",
             "Fix:",
             "",
@@ -256,4 +363,34 @@ def render_markdown(report: Report) -> str:
             "```",
             "",
         ]
+    many = many_ranks(report)
+    view = report.stats.get("out_of_line") or {}
+    listed = [o for o in view.get("ranks", []) if not o["in_host"]]
+    ahead = out_of_line_lines(report)
+    if many or listed:
+        lines += ["", "## Out of line (worst first)", ""]
+        lines += [f"- {line}" for line in (ahead if many else ahead[: len(listed)])]
+    rows = report.ranks
+    if many and not all_ranks:
+        shown = {o["rank"] for o in listed[:LISTED_OUT_OF_LINE]}
+        order = {o["rank"]: i for i, o in enumerate(listed)}
+        rows = sorted((r for r in report.ranks if r["rank"] in shown), key=lambda r: order[r["rank"]])
+    if rows:
+        title = "Per-rank medians (ms)" + (" of the ranks out of line" if rows is not report.ranks else "")
+        lines += [
+            "",
+            f"## {title}",
+            "",
+            "| rank | host | steps | status | " + " | ".join(short for _, short in _COLUMNS) + " |",
+            "|---|---|---:|---|" + "---:|" * len(_COLUMNS),
+        ]
+        for r in rows:
+            m = r["medians_ms"]
+            lines.append(
+                f"| {r['rank']} | {r['host'] or '?'} | {r['steps']} | {r['status']} | "
+                + " | ".join(_ms(m.get(name)) for name, _ in _COLUMNS)
+                + " |"
+            )
+    if many and not all_ranks:
+        lines += ["", "Every rank's row: `--all-ranks`, or `--format json`."]
     return "\n".join(lines).rstrip() + "\n"

@@ -27,9 +27,12 @@ def train(rank: int, world: int, run_dir: str) -> None:
     model = DDP(Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)
-    with ddpdoctor.instrument(model, run_dir=run_dir):
+    with ddpdoctor.instrument(model, run_dir=run_dir) as monitor:
         for step in range(40):
             if rank == 1 and step == 20:
+                # what it logged so far is on disk (a process that ran a while has written its
+                # steps; a loaded machine can keep 20 short steps in the writer's queue)
+                monitor.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
             x, y = batch(gen)
             loss = ((model(x) - y) ** 2).mean()

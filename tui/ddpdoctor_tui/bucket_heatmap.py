@@ -41,7 +41,9 @@ class BucketHeatmap(ScrollView):
         self.selected: int | None = None
         self._ranks: list[int] = []
 
-    def show(self, snap: LiveSnapshot, selected: int | None) -> None:
+    def show(self, snap: LiveSnapshot, selected: int | None, at_scale: bool = False) -> None:
+        """Draw ``snap``'s heatmap with ``selected``'s row marked; ``at_scale``: the slowest ranks
+        (what they cost the others) and the latest at this step first, not the lowest ranks."""
         heat = snap.heatmap
         self.heat, self.selected = heat, selected
         if heat is None:
@@ -61,6 +63,11 @@ class BucketHeatmap(ScrollView):
         else:
             self.border_subtitle = "all ranks on time"
         self._ranks = list(heat.late_ms)
+        if at_scale:
+            self.border_title += ", slowest and latest first"
+            cost = {r.rank: r.lost_for_others_ms or 0.0 for r in snap.ranks}
+            late = {rank: max(row, default=0.0) for rank, row in heat.late_ms.items()}
+            self._ranks.sort(key=lambda rank: (-cost.get(rank, 0.0), -late[rank], rank))
         self.virtual_size = Size(6 + CELL * len(heat.collectives), 1 + len(self._ranks))
         self.refresh()
 

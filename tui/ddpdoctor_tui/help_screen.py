@@ -18,6 +18,10 @@ KEYS: tuple[tuple[str, str], ...] = (
     ("end", "follow the latest step again"),
     ("up / down", "select a rank in the ranks table (rank detail and heatmap follow it)"),
     ("f", "filter findings: all, warning and worse, errors only"),
+    ("s / click a header", "sort the ranks: cost to others, late, step, bwd, fwd, wait, rank, host (again: reversed)"),
+    ("/", "filter the ranks by rank (3, 96-103) or host name (enter or escape closes it)"),
+    ("n", "one row per host (medians of its ranks), or per rank again"),
+    ("w", "above 16 ranks: the rank detail follows the worst rank again (after up/down picked one)"),
     ("?", "this help"),
     ("q", "quit"),
 )

@@ -10,7 +10,7 @@ from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
-from textual.widgets import DataTable, Footer
+from textual.widgets import DataTable, Footer, Input
 
 from ddpdoctor.analysis.live_run import HISTORY
 from ddpdoctor.analysis.live_view import LiveSnapshot
@@ -40,6 +40,11 @@ class WatchApp(App[None]):
         Binding("end", "follow", "Latest", priority=True),
         Binding("f", "filter_findings", "Filter findings"),
         Binding("question_mark", "help", "Help"),
+        # at hundreds of ranks: sort, filter by rank or host, roll up per host, back to the worst
+        Binding("s", "cycle_sort", "Sort", show=False),
+        Binding("slash", "rank_filter", "Filter ranks", show=False),
+        Binding("n", "toggle_nodes", "Per host", show=False),
+        Binding("w", "follow_worst", "Worst rank", show=False),
     ]
 
     def __init__(
@@ -66,6 +71,7 @@ class WatchApp(App[None]):
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
         yield RanksTable(id="ranks")
+        yield Input(placeholder="ranks (3, 96-103) or host names; enter: apply, escape: close", id="rank-filter")
         with Horizontal(id="middle"):
             yield BucketHeatmap(id="heatmap")
             yield RankDetail(id="detail")
@@ -93,14 +99,16 @@ class WatchApp(App[None]):
 
     @on(SnapshotReady)
     def _show(self, message: SnapshotReady) -> None:
+        if not self.query(RanksTable):
+            return  # the app is closing: the screen is gone
         self.snapshot = snap = message.snapshot
         if self.paused and self.view_step is None and snap.view_step is not None:
             self._set_view(snap.view_step)  # paused before any step was complete: hold the first one
-        self.query_one(RunHeader).show(snap, self.paused)
         table = self.query_one(RanksTable)
         table.show(snap)
-        selected = table.selected_rank()
-        self.query_one(BucketHeatmap).show(snap, selected)
+        self.query_one(RunHeader).show(snap, self.paused, table.judged)  # (the table judged the ranks)
+        selected = table.detail_rank()
+        self.query_one(BucketHeatmap).show(snap, selected, at_scale=table.at_scale)
         self.query_one(StepChart).show(snap)
         self.query_one(FindingsPanel).show(snap.findings)
         self.query_one(RankDetail).show(snap, selected)
@@ -112,10 +120,40 @@ class WatchApp(App[None]):
 
     @on(DataTable.RowHighlighted)
     def _rank_selected(self, message: DataTable.RowHighlighted) -> None:
-        if self.snapshot is not None:
-            rank = self.query_one(RanksTable).selected_rank()
+        self._show_detail()
+
+    def _show_detail(self) -> None:
+        tables = self.query(RanksTable)  # (none once the app is closing: a late highlight)
+        if self.snapshot is not None and tables:
+            table = tables.first()
+            rank = table.detail_rank()
             self.query_one(RankDetail).show(self.snapshot, rank)
-            self.query_one(BucketHeatmap).show(self.snapshot, rank)
+            self.query_one(BucketHeatmap).show(self.snapshot, rank, at_scale=table.at_scale)
+
+    def _reshow_ranks(self) -> None:
+        """Lay the ranks table out again now (a sort, a filter, the roll-up), not at the next tick."""
+        if self.snapshot is not None:
+            self.query_one(RanksTable).show(self.snapshot)
+            self._show_detail()
+
+    @on(DataTable.HeaderSelected)
+    def _sort_by_header(self, message: DataTable.HeaderSelected) -> None:
+        self.query_one(RanksTable).sort_by(str(message.column_key.value))
+        self._reshow_ranks()
+
+    @on(Input.Changed, "#rank-filter")
+    def _filter_changed(self, message: Input.Changed) -> None:
+        self.query_one(RanksTable).filter_text = message.value
+        self._reshow_ranks()
+
+    @on(Input.Submitted, "#rank-filter")
+    def _filter_done(self, message: Input.Submitted) -> None:
+        self._close_filter()
+
+    def _close_filter(self) -> None:
+        box = self.query_one("#rank-filter", Input)
+        box.display = False
+        self.query_one(RanksTable).focus()
 
     # -- actions --------------------------------------------------------------------------------
 
@@ -126,7 +164,7 @@ class WatchApp(App[None]):
             self._watcher.view_step = step
             self._watcher.wake()
         if self.snapshot is not None:
-            self.query_one(RunHeader).show(self.snapshot, self.paused)
+            self.query_one(RunHeader).show(self.snapshot, self.paused, self.query_one(RanksTable).judged)
 
     def action_pause(self) -> None:
         """Hold the view on the step shown now; again: follow the latest step."""
@@ -156,6 +194,33 @@ class WatchApp(App[None]):
     def action_filter_findings(self) -> None:
         floor = self.query_one(FindingsPanel).cycle_filter()
         self.notify(f"findings: {floor} and worse", timeout=2)
+
+    def action_cycle_sort(self) -> None:
+        """Sort the ranks table by the next column (cost to others, lateness, step time, ...)."""
+        label = self.query_one(RanksTable).cycle_sort()
+        self._reshow_ranks()
+        self.notify(f"ranks: sorted by {label}", timeout=2)
+
+    def action_rank_filter(self) -> None:
+        """Open the filter by rank or host under the ranks table (escape or enter closes it)."""
+        box = self.query_one("#rank-filter", Input)
+        box.display = True
+        box.focus()
+
+    def action_toggle_nodes(self) -> None:
+        """One row per host (the medians of its ranks), or one per rank again."""
+        table = self.query_one(RanksTable)
+        table.by_node = not table.by_node
+        self._reshow_ranks()
+
+    def action_follow_worst(self) -> None:
+        """The rank detail follows the worst rank again (after a rank was picked)."""
+        self.query_one(RanksTable).follow_worst()
+        self._show_detail()
+
+    def key_escape(self) -> None:
+        if self.query_one("#rank-filter", Input).display:
+            self._close_filter()
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
