@@ -57,6 +57,15 @@ class PerformanceWarning(DDPDoctorWarning):
     """Stragglers, exposed communication, bucket size."""
 
 
+class NonFiniteGradientWarning(DDPDoctorWarning):
+    """A rank's own gradient was NaN or infinite before the all-reduce (non-finite-gradient)."""
+
+
+class NotSynchronizedWarning(DDPDoctorWarning):
+    """Training that DDP does not synchronize: a parameter it does not reduce (param-not-reduced),
+    optimizer steps with no all-reduce behind them (gradients-never-synchronized)."""
+
+
 class HangWarning(DDPDoctorWarning):
     """No progress: a hang or a lost rank."""
 
@@ -77,6 +86,9 @@ CATEGORY_OF_CODE: dict[str, type[DDPDoctorWarning]] = {
     "bucket-size": PerformanceWarning,
     "hang": HangWarning,
     "rank-lost": HangWarning,
+    "non-finite-gradient": NonFiniteGradientWarning,
+    "param-not-reduced": NotSynchronizedWarning,
+    "gradients-never-synchronized": NotSynchronizedWarning,
 }
 
 
@@ -122,6 +134,8 @@ __all__ = [
     "DDPDoctorWarning",
     "HangWarning",
     "LogWriteWarning",
+    "NonFiniteGradientWarning",
+    "NotSynchronizedWarning",
     "PerformanceWarning",
     "ProbeDisabledWarning",
     "ReplicaDivergenceWarning",

@@ -20,6 +20,7 @@ from ddpdoctor.analysis.comm_hooks import comm_hook_name
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding, Severity
 from ddpdoctor.analysis.from_run import bucket_size_in_run, hangs_in_run, lost_in_run
 from ddpdoctor.analysis.groups import ddp_groups, group_arrivals
+from ddpdoctor.analysis.nonfinite import nonfinite_in_run
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
 from ddpdoctor.analysis.straggler import (
@@ -103,7 +104,7 @@ def _from_record(r: FindingRecord) -> Finding:
 #: Codes a rank may log from evidence that is not in the log itself (``check_replicas`` compares
 #: the ranks on demand, between sampled fingerprints). Every other code is derived from the log
 #: again, and the derivation, which sees the whole run, wins over what was said live.
-LOGGED_EVIDENCE_CODES = {"replica-divergence", "buffer-divergence"}
+LOGGED_EVIDENCE_CODES = {"replica-divergence", "buffer-divergence", "gradients-never-synchronized"}
 
 
 def _whole_run(f: Finding, run: Run, looked_at: int) -> Finding:
@@ -153,6 +154,7 @@ def diagnose(run: Run, arrived: list[list[StepArrivals]] | None = None) -> list[
     derived += lost_in_run(run)
     derived += hangs_in_run(run)
     derived += bucket_size_in_run(run)
+    derived += nonfinite_in_run(run)  # (each rank's look before the all-reduce, across the ranks)
     codes = {f.code for f in derived}
     logged = [
         _from_record(r)

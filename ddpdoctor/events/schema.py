@@ -250,11 +250,13 @@ class Fingerprint(_Record, tag="fingerprint", kw_only=True):
     """
 
     step: int
-    param_norms: list[float] = []
-    param_sums: list[float] = []
+    # (None: not finite. JSON has no NaN or infinity, and the writer puts null in their place: a
+    # replica whose weights went NaN must still be read, not skipped as an unknown line)
+    param_norms: list[float | None] = []
+    param_sums: list[float | None] = []
     param_bits: list[int] = []
-    buffer_norms: list[float] = []
-    buffer_sums: list[float] = []
+    buffer_norms: list[float | None] = []
+    buffer_sums: list[float | None] = []
     buffer_bits: list[int] = []
     buffer_versions: list[int] = []
     after_broadcast: bool = False  # taken after DDP broadcast the buffers in this forward

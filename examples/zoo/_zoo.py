@@ -93,3 +93,14 @@ def launch(train: Train, world: int = 2) -> None:
         port = s.getsockname()[1]
     print(f"run dir: {run_dir}", flush=True)
     mp.spawn(_entry, args=(train, world, port, run_dir), nprocs=world)
+
+
+def plain_asked() -> bool:
+    """``--plain`` on the command line: the same training without ddpdoctor (losses compared)."""
+    return "--plain" in sys.argv[2:]
+
+
+def say_losses(rank: int, losses: list[float]) -> None:
+    """Every step's loss, exactly (float.hex): a run with ddpdoctor and one without must print the
+    same line."""
+    print(f"rank {rank} losses: {' '.join(x.hex() for x in losses)}", flush=True)
