@@ -35,7 +35,8 @@ from ddpdoctor.analysis.groups import arrivals_in_groups, ddp_groups, group_cloc
 from ddpdoctor.analysis.hang import hang_findings_in_groups
 from ddpdoctor.analysis.live_view import EMPTY_HEALTH, LiveSnapshot, StepTime
 from ddpdoctor.analysis.lost import RankTail, lost_ranks
-from ddpdoctor.analysis.nonfinite import CODE as NONFINITE, finding_from_evidence, origin_of
+from ddpdoctor.analysis.nonfinite import CODE as NONFINITE
+from ddpdoctor.analysis.nonfinite import finding_from_evidence, origin_of
 from ddpdoctor.analysis.straggler import stragglers
 from ddpdoctor.events import End, FindingRecord, Hang, Header, Layout, ProcSample, Step, Unused
 from ddpdoctor.runlog.source import RankRecord, RecordSource, SourceHealth

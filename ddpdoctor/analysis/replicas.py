@@ -12,8 +12,9 @@ from ddpdoctor.events import Fingerprint, Header
 
 RESYNC_FIX = (
     "Find what updates parameters outside DDP's gradient synchronization on some ranks: requires_grad changed "
-    "after wrapping (rebuild with ddpdoctor.rewrap), in-place edits of p.data on some ranks, rank-dependent "
-    "optimizer state. To put the replicas back in step (one tensor per call):\n"
+    "or a parameter replaced after wrapping (rebuild with ddpdoctor.rewrap), optimizer steps after backwards "
+    "that all ran inside no_sync(), in-place edits of p.data on some ranks, rank-dependent optimizer state. To "
+    "put the replicas back in step (one tensor per call):\n"
     "    for p in model.module.parameters():\n"
     "        torch.distributed.broadcast(p.data, src=0)"
 )
@@ -217,8 +218,12 @@ def compare_fingerprints(
                     f"{name_list(names)} are not identical on every rank: {since} "
                     f"(ranks {ranks} differ from the others; {_size_text(max(v[2] for v in bad.values()))}; "
                     f"steps compared: {_steps_text(compared)}). "
-                    "The cause ran between step "
-                    f"{last_equal if last_equal is not None else 'the start'} and step {first}."
+                    + (
+                        f"The cause ran between step {last_equal} and step {first}."
+                        if last_equal is not None
+                        else f"The cause ran before step {first}, the first step compared (DDP's constructor made "
+                        "every replica equal)."
+                    )
                 ),
                 evidence={
                     "names": names,

@@ -333,6 +333,7 @@ class Monitor:
         checks = getattr(self, "checks", None)
         if checks is not None:
             checks.end_sample()
+            checks.stop()
             checks.compiled_possible = torch_compat.compiled_autograd_possible
         attachment = getattr(self, "attachment", None)
         if attachment is not None:
