@@ -53,9 +53,7 @@ def rank_findings(
         flag_evidence = FlagEvidence.of(flags)
         out += params_not_reduced(header, flag_evidence, log.rank)
         orphans = orphaned(flag_evidence)  # (DDP's old tensor of a replacement: not an unused one)
-        out += unused_parameters(
-            header, unused, steps, log.rank, frozen=any(f.frozen for f in flags), orphaned=orphans
-        )
+        out += unused_parameters(header, unused, steps, log.rank, frozen=any(f.frozen for f in flags), orphaned=orphans)
         out += static_unused_set(header, unused, steps, log.rank, orphaned=orphans)
         out += constant_buffers(header, prints, steps, log.rank)
         out += buffer_broadcast_cost(header, steps, log.rank, bcast_cost_ms)

@@ -35,6 +35,7 @@ from ddpdoctor.runtime.probes import Probes
 from ddpdoctor.runtime.sampled_checks import SampledChecks
 from ddpdoctor.runtime.services import services
 from ddpdoctor.runtime.step_recorder import BATCH_NS, BATCH_STEPS, OpenStep, StepRecorder, unpack_marks
+from ddpdoctor.runtime.unsynced import UnsyncedUpdates
 from ddpdoctor.sinks import FileSink, NullSink, Sink, SinkError
 from ddpdoctor.sinks.file import log_mode
 from ddpdoctor.sinks.plain_columns import with_lists
@@ -232,6 +233,7 @@ class Monitor:
         )
         if attachment.native is not None:
             self.checks.compiled_possible = attachment.native.compiled_possible
+        self.unsynced = UnsyncedUpdates(self.checks.params, self.checks.reduced, self.rank)
         self.checks.exact_scaling = attachment.exact_scaling
         self.emit(attachment.header)
         if not self.header_written:
@@ -626,6 +628,13 @@ class Monitor:
                         native.routine = False
                 if on["checks"]:
                     try:
+                        # weights changed after a backward inside no_sync (read around no_sync forwards only)
+                        unsynced = self.unsynced
+                        if not sync or unsynced._noted is not None:
+                            ever = recorder.steps_closed > 0 or bool(step.ready)
+                            found = unsynced.on_forward(sync, step.index, ever)
+                            if found is not None:
+                                self.live.raise_findings([found])
                         self.checks.on_step_start(step.index, step.t0_mono_ns, sync, step is not previous)
                     except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                         self.probes.failed("checks", exc)
