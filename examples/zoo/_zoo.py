@@ -103,4 +103,6 @@ def plain_asked() -> bool:
 def say_losses(rank: int, losses: list[float]) -> None:
     """Every step's loss, exactly (float.hex): a run with ddpdoctor and one without must print the
     same line."""
-    print(f"rank {rank} losses: {' '.join(x.hex() for x in losses)}", flush=True)
+    sys.stdout.flush()
+    # one write of the whole line: the ranks share the pipe, and a line under PIPE_BUF stays whole
+    os.write(sys.stdout.fileno(), f"rank {rank} losses: {' '.join(x.hex() for x in losses)}\n".encode())
