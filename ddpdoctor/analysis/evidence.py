@@ -137,7 +137,7 @@ class BufferEvidence:
         self.last_step: int | None = None  # ... and of the latest
         self.last_complete = False  # the latest listed a version for every buffer of the header
         self.usable = 0  # fingerprints with versions and values for every buffer
-        self._reference: list[tuple[float, float, int]] = []  # values in the first usable fingerprint
+        self._reference: list[tuple[float | None, float | None, int]] = []  # values in the first usable fingerprint
         self._constant: list[bool] = []  # per buffer: unchanged in every usable fingerprint
 
     def add(self, record: Fingerprint) -> None:

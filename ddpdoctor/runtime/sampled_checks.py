@@ -264,7 +264,8 @@ class SampledChecks:
         now = dict(ddp.module.named_parameters())
         ours = self._ddp_ids
         ignored = self._ignored_names
-        replaced, added = [], []
+        replaced: list[str] = []
+        added: list[str] = []
         for name, p in now.items():
             if id(p) in ours or not p.requires_grad or name in ignored:
                 continue
@@ -424,15 +425,19 @@ class SampledChecks:
 
     def _deliver_fingerprint(self, meta: Any, norms: list[float], sums: list[float], bits: list[int]) -> None:
         step, n, versions, after_broadcast, final = meta
+        # (a norm or a sum that is not finite is null in the log: the record's lists admit None)
+        param_norms: list[float | None] = list(norms[:n])
+        buffer_norms: list[float | None] = list(norms[n:])
+        buffer_sums: list[float | None] = list(sums)
         self._emit(
             Fingerprint(
                 rank=self.rank,
                 ddp=self.ddp_index,
                 step=step,
-                param_norms=norms[:n],
+                param_norms=param_norms,
                 param_bits=bits[:n],
-                buffer_norms=norms[n:],
-                buffer_sums=sums,
+                buffer_norms=buffer_norms,
+                buffer_sums=buffer_sums,
                 buffer_bits=bits[n:],
                 buffer_versions=versions,
                 after_broadcast=after_broadcast,
