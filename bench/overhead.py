@@ -69,6 +69,21 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+#: ``--against TREE``: the ranks of the group started with this set import ddpdoctor from TREE
+#: (another checkout: the tree before a change), this script and its harness from this one.
+AGAINST_ENV = "DDPDOCTOR_BENCH_AGAINST"
+if os.environ.get(AGAINST_ENV):
+    import importlib.util
+
+    _package = Path(os.environ[AGAINST_ENV]) / "ddpdoctor"
+    _spec = importlib.util.spec_from_file_location(
+        "ddpdoctor", _package / "__init__.py", submodule_search_locations=[str(_package)]
+    )
+    assert _spec is not None and _spec.loader is not None
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["ddpdoctor"] = _module  # (its submodules are found under its own path from now on)
+    _spec.loader.exec_module(_module)
+
 from bench.harness import (
     Groups,
     RankFailure,
@@ -401,6 +416,7 @@ class Tool:
     group: str
     mode: str
     base_group: str
+    base_mode: str = "plain"  # what the base round runs ("ddpdoctor" for ``--against``: tree vs tree)
 
 
 def summarize(results: list[dict[str, Any]], models: list[str], tools: list[Tool]) -> dict[str, Any]:
@@ -514,6 +530,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler rows")
     parser.add_argument("--no-debug-env", action="store_true", help="skip the TORCH_DISTRIBUTED_DEBUG groups")
     parser.add_argument("--json", default=None, help="write the raw per-round results here")
+    parser.add_argument(
+        "--against",
+        default=None,
+        metavar="TREE",
+        help="also time ddpdoctor from this tree against ddpdoctor from TREE (another checkout, its native "
+        "hook built there: python -m ddpdoctor.runtime.native), each round paired with the other",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.pairs, args.steps = 1, 3
@@ -575,6 +598,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     info_tool = Tool("info", "TORCH_DISTRIBUTED_DEBUG=INFO", "info", "plain", "envplain")
 
+    if args.against:
+        tools.append(
+            Tool(
+                "against",
+                f"(trees) ddpdoctor, this tree vs {args.against}",
+                "main",
+                "ddpdoctor",
+                "against",
+                base_mode="ddpdoctor",
+            )
+        )
     workdir = tempfile.mkdtemp(prefix="ddpdoctor-bench-")
     started = time.monotonic()
     results: list[dict[str, Any]] = []
@@ -611,6 +645,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start("main", None)
         warm("main")
+        if args.against:
+            groups.start("against", None, env={AGAINST_ENV: str(Path(args.against).resolve())})
+            warm("against")
         if not args.no_debug_env:
             start("envplain", None)
             warm("envplain")
@@ -640,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
                 for k, tool in enumerate(rotated(tools, pair)):
                     for role in pair_roles(pair, k):
                         group = tool.base_group if role == "base" else tool.group
-                        mode = "plain" if role == "base" else tool.mode
+                        mode = tool.base_mode if role == "base" else tool.mode
                         schedule.append(
                             {
                                 "tool": tool.key,

@@ -287,3 +287,15 @@ def test_old_and_non_finite_records_decode() -> None:
     assert isinstance(old, GradFlags) and old.replaced == [] and old.added == []
     nan = decode(b'{"kind":"fingerprint","rank":0,"step":5,"param_norms":[null,1.0],"param_bits":[1,2]}')
     assert isinstance(nan, Fingerprint) and nan.param_norms == [None, 1.0]
+
+
+def test_a_skipped_step_with_finite_weights_is_a_warning_not_an_error() -> None:
+    skipped = {
+        r: rank_nonfinite(r, 4, [{"bucket": 0, "params": [{"name": "w", "nan": 0, "inf": 3}]}], weights_finite=True)
+        for r in (0, 1)
+    }
+    verdict = origin_of(skipped, 2)
+    assert verdict is not None and verdict.severity == "warning" and "skipped" in verdict.title
+    assert "GradScaler" in verdict.detail
+    spread = origin_of({0: skipped[0], 1: rank_nonfinite(1, 4, [], weights_finite=False)}, 2)
+    assert spread is not None and spread.severity == "error"

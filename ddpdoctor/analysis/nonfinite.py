@@ -67,29 +67,60 @@ def names_of(buckets: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
+SKIPPED = (
+    "The weights stayed finite after it: the optimizer step was skipped (a GradScaler does this with float16 "
+    "while it calibrates its scale, and then this is expected) or the update never used the gradient."
+)
+FIX_SKIPPED = (
+    "Nothing to do where a GradScaler skips the step (a few such steps at the start of a float16 run are how "
+    "it finds its scale). Many of them, or without a GradScaler: treat it as a bad batch or a diverging run "
+    "(lower the learning rate, clip the gradient norm)."
+)
+
+
 def rank_nonfinite(
-    rank: int, step: int, buckets: list[dict[str, Any]], last_step: int | None = None, device: str = "cpu"
+    rank: int,
+    step: int,
+    buckets: list[dict[str, Any]],
+    last_step: int | None = None,
+    device: str = "cpu",
+    weights_finite: bool | None = None,
 ) -> Finding:
     """What one rank saw: its first step with a bucket that was not finite before the all-reduce
     (``buckets``: [{"bucket": i, "params": [{"name", "nan", "inf"}]}]). ``last_step`` > ``step``:
-    the step is only known to lie in ``step``..``last_step`` (a GPU rank reads its flags lazily)."""
+    the step is only known to lie in ``step``..``last_step`` (a GPU rank reads its flags lazily).
+    ``weights_finite``: whether those parameters were still finite after the step (None: not
+    known); where they were, the step was skipped (a GradScaler's) and this is a warning."""
     names = names_of(buckets)
     where = ", ".join(f"bucket {b['bucket']}: {_counts(b)}" for b in buckets)
     when = f"step {step}" if last_step is None or last_step == step else f"steps {step}-{last_step}"
+    skipped = weights_finite is True
     return Finding(
         code=CODE,
-        severity="error",
+        severity="warning" if skipped else "error",
         ranks=[rank],
         step=step,
         title=f"Non-finite gradient on rank {rank} at {when}, before the all-reduce",
         detail=(
             f"Rank {rank}'s own gradients were not finite at {when}, before DDP averaged them ({where}). "
-            "The all-reduce spreads a NaN or an infinity to every rank: from the next step every replica's "
-            "gradients and weights are not finite. This rank sees only its own gradients: `ddpdoctor report` "
-            "compares the ranks and names the one(s) that went non-finite first."
+            + (
+                SKIPPED
+                if skipped
+                else "The all-reduce spreads a NaN or an infinity to every rank: from the next step every replica's "
+                "gradients and weights are not finite."
+            )
+            + " This rank sees only its own gradients: `ddpdoctor report` compares the ranks and names the one(s) "
+            "that went non-finite first."
         ),
-        fix=FIX_ONE_RANK.format(rank=rank, step=step),
-        evidence={"names": names, "step": step, "last_step": last_step, "buckets": buckets, "device": device},
+        fix=FIX_SKIPPED if skipped else FIX_ONE_RANK.format(rank=rank, step=step),
+        evidence={
+            "names": names,
+            "step": step,
+            "last_step": last_step,
+            "buckets": buckets,
+            "device": device,
+            "weights_finite": weights_finite,
+        },
     )
 
 
@@ -115,6 +146,19 @@ def origin_of(per_rank: Mapping[int, Finding], world_size: int) -> Finding | Non
         "first_step_by_rank": {str(r): s for r, s in sorted(steps.items())},
         "buckets_by_rank": {str(r): buckets[r] for r in origin},
     }
+    if all(per_rank[r].evidence.get("weights_finite") is True for r in origin):
+        # every origin rank's weights stayed finite: the step was skipped (a GradScaler's), nothing spread
+        return Finding(
+            code=CODE,
+            severity="warning",
+            ranks=origin,
+            step=first,
+            title=f"Non-finite gradients at {when} on rank(s) {', '.join(map(str, origin))}, step skipped",
+            detail=f"Gradients were not finite at {when}, before the all-reduce (parameters: {name_list(names)}). "
+            + SKIPPED,
+            fix=FIX_SKIPPED,
+            evidence={**evidence, "together": len(origin) >= 2 and 2 * len(origin) > world, "weights_finite": True},
+        )
     together = len(origin) >= 2 and 2 * len(origin) > world
     if together:
         everyone = len(origin) == world
@@ -170,6 +214,7 @@ def finding_from_evidence(rank: int, step: int | None, evidence: Mapping[str, An
         list(evidence.get("buckets", [])),
         evidence.get("last_step"),
         str(evidence.get("device", "cpu")),
+        evidence.get("weights_finite"),
     )
 
 
@@ -192,6 +237,12 @@ def nonfinite_in_run(run: Run) -> list[Finding]:
     out = []
     for members in groups:
         per_rank = per_rank_of({r: run.ranks[r].findings for r in members})
+        for r, f in list(per_rank.items()):
+            if f.evidence.get("weights_finite") is None:  # (a GPU rank's: its fingerprints say)
+                after = [fp for fp in run.ranks[r].fingerprints if f.step is not None and fp.step > f.step]
+                if after:
+                    finite = all(n is not None and n == n for fp in after for n in fp.param_norms)
+                    per_rank[r] = finding_from_evidence(r, f.step, {**f.evidence, "weights_finite": finite})
         found = origin_of(per_rank, len(members))
         if found is not None:
             out.append(found)

@@ -216,14 +216,13 @@ def compare_fingerprints(
                 step=first,
                 title=f"{len(names)} {what}(s) differ across ranks from step {first}",
                 detail=(
-                    f"{name_list(names)} are not identical on every rank: {since} "
+                    f"{name_list(names)} {'is' if len(names) == 1 else 'are'} not identical on every rank: {since} "
                     f"(ranks {ranks} differ from the others; {_size_text(max(v[2] for v in bad.values()))}; "
                     f"steps compared: {_steps_text(compared)}). "
                     + (
                         f"The cause ran between step {last_equal} and step {first}."
                         if last_equal is not None
-                        else f"The cause ran before step {first}, the first step compared (DDP's constructor made "
-                        "every replica equal)."
+                        else "The cause ran before it: DDP's constructor made every replica equal."
                     )
                 ),
                 evidence={

@@ -34,6 +34,7 @@ class NonFiniteWatch:
     def __init__(self, ddp: Any, rank: int) -> None:
         self.rank = rank
         named = list(ddp.module.named_parameters())
+        self._named = named
         self._by_cdata = {p._cdata: n for n, p in named}  # (the native side names TensorImpl addresses)
         self._by_id = {id(p): n for n, p in named}
         #: the word the native scale sets to 1 when a bucket is not finite (read: ``word.value``)
@@ -167,7 +168,18 @@ class NonFiniteWatch:
                 )
         if self.reported or not buckets:
             return None
-        return rank_nonfinite(self.rank, step, _merged(buckets))
+        merged = _merged(buckets)
+        return rank_nonfinite(self.rank, step, merged, weights_finite=self._weights_finite(merged))
+
+    def _weights_finite(self, buckets: list[dict[str, Any]]) -> bool | None:
+        """Whether the parameters whose gradients were not finite are finite now, after their step
+        (CPU: read here, once; False: the update took the NaN in). None: not known."""
+        wanted = {p["name"] for b in buckets for p in b["params"]}
+        params = [p for n, p in self._named if n in wanted]
+        if not params or any(p.is_cuda for p in params):
+            return None
+        with torch.no_grad():
+            return all(bool(torch.isfinite(p).all()) for p in params)
 
     def mark_reported(self) -> None:
         self.reported = True
