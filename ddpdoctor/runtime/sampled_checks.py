@@ -50,6 +50,9 @@ from ddpdoctor.runtime.fingerprints import Fingerprinter
 from ddpdoctor.runtime.used_map import UsedMap
 
 _requires_grad = operator.attrgetter("requires_grad")
+#: Walks of the model in a row, asked for by torch's registration hooks, that found nothing: then
+#: the hooks go (the process builds modules at every step) and the sampled steps walk it alone
+IDLE_WALKS = 32
 #: Synchronizing forwards in a row that sample again after a sample saw no gradient at all
 #: (bounded: a DDP model run forward with grad on and never backpropagated must not be sampled
 #: at every forward)
@@ -171,6 +174,7 @@ class SampledChecks:
         self.replaced: list[str] = []
         self.added: list[str] = []
         self.params_dirty = False
+        self._idle_walks = 0  # walks in a row that a registration asked for and found nothing
         self._registration_hooks = _registration_hooks(weakref.ref(self))
 
     @property
@@ -217,7 +221,14 @@ class SampledChecks:
         if self.params_dirty:
             self.params_dirty = False
             self._flag_bytes = bytes(self.flags)  # (the native check was made to fail: see mark_dirty)
-            self.check_params(step)
+            if self.check_params(step):
+                self._idle_walks = 0
+            else:
+                self._idle_walks += 1
+                if self._idle_walks >= IDLE_WALKS:
+                    # modules registered at every step that never touch this model (built inside a
+                    # forward): the hooks go, the sampled steps walk it alone
+                    self.stop()
         flags = list(map(_requires_grad, self.params))
         if flags == self.flags:
             return
@@ -255,11 +266,12 @@ class SampledChecks:
         self.params_dirty = True
         self._flag_bytes = b""
 
-    def check_params(self, step: int) -> None:
-        """The module's parameters now against the tensors DDP reduces (by identity): one walk."""
+    def check_params(self, step: int) -> bool:
+        """The module's parameters now against the tensors DDP reduces (by identity): one walk.
+        True where the module trains a tensor DDP does not hold, or did at the walk before."""
         ddp = self.ddp
         if ddp is None:
-            return
+            return False
         known = set(self.names)
         now = dict(ddp.module.named_parameters())
         ours = self._ddp_ids
@@ -274,9 +286,11 @@ class SampledChecks:
             self.current = [now.get(n, p) for n, p in zip(self.names, self.params, strict=True)]
         else:
             self.current = self.params
+        found = bool(replaced or added or self.replaced or self.added)
         if replaced != self.replaced or added != self.added:
             self.replaced, self.added = replaced, added
             self._emit_flags(step)
+        return found
 
     def stop(self) -> None:
         """Detached or closed: torch's global registration hooks go."""
