@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -299,3 +301,58 @@ def test_a_skipped_step_with_finite_weights_is_a_warning_not_an_error() -> None:
     assert "GradScaler" in verdict.detail
     spread = origin_of({0: skipped[0], 1: rank_nonfinite(1, 4, [], weights_finite=False)}, 2)
     assert spread is not None and spread.severity == "error"
+
+
+SENTINEL_SCRIPT = textwrap.dedent(
+    """
+    import socket, torch, torch.distributed as dist
+    from torch import nn
+    import ddpdoctor
+    from ddpdoctor.events import Fingerprint, GradFlags
+    from ddpdoctor.runtime import sampled_checks
+    from ddpdoctor.runtime.fingerprints import fold_bits, tensor_bits
+    from ddpdoctor.sinks.memory import MemorySink
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    ddp = nn.parallel.DistributedDataParallel(net, find_unused_parameters=True)
+    sink = MemorySink()
+    monitor = ddpdoctor.instrument(ddp, sink=sink, check_every=4)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    def step():
+        opt.zero_grad(); ddp(torch.randn(3, 4)).sum().backward(); opt.step()
+    for i in range(12):
+        if i == 5:
+            ddp.module[1].weight = nn.Parameter(torch.ones(2, 4))
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        if i == 6:
+            ddp.module.extra = nn.Linear(2, 2)
+        step()
+    # modules built at every step that never touch the model: the hooks go after IDLE_WALKS walks
+    for i in range(sampled_checks.IDLE_WALKS + 2):
+        nn.Linear(2, 2)
+        step()
+    hooks_gone = monitor.checks._registration_hooks == []
+    monitor.close()  # (its final fingerprint: the weights as the run ends)
+    flags = [r for r in sink.records if isinstance(r, GradFlags)]
+    print("@", [(r.step, r.replaced, r.added) for r in flags])
+    last = [r for r in sink.records if isinstance(r, Fingerprint)][-1]
+    now = fold_bits(int(tensor_bits([ddp.module[1].weight.detach()])[0]))
+    print("@", last.final and last.param_bits[2] == now)
+    print("@", hooks_gone)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_the_sentinel_names_a_replacement_at_the_next_forward_and_follows_it(native_built: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", SENTINEL_SCRIPT], capture_output=True, text=True, timeout=180, check=False, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line[2:] for line in out.stdout.splitlines() if line.startswith("@ ")]
+    # step 5's forward sees the replaced weight, step 6's the added head: each from its own step
+    assert lines[0] == "[(5, ['1.weight'], []), (6, ['1.weight'], ['extra.weight', 'extra.bias'])]", out.stdout
+    assert lines[1] == "True"  # the fingerprint reads the module's weight now, not DDP's orphan
+    assert lines[2] == "True"
+    assert "param-not-reduced" in out.stderr and "NotSynchronizedWarning" in out.stderr

@@ -50,7 +50,7 @@ from ddpdoctor.runtime.fingerprints import Fingerprinter
 from ddpdoctor.runtime.used_map import UsedMap
 
 _requires_grad = operator.attrgetter("requires_grad")
-#: Walks of the model in a row, asked for by torch's registration hooks, that found nothing: then
+#: Walks of the model in a row, asked for by torch's registration hooks, that found no change: then
 #: the hooks go (the process builds modules at every step) and the sampled steps walk it alone
 IDLE_WALKS = 32
 #: Synchronizing forwards in a row that sample again after a sample saw no gradient at all
@@ -268,7 +268,7 @@ class SampledChecks:
 
     def check_params(self, step: int) -> bool:
         """The module's parameters now against the tensors DDP reduces (by identity): one walk.
-        True where the module trains a tensor DDP does not hold, or did at the walk before."""
+        True where what it found changed since the walk before (and was logged)."""
         ddp = self.ddp
         if ddp is None:
             return False
@@ -286,11 +286,11 @@ class SampledChecks:
             self.current = [now.get(n, p) for n, p in zip(self.names, self.params, strict=True)]
         else:
             self.current = self.params
-        found = bool(replaced or added or self.replaced or self.added)
-        if replaced != self.replaced or added != self.added:
-            self.replaced, self.added = replaced, added
-            self._emit_flags(step)
-        return found
+        if replaced == self.replaced and added == self.added:
+            return False
+        self.replaced, self.added = replaced, added
+        self._emit_flags(step)
+        return True
 
     def stop(self) -> None:
         """Detached or closed: torch's global registration hooks go."""
