@@ -41,7 +41,20 @@ the granularity of short *rounds*:
   plain DDP with the native hook alone (ring never drained) and plain DDP with a minimal Python
   hook: native vs Python route vs plain, side by side.
 
-Usage: ``python bench/overhead.py [--pairs 7] [--steps 10] [--attribution] [--routes] [--model short]
+* ``--against TREE`` adds a row that times ddpdoctor from this tree against ddpdoctor from TREE
+  (another checkout, e.g. ``git archive <commit> | tar -x -C TREE``, its native hook built there
+  with ``python -m ddpdoctor.runtime.native``): a process group whose ranks import ddpdoctor from
+  TREE, each of its rounds paired with one of this tree's. Its rounds run in another group than
+  this tree's, so a ``--against`` of this very tree measures what two groups differ by (their
+  noise row). Measured for the non-finite gradient check (native route, bucket check folded into
+  the scaling pass), short model, 13 pairs each, on the 2-core VM with a load average of 8-12
+  (other jobs running): this tree vs the tree before the check +12.8% (quartiles -12.5% ..
+  +37.4%), this tree vs itself +0.6% (quartiles -15.3% .. +18.0%), plain vs plain -0.9% and
+  -8.7% (quartiles up to +-20%): the check is below what such a host resolves. ``bench/hot_path.py``
+  on the same host, ddpdoctor's own time per routine step on the training thread: 20.4 and
+  23.9 µs before, 17.3 and 22.4 µs after (two runs each, alternating).
+
+Usage: ``python bench/overhead.py [--against TREE] [--pairs 7] [--steps 10] [--attribution] [--routes] [--model short]
 [--no-profiler] [--no-debug-env] [--json FILE] [--quick]``.
 """
 
