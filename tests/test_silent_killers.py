@@ -356,3 +356,27 @@ def test_the_sentinel_names_a_replacement_at_the_next_forward_and_follows_it(nat
     assert lines[1] == "True"  # the fingerprint reads the module's weight now, not DDP's orphan
     assert lines[2] == "True"
     assert "param-not-reduced" in out.stderr and "NotSynchronizedWarning" in out.stderr
+
+
+def test_unused_parameters_tells_an_orphan_from_a_truly_unused_one() -> None:
+    from ddpdoctor.analysis.unused import static_unused_set, unused_parameters
+    from ddpdoctor.events import Header, ParamInfo, Unused
+
+    header = Header(
+        rank=0,
+        ddp_options={"find_unused_parameters": True},
+        params=[
+            ParamInfo(name=n, shape=[2], dtype="float32", numel=2, requires_grad=True)
+            for n in ("aux.weight", "fc.weight")
+        ],
+    )
+    both = [Unused(rank=0, step=s, names=["aux.weight", "fc.weight"]) for s in (1, 3, 7)]
+    (f,) = unused_parameters(header, both, [], 0, orphaned=["fc.weight"])
+    assert f.evidence["names"] == ["aux.weight"] and f.evidence["orphaned"] == ["fc.weight"]
+    assert "fc.weight also got none" in f.detail and "param-not-reduced" in f.detail
+    orphan_only = [Unused(rank=0, step=s, names=["fc.weight"]) for s in (1, 3, 7)]
+    assert unused_parameters(header, orphan_only, [], 0, orphaned=["fc.weight"]) == []
+    assert static_unused_set(header, orphan_only, [], 0, orphaned=["fc.weight"]) == []
+    # without the orphan's name it would have been called unused (and its deletion advised)
+    (wrong,) = unused_parameters(header, orphan_only, [], 0)
+    assert "delete them" in wrong.fix

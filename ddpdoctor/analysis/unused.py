@@ -50,6 +50,13 @@ def unused_parameters(
     names, first = [n for n in evidence.unused.names if n not in gone], evidence.unused.first
     if gone and not names and evidence.unused.names:
         return []  # every name is an orphan of a replacement: param-not-reduced, not unused
+    left_out = [n for n in evidence.unused.names if n in gone]
+    orphans = (
+        f" ({name_list(left_out)} also got none: DDP's old tensor of a parameter replaced after wrapping, "
+        "in use under the same name, not unused: see param-not-reduced.)"
+        if left_out
+        else ""
+    )
     if names:
         nbytes = param_bytes(header, names)
         if find_unused:
@@ -68,8 +75,15 @@ def unused_parameters(
                         f"{f' ({name_list(never)} in none of the {n_samples} samples)' if never else ''}. "
                         "find_unused_parameters=True handles it, at the cost of a graph search every step; "
                         f"their {human_bytes(nbytes)} are still all-reduced (as zeros) unless unused on every rank."
+                        f"{orphans}"
                     ),
-                    evidence={"names": names, "never_used": never, "bytes_per_step": nbytes, "samples": n_samples},
+                    evidence={
+                        "names": names,
+                        "never_used": never,
+                        "bytes_per_step": nbytes,
+                        "samples": n_samples,
+                        "orphaned": left_out,
+                    },
                     fix=(
                         "If they are never used, delete them from the model (or wrap only the used part). If they are "
                         "used on some steps only, keep find_unused_parameters=True."
@@ -86,9 +100,9 @@ def unused_parameters(
                 detail=(
                     f"{name_list(names)} received no gradient at step {first}. DDP waits for every gradient it "
                     "reduces, so the next iteration fails with 'Expected to have finished reduction in the prior "
-                    "iteration'."
+                    f"iteration'.{orphans}"
                 ),
-                evidence={"names": names, "bytes_per_step": nbytes},
+                evidence={"names": names, "bytes_per_step": nbytes, "orphaned": left_out},
                 fix=(
                     "Use every parameter in the forward, or build DDP with find_unused_parameters=True:\n"
                     "    model = DistributedDataParallel(net, find_unused_parameters=True)"
