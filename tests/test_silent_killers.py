@@ -188,9 +188,10 @@ def _device_route(device: str) -> None:
     while watch._event is not None and watch._event is not True and not watch._event.query() and deadline < 10**7:
         deadline += 1  # (a poll, as the monitor's next forwards would: never a wait on the device)
     assert watch.poll(6, start_copy=False) is None  # read: all finite
-    bad = good.clone()
+    bad = good.clone().double()  # (a float64 bucket: reduced in its own dtype)
     bad[3] = float("nan")
     watch._fold_device(1, bad)  # at step 7
+    watch._fold_device(0, good.half())
     assert watch.poll(8, start_copy=False) is None  # not copied yet
     watch.poll(10, start_copy=True)  # steps 5-9 copied
     while watch._event is not True and not watch._event.query():

@@ -104,8 +104,12 @@ class NonFiniteWatch:
             if flags is not None and flags.device == buffer.device:
                 grown[: flags.numel()].copy_(flags)
             flags = self._device = grown
-        # the largest magnitude: NaN and inf propagate, and no finite bucket overflows it
-        peak = torch.linalg.vector_norm(buffer, ord=float("inf"), dtype=torch.float32)
+        # the largest magnitude: NaN and inf propagate, and no finite bucket overflows it (float64
+        # buckets are reduced in their own dtype: vector_norm refuses a narrowing dtype)
+        wide = buffer.dtype == torch.float64
+        peak = torch.linalg.vector_norm(buffer, ord=float("inf"), dtype=None if wide else torch.float32)
+        if wide:
+            peak = peak.to(torch.float32)
         slot = flags[index]
         torch.maximum(slot, peak, out=slot)
 
