@@ -41,7 +41,20 @@ the granularity of short *rounds*:
   plain DDP with the native hook alone (ring never drained) and plain DDP with a minimal Python
   hook: native vs Python route vs plain, side by side.
 
-Usage: ``python bench/overhead.py [--pairs 7] [--steps 10] [--attribution] [--routes] [--model short]
+* ``--against TREE`` adds a row that times ddpdoctor from this tree against ddpdoctor from TREE
+  (another checkout, e.g. ``git archive <commit> | tar -x -C TREE``, its native hook built there
+  with ``python -m ddpdoctor.runtime.native``): a process group whose ranks import ddpdoctor from
+  TREE, each of its rounds paired with one of this tree's. Its rounds run in another group than
+  this tree's, so a ``--against`` of this very tree measures what two groups differ by (their
+  noise row). Measured for the non-finite gradient check (native route, bucket check folded into
+  the scaling pass), short model, 13 pairs each, on the 2-core VM with a load average of 8-12
+  (other jobs running): this tree vs the tree before the check +12.8% (quartiles -12.5% ..
+  +37.4%), this tree vs itself +0.6% (quartiles -15.3% .. +18.0%), plain vs plain -0.9% and
+  -8.7% (quartiles up to +-20%): the check is below what such a host resolves. ``bench/hot_path.py``
+  on the same host, ddpdoctor's own time per routine step on the training thread: 20.4 and
+  23.9 µs before, 17.3 and 22.4 µs after (two runs each, alternating).
+
+Usage: ``python bench/overhead.py [--against TREE] [--pairs 7] [--steps 10] [--attribution] [--routes] [--model short]
 [--no-profiler] [--no-debug-env] [--json FILE] [--quick]``.
 """
 
@@ -68,6 +81,21 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+#: ``--against TREE``: the ranks of the group started with this set import ddpdoctor from TREE
+#: (another checkout: the tree before a change), this script and its harness from this one.
+AGAINST_ENV = "DDPDOCTOR_BENCH_AGAINST"
+if os.environ.get(AGAINST_ENV):
+    import importlib.util
+
+    _package = Path(os.environ[AGAINST_ENV]) / "ddpdoctor"
+    _spec = importlib.util.spec_from_file_location(
+        "ddpdoctor", _package / "__init__.py", submodule_search_locations=[str(_package)]
+    )
+    assert _spec is not None and _spec.loader is not None
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["ddpdoctor"] = _module  # (its submodules are found under its own path from now on)
+    _spec.loader.exec_module(_module)
 
 from bench.harness import (
     Groups,
@@ -401,6 +429,7 @@ class Tool:
     group: str
     mode: str
     base_group: str
+    base_mode: str = "plain"  # what the base round runs ("ddpdoctor" for ``--against``: tree vs tree)
 
 
 def summarize(results: list[dict[str, Any]], models: list[str], tools: list[Tool]) -> dict[str, Any]:
@@ -514,6 +543,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-profiler", action="store_true", help="skip the torch.profiler rows")
     parser.add_argument("--no-debug-env", action="store_true", help="skip the TORCH_DISTRIBUTED_DEBUG groups")
     parser.add_argument("--json", default=None, help="write the raw per-round results here")
+    parser.add_argument(
+        "--against",
+        default=None,
+        metavar="TREE",
+        help="also time ddpdoctor from this tree against ddpdoctor from TREE (another checkout, its native "
+        "hook built there: python -m ddpdoctor.runtime.native), each round paired with the other",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.pairs, args.steps = 1, 3
@@ -575,6 +611,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     info_tool = Tool("info", "TORCH_DISTRIBUTED_DEBUG=INFO", "info", "plain", "envplain")
 
+    if args.against:
+        tools.append(
+            Tool(
+                "against",
+                f"(trees) ddpdoctor, this tree vs {args.against}",
+                "main",
+                "ddpdoctor",
+                "against",
+                base_mode="ddpdoctor",
+            )
+        )
     workdir = tempfile.mkdtemp(prefix="ddpdoctor-bench-")
     started = time.monotonic()
     results: list[dict[str, Any]] = []
@@ -611,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start("main", None)
         warm("main")
+        if args.against:
+            groups.start("against", None, env={AGAINST_ENV: str(Path(args.against).resolve())})
+            warm("against")
         if not args.no_debug_env:
             start("envplain", None)
             warm("envplain")
@@ -640,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
                 for k, tool in enumerate(rotated(tools, pair)):
                     for role in pair_roles(pair, k):
                         group = tool.base_group if role == "base" else tool.group
-                        mode = "plain" if role == "base" else tool.mode
+                        mode = tool.base_mode if role == "base" else tool.mode
                         schedule.append(
                             {
                                 "tool": tool.key,

@@ -57,6 +57,15 @@ class PerformanceWarning(DDPDoctorWarning):
     """Stragglers, exposed communication, bucket size."""
 
 
+class NonFiniteGradientWarning(DDPDoctorWarning):
+    """A rank's own gradient was NaN or infinite before the all-reduce (non-finite-gradient)."""
+
+
+class NotSynchronizedWarning(DDPDoctorWarning):
+    """Training that DDP does not synchronize: a parameter it does not reduce (param-not-reduced),
+    optimizer steps with no all-reduce behind them (gradients-never-synchronized)."""
+
+
 class HangWarning(DDPDoctorWarning):
     """No progress: a hang or a lost rank."""
 
@@ -102,6 +111,8 @@ __all__ = [
     "DDPDoctorWarning",
     "HangWarning",
     "LogWriteWarning",
+    "NonFiniteGradientWarning",
+    "NotSynchronizedWarning",
     "PerformanceWarning",
     "ProbeDisabledWarning",
     "ReplicaDivergenceWarning",

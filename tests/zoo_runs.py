@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -22,13 +23,17 @@ class ZooRuns:
         default_factory=dict
     )
 
-    def run(self, script: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
-        """``(the finished process, its run dir)``; the run dir is fresh for every distinct run."""
-        key = (str(script), args)
+    def run(
+        self, script: Path, *args: str, env: dict[str, str] | None = None
+    ) -> tuple[subprocess.CompletedProcess[str], Path]:
+        """``(the finished process, its run dir)``; the run dir is fresh for every distinct run
+        (``env``: variables set for this run, on top of the test's environment)."""
+        key = (str(script), args + tuple(f"{k}={v}" for k, v in sorted((env or {}).items())))
         if key not in self._done:
             run_dir = self.root / f"{len(self._done):02d}-{script.stem}" / "run"
             run_dir.parent.mkdir(parents=True)
             argv = [sys.executable, str(script), str(run_dir), *args]
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=ROOT)
+            full_env = {**os.environ, **env} if env else None
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=ROOT, env=full_env)
             self._done[key] = (proc, run_dir)
         return self._done[key]

@@ -60,3 +60,50 @@ def sync_during_accumulation(steps: list[Step], rank: int) -> list[Finding]:
             ),
         )
     ]
+
+
+UNSYNCED_CODE = "gradients-never-synchronized"
+
+UNSYNCED_FIX = (
+    "The backward right before optimizer.step() must run outside no_sync(): DDP all-reduces only then (the "
+    "gradients accumulated in the micro-steps before it are summed into that all-reduce). An off-by-one in the "
+    "accumulation test is the usual cause:\n"
+    "    for i, batch in enumerate(loader):\n"
+    "        last = (i + 1) % accumulation_steps == 0\n"
+    "        with contextlib.nullcontext() if last else model.no_sync():\n"
+    "            loss = model(batch).mean() / accumulation_steps\n"
+    "            loss.backward()\n"
+    "        if last:\n"
+    "            optimizer.step()\n"
+    "            optimizer.zero_grad()"
+)
+
+
+def unsynced_updates(rank: int, step: int, updates: int, micro: int, ever_synced: bool) -> Finding:
+    """``updates`` optimizer steps (weights changed) whose backward just before ran inside
+    ``no_sync()``: what they applied was this rank's own gradient (``ever_synced``: some backward
+    of this DDP all-reduced before; else none ever did)."""
+    if ever_synced:
+        what = (
+            f"{updates} optimizer steps changed the weights right after a backward that ran inside no_sync(): "
+            "the gradient they applied holds this rank's own micro-steps since the last all-reduce, never "
+            "synchronized"
+        )
+    else:
+        what = (
+            f"{updates} optimizer steps changed the weights and no gradient was ever all-reduced: every "
+            f"backward so far ({micro} of them) ran inside no_sync()"
+        )
+    return Finding(
+        code=UNSYNCED_CODE,
+        severity="error",
+        ranks=[rank],
+        step=step,
+        title="Optimizer steps with no all-reduce behind them: gradients never synchronized",
+        detail=(
+            f"{what}. Each rank updates its weights with its own gradient: the replicas drift apart silently "
+            "(unless the script all-reduces the gradients itself)."
+        ),
+        evidence={"optimizer_steps": updates, "backwards_in_no_sync": micro, "ever_synchronized": ever_synced},
+        fix=UNSYNCED_FIX,
+    )

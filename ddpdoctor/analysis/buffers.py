@@ -350,9 +350,9 @@ def _changed(header: Header, prints: dict[int, list[Fingerprint]], i: int) -> bo
     has none (0.0)."""
     version = header.buffers[i].version
     size = len(header.buffers)
-    by_step: dict[int, set[tuple[float, int | None]]] = {}
+    by_step: dict[int, set[tuple[float | None, int | None]]] = {}
     for fps in prints.values():
-        first: tuple[float, int | None] | None = None
+        first: tuple[float | None, int | None] | None = None
         for fp in fps:
             if len(fp.buffer_sums) != size:
                 continue

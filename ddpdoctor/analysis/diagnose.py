@@ -17,9 +17,17 @@ from ddpdoctor.analysis.buffers import (
 )
 from ddpdoctor.analysis.comm_advice import advise_communication
 from ddpdoctor.analysis.comm_hooks import comm_hook_name
+from ddpdoctor.analysis.evidence import FlagEvidence
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding, Severity
-from ddpdoctor.analysis.from_run import bucket_size_in_run, collectives_in_run, hangs_in_run, lost_in_run
+from ddpdoctor.analysis.from_run import (
+    bucket_size_in_run,
+    collectives_in_run,
+    hangs_in_run,
+    lost_in_run,
+    nonfinite_in_run,
+)
 from ddpdoctor.analysis.groups import ddp_groups, group_arrivals
+from ddpdoctor.analysis.reduction import orphaned, params_not_reduced
 from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
 from ddpdoctor.analysis.straggler import (
@@ -48,8 +56,11 @@ def rank_findings(
         prints = [f for f in log.fingerprints if _in(f.step, first, nxt)]
         unused = [u for u in log.unused if _in(u.step, first, nxt)]
         out += stale_requires_grad(header, flags, log.rank)
-        out += unused_parameters(header, unused, steps, log.rank, frozen=any(f.frozen for f in flags))
-        out += static_unused_set(header, unused, steps, log.rank)
+        flag_evidence = FlagEvidence.of(flags)
+        out += params_not_reduced(header, flag_evidence, log.rank)
+        orphans = orphaned(flag_evidence)  # (DDP's old tensor of a replacement: not an unused one)
+        out += unused_parameters(header, unused, steps, log.rank, frozen=any(f.frozen for f in flags), orphaned=orphans)
+        out += static_unused_set(header, unused, steps, log.rank, orphaned=orphans)
         out += constant_buffers(header, prints, steps, log.rank)
         out += buffer_broadcast_cost(header, steps, log.rank, bcast_cost_ms)
     out += sync_during_accumulation(log.steps, log.rank)
@@ -144,6 +155,7 @@ def diagnose(run: Run, arrived: list[list[StepArrivals]] | None = None) -> list[
     derived += hangs_in_run(run)
     derived += collectives_in_run(run)
     derived += bucket_size_in_run(run)
+    derived += nonfinite_in_run(run)  # (each rank's look before the all-reduce, across the ranks)
     codes = {f.code for f in derived}
     logged = [
         _from_record(r)

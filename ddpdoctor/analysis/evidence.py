@@ -40,19 +40,23 @@ class NameEvidence:
 
 class FlagEvidence:
     """``grad_flags`` records of one DDP instance: which reduced parameters were frozen, which
-    were unfrozen, and since when."""
+    were unfrozen, which were replaced or added after DDP was built, and since when."""
 
-    __slots__ = ("frozen", "unfrozen", "any_frozen")
+    __slots__ = ("frozen", "unfrozen", "any_frozen", "replaced", "added")
 
     def __init__(self) -> None:
         self.frozen = NameEvidence()
         self.unfrozen = NameEvidence()
         self.any_frozen = False  # some record listed a frozen parameter
+        self.replaced = NameEvidence()  # a tensor DDP does not hold trains under a name it reduces
+        self.added = NameEvidence()  # a parameter DDP never knew trains
 
     def add(self, record: GradFlags) -> None:
         self.frozen.add(record.frozen, record.step)
         self.unfrozen.add(record.unfrozen, record.step)
         self.any_frozen = self.any_frozen or bool(record.frozen)
+        self.replaced.add(record.replaced, record.step)
+        self.added.add(record.added, record.step)
 
     @classmethod
     def of(cls, records: Iterable[GradFlags]) -> FlagEvidence:
@@ -133,7 +137,7 @@ class BufferEvidence:
         self.last_step: int | None = None  # ... and of the latest
         self.last_complete = False  # the latest listed a version for every buffer of the header
         self.usable = 0  # fingerprints with versions and values for every buffer
-        self._reference: list[tuple[float, float, int]] = []  # values in the first usable fingerprint
+        self._reference: list[tuple[float | None, float | None, int]] = []  # values in the first usable fingerprint
         self._constant: list[bool] = []  # per buffer: unchanged in every usable fingerprint
 
     def add(self, record: Fingerprint) -> None:

@@ -1,6 +1,6 @@
 """The detectors' narrow inputs, read off a loaded ``Run``: what the report (``diagnose``) feeds them.
 
-The detectors themselves (``hang``, ``lost``, ``bucket_size``) take plain records, so the live
+The detectors themselves (``hang``, ``lost``, ``bucket_size``, ``nonfinite``) take plain records, so the live
 view (``live_run``) and the runtime call them on their own state; only this module and the
 report know the file-loaded ``Run``/``RankLog``.
 """
@@ -14,6 +14,7 @@ from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.analysis.groups import ddp_groups
 from ddpdoctor.analysis.hang import hang_findings_in_groups
 from ddpdoctor.analysis.lost import RankTail, lost_ranks
+from ddpdoctor.analysis.nonfinite import finding_from_evidence, origin_of, per_rank_of
 from ddpdoctor.runlog import RankLog, Run
 
 
@@ -70,3 +71,21 @@ def bucket_size_in_run(run: Run) -> list[Finding]:
 def what_if_run(run: Run, caps_mb: tuple[float, ...] = CANDIDATE_CAPS_MB) -> WhatIf | None:
     """``bucket_size.what_if`` over a loaded run."""
     return what_if({r: rank_backward(log) for r, log in run.ranks.items()}, caps_mb)
+
+
+def nonfinite_in_run(run: Run) -> list[Finding]:
+    """The cross-rank verdict of each DDP group whose ranks logged a non-finite gradient."""
+    groups = ddp_groups({r: log.header for r, log in run.ranks.items()})
+    out = []
+    for members in groups:
+        per_rank = per_rank_of({r: run.ranks[r].findings for r in members})
+        for r, f in list(per_rank.items()):
+            if f.evidence.get("weights_finite") is None:  # (a GPU rank's: its fingerprints say)
+                after = [fp for fp in run.ranks[r].fingerprints if f.step is not None and fp.step > f.step]
+                if after:
+                    finite = all(n is not None and n == n for fp in after for n in fp.param_norms)
+                    per_rank[r] = finding_from_evidence(r, f.step, {**f.evidence, "weights_finite": finite})
+        found = origin_of(per_rank, len(members))
+        if found is not None:
+            out.append(found)
+    return out

@@ -37,6 +37,8 @@ from ddpdoctor.analysis.groups import arrivals_in_groups, ddp_groups, group_cloc
 from ddpdoctor.analysis.hang import hang_findings_in_groups
 from ddpdoctor.analysis.live_view import EMPTY_HEALTH, LiveSnapshot, StepTime
 from ddpdoctor.analysis.lost import RankTail, lost_ranks
+from ddpdoctor.analysis.nonfinite import CODE as NONFINITE
+from ddpdoctor.analysis.nonfinite import finding_from_evidence, origin_of
 from ddpdoctor.analysis.straggler import stragglers
 from ddpdoctor.events import End, FindingRecord, Hang, Header, Layout, ProcSample, Step, Unused
 from ddpdoctor.runlog.source import RankRecord, RecordSource, SourceHealth
@@ -168,6 +170,7 @@ class LiveRun:
         self._clocks: ClockOffsets | None = None
         self._clock_age = 0
         self._findings: dict[FindingKey, Finding] = {}  # in order of first appearance
+        self._nonfinite: dict[int, Finding] = {}  # rank -> its first non-finite step (logged)
         self._stragglers: set[int] = set()
         self._lost_for_others: dict[int, float] = {}  # rank -> ms the others lost for it, over the window
         self._lost: set[int] = set()  # ranks lost, as of the last feed
@@ -253,6 +256,13 @@ class LiveRun:
             st.end = rec
             st.last_wall_ns = max(st.last_wall_ns, rec.t_wall_ns)
         elif isinstance(rec, FindingRecord):
+            if rec.code == NONFINITE:  # each rank's first non-finite step: the origin across ranks
+                f = finding_from_evidence(rank, rec.step, rec.evidence)
+                if rank not in self._nonfinite:
+                    self._nonfinite[rank] = f
+                    verdict = origin_of(self._nonfinite, self._world_size)
+                    if verdict is not None:
+                        self._findings[_crossed(NONFINITE)] = verdict
             key = _logged(rec.code)
             old = self._findings.get(key)
             ranks = sorted(set(old.ranks if old else []) | set(rec.ranks or [rank]))

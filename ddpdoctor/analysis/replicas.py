@@ -12,8 +12,9 @@ from ddpdoctor.events import Fingerprint, Header
 
 RESYNC_FIX = (
     "Find what updates parameters outside DDP's gradient synchronization on some ranks: requires_grad changed "
-    "after wrapping (rebuild with ddpdoctor.rewrap), in-place edits of p.data on some ranks, rank-dependent "
-    "optimizer state. To put the replicas back in step (one tensor per call):\n"
+    "or a parameter replaced after wrapping (rebuild with ddpdoctor.rewrap), optimizer steps after backwards "
+    "that all ran inside no_sync(), in-place edits of p.data on some ranks, rank-dependent optimizer state. To "
+    "put the replicas back in step (one tensor per call):\n"
     "    for p in model.module.parameters():\n"
     "        torch.distributed.broadcast(p.data, src=0)"
 )
@@ -75,7 +76,7 @@ def _apart_by_design(
 
 def tensor_keys(
     at: Mapping[int, Fingerprint], i: int, buffer: bool
-) -> tuple[dict[int, tuple[float, ...]], list[float]]:
+) -> tuple[dict[int, tuple[float | None, ...]], list[float]]:
     """What each rank's fingerprint of tensor ``i`` (a parameter, or a buffer) is compared by, and
     the ranks' norms of it (how large a difference is).
 
@@ -89,14 +90,15 @@ def tensor_keys(
         for r, fp in at.items()
     }
     if all(i < len(c[2]) for c in cols.values()):
-        keys: dict[int, tuple[float, ...]] = {r: (c[2][i],) for r, c in cols.items()}
+        keys: dict[int, tuple[float | None, ...]] = {r: (c[2][i],) for r, c in cols.items()}
     else:
         cols = {r: c for r, c in cols.items() if i < len(c[0]) and i < len(c[1])}
         keys = {r: (c[0][i], c[1][i]) for r, c in cols.items()}
-    return keys, [c[0][i] for c in cols.values() if i < len(c[0])]
+    # (a norm that is not finite, None in the log, says nothing of how far apart the ranks are)
+    return keys, [n for c in cols.values() if i < len(c[0]) and (n := c[0][i]) is not None]
 
 
-def _odd_ranks(values: Mapping[int, tuple[float, ...]]) -> list[int]:
+def _odd_ranks(values: Mapping[int, tuple[float | None, ...]]) -> list[int]:
     """Ranks whose value is not the most common one (all of them on a tie)."""
     counts = Counter(values.values())
     (top, n), *rest = counts.most_common()
@@ -218,8 +220,11 @@ def compare_fingerprints(
                     f"{name_list(names)} {'is' if len(names) == 1 else 'are'} not identical on every rank: {since} "
                     f"({_who_differs(ranks, len(prints))}; {_size_text(max(v[2] for v in bad.values()))}; "
                     f"steps compared: {_steps_text(compared)}). "
-                    "The cause ran between step "
-                    f"{last_equal if last_equal is not None else 'the start'} and step {first}."
+                    + (
+                        f"The cause ran between step {last_equal} and step {first}."
+                        if last_equal is not None
+                        else "The cause ran before it: DDP's constructor made every replica equal."
+                    )
                 ),
                 evidence={
                     "names": names,

@@ -29,23 +29,40 @@ MIN_CLEAN_SAMPLES = 3
 
 
 def unused_parameters(
-    header: Header, samples: Sequence[Unused] | UnusedEvidence, steps: list[Step], rank: int, frozen: bool = False
+    header: Header,
+    samples: Sequence[Unused] | UnusedEvidence,
+    steps: list[Step],
+    rank: int,
+    frozen: bool = False,
+    orphaned: Sequence[str] = (),
 ) -> list[Finding]:
     """Findings from one rank's sampled unused-parameter checks (``samples``: the records, or the
     running ``UnusedEvidence`` of them; ``frozen``: some parameter DDP reduces has lost
-    requires_grad, which find_unused_parameters=True is then needed for)."""
+    requires_grad, which find_unused_parameters=True is then needed for; ``orphaned``: names whose
+    tensor DDP reduces was replaced in the module after DDP was built, so DDP's old tensor gets no
+    gradient: not unused, and never to be deleted (``param-not-reduced`` says what it is))."""
     evidence = samples if isinstance(samples, UnusedEvidence) else UnusedEvidence.of(samples)
     n_samples = evidence.samples
     if not n_samples:
         return []
     find_unused = bool(header.ddp_options.get("find_unused_parameters"))
-    names, first = list(evidence.unused.names), evidence.unused.first
+    gone = set(orphaned)
+    names, first = [n for n in evidence.unused.names if n not in gone], evidence.unused.first
+    if gone and not names and evidence.unused.names:
+        return []  # every name is an orphan of a replacement: param-not-reduced, not unused
+    left_out = [n for n in evidence.unused.names if n in gone]
+    orphans = (
+        f" ({name_list(left_out)} also got none: DDP's old tensor of a parameter replaced after wrapping, "
+        "in use under the same name, not unused: see param-not-reduced.)"
+        if left_out
+        else ""
+    )
     if names:
         nbytes = param_bytes(header, names)
         if find_unused:
             # never used (in any sample, and on no step DDP's map was read at): dead weight; used in
             # some: conditional branches, DDP copes
-            never = evidence.never_used()
+            never = [n for n in evidence.never_used() if n not in gone]
             return [
                 Finding(
                     code="unused-parameters",
@@ -58,8 +75,15 @@ def unused_parameters(
                         f"{f' ({name_list(never)} in none of the {n_samples} samples)' if never else ''}. "
                         "find_unused_parameters=True handles it, at the cost of a graph search every step; "
                         f"their {human_bytes(nbytes)} are still all-reduced (as zeros) unless unused on every rank."
+                        f"{orphans}"
                     ),
-                    evidence={"names": names, "never_used": never, "bytes_per_step": nbytes, "samples": n_samples},
+                    evidence={
+                        "names": names,
+                        "never_used": never,
+                        "bytes_per_step": nbytes,
+                        "samples": n_samples,
+                        "orphaned": left_out,
+                    },
                     fix=(
                         "If they are never used, delete them from the model (or wrap only the used part). If they are "
                         "used on some steps only, keep find_unused_parameters=True."
@@ -76,9 +100,9 @@ def unused_parameters(
                 detail=(
                     f"{name_list(names)} received no gradient at step {first}. DDP waits for every gradient it "
                     "reduces, so the next iteration fails with 'Expected to have finished reduction in the prior "
-                    "iteration'."
+                    f"iteration'.{orphans}"
                 ),
-                evidence={"names": names, "bytes_per_step": nbytes},
+                evidence={"names": names, "bytes_per_step": nbytes, "orphaned": left_out},
                 fix=(
                     "Use every parameter in the forward, or build DDP with find_unused_parameters=True:\n"
                     "    model = DistributedDataParallel(net, find_unused_parameters=True)"
@@ -126,7 +150,9 @@ def unused_parameters(
     ]
 
 
-def static_unused_set(header: Header, samples: list[Unused], steps: list[Step], rank: int) -> list[Finding]:
+def static_unused_set(
+    header: Header, samples: list[Unused], steps: list[Step], rank: int, orphaned: Sequence[str] = ()
+) -> list[Finding]:
     """``find-unused-unneeded`` when find_unused_parameters=True and the *same* parameters are unused
     at every sampled step: DDP need not search the graph after every forward to find them again.
 
@@ -144,6 +170,8 @@ def static_unused_set(header: Header, samples: list[Unused], steps: list[Step], 
     read = sum(s.steps_read for s in usable[1:])
     if sum(s.unused_set_changes for s in usable[1:]) or read > sum(s.steps_with_unused for s in usable[1:]):
         return []
+    if set(orphaned) & {n for s in usable for n in s.names}:
+        return []  # a replaced parameter's orphan: param-not-reduced says what it is, not "remove it"
     sets = {frozenset(s.names) for s in usable}
     if len(sets) != 1 or not next(iter(sets)):
         return []

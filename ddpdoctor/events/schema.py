@@ -230,11 +230,17 @@ class End(_Record, tag="end", kw_only=True):
 
 
 class GradFlags(_Record, tag="grad_flags", kw_only=True):
-    """requires_grad differs from what DDP was built with (logged when it changes)."""
+    """requires_grad, or the parameters themselves, differ from what DDP was built with (logged
+    when it changes; each list is the state as of ``step``)."""
 
     step: int
     frozen: list[str] = []  # reduced by DDP, requires_grad now False
     unfrozen: list[str] = []  # not reduced by DDP, requires_grad now True
+    # trained under a name DDP reduces, but a tensor DDP does not hold (replaced after DDP was
+    # built: DDP reduces the old tensor, orphaned, and the new one trains on each rank's own gradient)
+    replaced: list[str] = []
+    # trained under a name DDP never knew (a parameter or a submodule added after DDP was built)
+    added: list[str] = []
 
 
 class Fingerprint(_Record, tag="fingerprint", kw_only=True):
@@ -250,11 +256,13 @@ class Fingerprint(_Record, tag="fingerprint", kw_only=True):
     """
 
     step: int
-    param_norms: list[float] = []
-    param_sums: list[float] = []
+    # (None: not finite. JSON has no NaN or infinity, and the writer puts null in their place: a
+    # replica whose weights went NaN must still be read, not skipped as an unknown line)
+    param_norms: list[float | None] = []
+    param_sums: list[float | None] = []
     param_bits: list[int] = []
-    buffer_norms: list[float] = []
-    buffer_sums: list[float] = []
+    buffer_norms: list[float | None] = []
+    buffer_sums: list[float | None] = []
     buffer_bits: list[int] = []
     buffer_versions: list[int] = []
     after_broadcast: bool = False  # taken after DDP broadcast the buffers in this forward

@@ -188,6 +188,14 @@ def timed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
         except Exception as exc:  # noqa: BLE001 - runs inside DDP's backward: a failing probe is switched off, never breaks training
             monitor.probes.failed("buckets", exc)
             step = None
+    if monitor is not None:
+        watch = getattr(monitor, "nonfinite", None)
+        if watch is not None and not watch.reported:
+            try:  # this rank's own gradients, before the inner hook averages them
+                watch.check_bucket(bucket, -1)
+            except Exception as exc:  # noqa: BLE001 - runs inside DDP's backward: a failing probe is switched off, never breaks training
+                watch.mark_reported()
+                monitor.probes.failed("checks", exc)
     if unwrap:  # ddpdoctor's own all-reduce: its gloo work holds no Python context
         fut = torch_compat.without_backward_context(inner, state.inner_state, bucket)
     else:

@@ -23,6 +23,7 @@ from ddpdoctor.analysis.accumulation import sync_during_accumulation
 from ddpdoctor.analysis.buffers import TransferMemo, buffer_broadcast_cost, constant_buffers
 from ddpdoctor.analysis.evidence import BufferEvidence, FlagEvidence, UnusedEvidence
 from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.reduction import orphaned, params_not_reduced
 from ddpdoctor.analysis.requires_grad import stale_requires_grad
 from ddpdoctor.analysis.unused import unused_parameters
 from ddpdoctor.categories import warn
@@ -161,10 +162,18 @@ class LiveFindings:
         elif isinstance(record, GradFlags) and self.header is not None:
             self.flags.add(record)
             self.raise_findings(stale_requires_grad(self.header, self.flags, self.rank))
+            self.raise_findings(params_not_reduced(self.header, self.flags, self.rank))
         elif isinstance(record, Unused) and self.header is not None:
             self.unused.add(record)
             self.raise_findings(
-                unused_parameters(self.header, self.unused, list(self.steps), self.rank, self.flags.any_frozen)
+                unused_parameters(
+                    self.header,
+                    self.unused,
+                    list(self.steps),
+                    self.rank,
+                    self.flags.any_frozen,
+                    orphaned=orphaned(self.flags),
+                )
             )
         elif isinstance(record, Fingerprint) and self.prints is not None and self.header is not None:
             if self.header.buffers:  # (what the check reads: none for a model without buffers)

@@ -23,16 +23,19 @@ import torch.distributed as dist
 
 from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning, warn
 from ddpdoctor.events import End, Fingerprint, Header, ProbeOff, ProcSample, Record, Step, Unused
+from ddpdoctor.events.schedule import is_sampled
 from ddpdoctor.runtime import clocks, native_hook, run_dir, torch_compat, watchdog
 from ddpdoctor.runtime.attach import AttachError, Attachment, monitor_of
 from ddpdoctor.runtime.clocks import CudaClock, HostClock, mono_ns, wall_ns
 from ddpdoctor.runtime.config import CHECK_EVERY, Options
 from ddpdoctor.runtime.header import build_header
 from ddpdoctor.runtime.live_findings import LiveFindings
+from ddpdoctor.runtime.nonfinite import NonFiniteWatch
 from ddpdoctor.runtime.probes import Probes
 from ddpdoctor.runtime.sampled_checks import SampledChecks
 from ddpdoctor.runtime.services import services
 from ddpdoctor.runtime.step_recorder import BATCH_NS, BATCH_STEPS, OpenStep, StepRecorder, unpack_marks
+from ddpdoctor.runtime.unsynced import UnsyncedUpdates
 from ddpdoctor.sinks import FileSink, NullSink, Sink, SinkError
 from ddpdoctor.sinks.file import log_mode
 from ddpdoctor.sinks.plain_columns import with_lists
@@ -194,6 +197,15 @@ class Monitor:
         self._native_timing = attachment.native
         self._close_when_released(ddp)
         self._param_names = {id(p): n for n, p in ddp.module.named_parameters()}
+        # each rank's own gradients, looked at before the all-reduce (the native route: in the
+        # scaling pass, one word read a forward; the Python route: in its comm hook)
+        old = getattr(self, "nonfinite", None)
+        self.nonfinite = NonFiniteWatch(ddp, self.rank)
+        if old is not None and old.reported:
+            self.nonfinite.reported = True  # (a rank's first non-finite step is said once per log)
+        elif attachment.native is not None and attachment.native.scale is not None:
+            self.nonfinite.watch_native(attachment.native.scale)
+        self._nf_word = self.nonfinite.word
         self._buffer_bytes = 0
         self._buffer_bytes_age = _BUFFER_BYTES_EVERY
         # The extension serves the checks and the step records on either route wherever it loads
@@ -221,6 +233,7 @@ class Monitor:
         )
         if attachment.native is not None:
             self.checks.compiled_possible = attachment.native.compiled_possible
+        self.unsynced = UnsyncedUpdates(self.checks.params, self.checks.reduced, self.rank)
         self.checks.exact_scaling = attachment.exact_scaling
         self.emit(attachment.header)
         if not self.header_written:
@@ -316,9 +329,13 @@ class Monitor:
 
     def _detach(self) -> None:
         self._native_timing = None
+        watch = getattr(self, "nonfinite", None)
+        if watch is not None:
+            watch.stop()
         checks = getattr(self, "checks", None)
         if checks is not None:
             checks.end_sample()
+            checks.stop()
             checks.compiled_possible = torch_compat.compiled_autograd_possible
         attachment = getattr(self, "attachment", None)
         if attachment is not None:
@@ -502,6 +519,8 @@ class Monitor:
         (``_routine_possible``, into ``NativeTiming.routine``): every condition read here costs a
         cold read of its own.
         """
+        if self._nf_word.value:  # a bucket of the backward before was not finite
+            self._nonfinite_found(self.recorder.current)
         native = self._native_timing
         if native is not None and native.routine and native.pending:
             recorder = self.recorder
@@ -601,18 +620,56 @@ class Monitor:
             except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                 self.probes.failed("forward", exc)
             else:
+                if sync and self._cuda and not self.nonfinite.reported:
+                    self._nonfinite_poll(step.index)
                 if sync and native is not None:
                     native.on_sync_forward(step, self)  # (the native route's side of it)
                     if native.routine and not self._routine_possible():
                         native.routine = False
                 if on["checks"]:
                     try:
+                        # weights changed after a backward inside no_sync (read around no_sync forwards only)
+                        unsynced = self.unsynced
+                        if not sync or unsynced._noted is not None:
+                            ever = recorder.steps_closed > 0 or bool(step.ready)
+                            found = unsynced.on_forward(sync, step.index, ever)
+                            if found is not None:
+                                self.live.raise_findings([found])
                         self.checks.on_step_start(step.index, step.t0_mono_ns, sync, step is not previous)
                     except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
                         self.probes.failed("checks", exc)
         self.own_ns += _perf_ns() - t
         if self.live.error is not None:
             self._raise_live_error()
+
+    def _nonfinite_found(self, step: OpenStep | None) -> None:
+        """The word says a bucket was not finite: this rank's first non-finite step (the step
+        whose backward found it: the one open) is raised, and nothing more is looked at."""
+        t = _perf_ns()
+        try:
+            watch = self.nonfinite
+            index = step.index if step is not None else max(self.recorder.next_index - 1, 0)
+            finding = watch.take(index)
+            if finding is not None:
+                watch.mark_reported()
+                self.live.raise_findings([finding])
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
+            self.nonfinite.word.value = 0
+            self.nonfinite.mark_reported()
+            self.probes.failed("checks", exc)
+        self.own_ns += _perf_ns() - t
+
+    def _nonfinite_poll(self, index: int) -> None:
+        """CUDA route, a synchronizing forward: the device flags' copy read once it has passed,
+        a new copy started at the sampled steps (never a wait on the device)."""
+        try:
+            finding = self.nonfinite.poll(index, is_sampled(index, self.check_every))
+            if finding is not None:
+                self.nonfinite.mark_reported()
+                self.live.raise_findings([finding])
+        except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
+            self.nonfinite.mark_reported()
+            self.probes.failed("checks", exc)
 
     def _routine_possible(self) -> bool:
         """What the routine forward (``on_forward_pre``) needs besides the native side's, and
@@ -813,6 +870,12 @@ class Monitor:
         if released is not None:
             released.detach()  # the finalizer's reference to this monitor goes
         self._services.leave(self)
+        try:
+            word = getattr(self, "_nf_word", None)
+            if word is not None and word.value:  # the last backward's buckets were not finite
+                self._nonfinite_found(self.recorder.current)
+        except Exception as exc:  # noqa: BLE001 - closing must never break training
+            self.probes.failed("checks", exc)
         try:
             self._drain_native()
             # a clean end waits (a bounded poll) for the GPU to pass the last steps' marks

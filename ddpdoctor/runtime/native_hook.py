@@ -335,6 +335,8 @@ class NativeTiming:
         self._module = module
         self._monitor = weakref.ref(monitor)
         self.ring: Any = None
+        #: the ``DdpScale`` the hook scales with (its non-finite check is watched through it)
+        self.scale: Any = None
         #: what the ``DdpScale`` the hook scales with can do: (read DDP's divisor, watch the
         #: gradients); the reducer's hook holds the scale itself
         self.exact: tuple[bool, bool] = (False, False)
@@ -377,6 +379,7 @@ class NativeTiming:
         """Put the hook on DDP's reducer (for good: a reducer takes one hook)."""
         scale = ddp_scale(self._module, ddp)
         self.ring = self._module.register_timed_hook(ddp.reducer, ddp.process_group, RING_CAPACITY, scale)
+        self.scale = scale
         self.exact = (bool(scale.reads_divisor), bool(scale.watches))
         self.drain_into = self.ring.drain_into
         self.step_change = None

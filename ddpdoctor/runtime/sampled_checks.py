@@ -3,6 +3,14 @@
 Every training forward: ``requires_grad`` of all parameters, read in one ``map`` and compared
 with what DDP was built with; a change emits a ``grad_flags`` record.
 
+The reduction sentinel: the module's parameters now against the tensors DDP's reducer holds (by
+identity). A parameter assigned after DDP was built (``ddp.module.fc.weight = nn.Parameter(w)``,
+a submodule reassigned, one added) trains on each rank's own gradient, never all-reduced. torch's
+global registration hooks say when any module registers a parameter or a submodule (one flag
+set: the next forward walks the module once); the sampled steps walk it too (a parameter put in
+``_parameters`` by hand). A change emits a ``grad_flags`` record, and the fingerprints follow the
+module's current parameters by name from then on, so the replicas' drift is seen too.
+
 Sampled steps (``schedule``: dense early, then every ``check_every``): post-accumulate-grad hooks
 on the reduced parameters (which got no gradient: ``unused``, and when each was ready), a one-shot
 forward pre-hook on the *wrapped* module (after DDP's buffer broadcast) that takes fingerprints
@@ -42,6 +50,9 @@ from ddpdoctor.runtime.fingerprints import Fingerprinter
 from ddpdoctor.runtime.used_map import UsedMap
 
 _requires_grad = operator.attrgetter("requires_grad")
+#: Walks of the model in a row, asked for by torch's registration hooks, that found no change: then
+#: the hooks go (the process builds modules at every step) and the sampled steps walk it alone
+IDLE_WALKS = 32
 #: Synchronizing forwards in a row that sample again after a sample saw no gradient at all
 #: (bounded: a DDP model run forward with grad on and never backpropagated must not be sampled
 #: at every forward)
@@ -155,6 +166,16 @@ class SampledChecks:
         #: DDP's map of the parameters each step used, read at every synchronizing step where
         #: that is cheap (find_unused_parameters on CPU), counted into the next Unused record
         self.used = UsedMap.of(ddp, self.params)
+        # the reduction sentinel: the tensors DDP holds (its reducer's, by identity: DDP keeps
+        # them alive), the module's parameters by name as of the last walk, and what was logged
+        self._ddp_ids = {id(p) for p in getattr(ddp, "_module_parameters", None) or self.params}
+        self._ignored_names = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+        self.current: list[Any] = self.params  # per header name: the module's tensor now
+        self.replaced: list[str] = []
+        self.added: list[str] = []
+        self.params_dirty = False
+        self._idle_walks = 0  # walks in a row that a registration asked for and found nothing
+        self._registration_hooks = _registration_hooks(weakref.ref(self))
 
     @property
     def ddp(self) -> Any:
@@ -195,25 +216,94 @@ class SampledChecks:
 
     def check_grad_flags(self, step: int) -> None:
         """Compare requires_grad with what DDP was built with: every forward, one C-level pass
-        (``on_step_start`` asks the native extension first when it is loaded)."""
+        (``on_step_start`` asks the native extension first when it is loaded). A parameter or a
+        submodule registered since the last forward (``params_dirty``) has the module walked."""
+        if self.params_dirty:
+            self.params_dirty = False
+            self._flag_bytes = bytes(self.flags)  # (the native check was made to fail: see mark_dirty)
+            if self.check_params(step):
+                self._idle_walks = 0
+            else:
+                self._idle_walks += 1
+                if self._idle_walks >= IDLE_WALKS:
+                    # modules registered at every step that never touch this model (built inside a
+                    # forward): the hooks go, the sampled steps walk it alone
+                    self.stop()
         flags = list(map(_requires_grad, self.params))
         if flags == self.flags:
             return
         self.flags = flags
         self._flag_bytes = bytes(flags)
+        self._emit_flags(step)
+
+    def _emit_flags(self, step: int) -> None:
+        flags = self.flags
         frozen = [n for n, r, f in zip(self.names, self.reduced, flags, strict=False) if r and not f]
         unfrozen = [
             n
             for n, r, f, i in zip(self.names, self.reduced, flags, self.ignored, strict=False)
             if f and not r and not i
         ]
-        self._emit(GradFlags(rank=self.rank, ddp=self.ddp_index, step=step, frozen=frozen, unfrozen=unfrozen))
+        self._emit(
+            GradFlags(
+                rank=self.rank,
+                ddp=self.ddp_index,
+                step=step,
+                frozen=frozen,
+                unfrozen=unfrozen,
+                replaced=list(self.replaced),
+                added=list(self.added),
+            )
+        )
+
+    # -- the reduction sentinel ------------------------------------------------------------
+
+    def mark_dirty(self) -> None:
+        """A module registered a parameter or a submodule (torch's global hooks; any module of the
+        process): the next forward walks this model. The one-call requires_grad check is made to
+        fail (bytes of another length) so that the routine forward takes ``check_grad_flags``,
+        which nothing else costs a step."""
+        self.params_dirty = True
+        self._flag_bytes = b""
+
+    def check_params(self, step: int) -> bool:
+        """The module's parameters now against the tensors DDP reduces (by identity): one walk.
+        True where what it found changed since the walk before (and was logged)."""
+        ddp = self.ddp
+        if ddp is None:
+            return False
+        known = set(self.names)
+        now = dict(ddp.module.named_parameters())
+        ours = self._ddp_ids
+        ignored = self._ignored_names
+        replaced: list[str] = []
+        added: list[str] = []
+        for name, p in now.items():
+            if id(p) in ours or not p.requires_grad or name in ignored:
+                continue
+            (replaced if name in known else added).append(name)
+        if replaced:  # the fingerprints follow the module's current tensors by name
+            self.current = [now.get(n, p) for n, p in zip(self.names, self.params, strict=True)]
+        else:
+            self.current = self.params
+        if replaced == self.replaced and added == self.added:
+            return False
+        self.replaced, self.added = replaced, added
+        self._emit_flags(step)
+        return True
+
+    def stop(self) -> None:
+        """Detached or closed: torch's global registration hooks go."""
+        hooks, self._registration_hooks = self._registration_hooks, []
+        for handle in hooks:
+            handle.remove()
 
     # -- sampled steps --------------------------------------------------------------------
 
     def begin_sample(self, step: int, t0_mono_ns: int) -> None:
         if not self._join_warned:
             self._check_join()
+        self.check_params(step)  # (a parameter put in a module's _parameters by hand: no hook says so)
         sample = self.sample = _Sample(step, t0_mono_ns)
         if self.broadcast_bumps is None and getattr(self.ddp, "modules_buffers", True):
             # (a model whose DDP has no buffers to broadcast never measures: a walk of every
@@ -329,8 +419,11 @@ class SampledChecks:
         if bumps is not None and len(bumps) == len(versions) and self.broadcasts:
             # what DDP's own broadcasts added is no change of the buffer's (see the module docstring)
             versions = [v - self.broadcasts * d for v, d in zip(versions, bumps, strict=False)]
-        meta = (step, len(self.params), versions, after_broadcast, final)
-        self.fingerprinter.take(self.params + buffers, len(self.params), meta)
+        # the module's parameters now, by the header's names (a parameter replaced after DDP was
+        # built is compared across ranks as it trains, not as DDP's orphaned tensor)
+        params = self.current
+        meta = (step, len(params), versions, after_broadcast, final)
+        self.fingerprinter.take(params + buffers, len(params), meta)
 
     def final(self, step: int) -> None:
         """The fingerprint at the end of the run (``close`` or a clean exit), delivered now.
@@ -348,15 +441,19 @@ class SampledChecks:
 
     def _deliver_fingerprint(self, meta: Any, norms: list[float], sums: list[float], bits: list[int]) -> None:
         step, n, versions, after_broadcast, final = meta
+        # (a norm or a sum that is not finite is null in the log: the record's lists admit None)
+        param_norms: list[float | None] = list(norms[:n])
+        buffer_norms: list[float | None] = list(norms[n:])
+        buffer_sums: list[float | None] = list(sums)
         self._emit(
             Fingerprint(
                 rank=self.rank,
                 ddp=self.ddp_index,
                 step=step,
-                param_norms=norms[:n],
+                param_norms=param_norms,
                 param_bits=bits[:n],
-                buffer_norms=norms[n:],
-                buffer_sums=sums,
+                buffer_norms=buffer_norms,
+                buffer_sums=buffer_sums,
                 buffer_bits=bits[n:],
                 buffer_versions=versions,
                 after_broadcast=after_broadcast,
@@ -426,3 +523,25 @@ class SampledChecks:
             return []  # not DDP's order as the header saw it (a parameter frozen since): said nothing
         used = {n for n, e in zip(order, ever, strict=True) if e}
         return [n for n in names if n in used]
+
+
+def _registration_hooks(checks: weakref.ref[SampledChecks]) -> list[Any]:
+    """torch's global parameter and submodule registration hooks, which mark ``checks`` dirty
+    (held weakly: the hooks outlive nothing of it); none where this torch has no such hooks."""
+    try:
+        from torch.nn.modules.module import (
+            register_module_module_registration_hook,
+            register_module_parameter_registration_hook,
+        )
+    except ImportError:  # (older torch: the sampled steps walk the module alone)
+        return []
+
+    def registered(module: Any, name: str, value: Any) -> None:
+        target = checks()
+        if target is not None:
+            target.mark_dirty()
+
+    return [
+        register_module_parameter_registration_hook(registered),
+        register_module_module_registration_hook(registered),
+    ]

@@ -93,3 +93,16 @@ def launch(train: Train, world: int = 2) -> None:
         port = s.getsockname()[1]
     print(f"run dir: {run_dir}", flush=True)
     mp.spawn(_entry, args=(train, world, port, run_dir), nprocs=world)
+
+
+def plain_asked() -> bool:
+    """``--plain`` on the command line: the same training without ddpdoctor (losses compared)."""
+    return "--plain" in sys.argv[2:]
+
+
+def say_losses(rank: int, losses: list[float]) -> None:
+    """Every step's loss, exactly (float.hex): a run with ddpdoctor and one without must print the
+    same line."""
+    sys.stdout.flush()
+    # one write of the whole line: the ranks share the pipe, and a line under PIPE_BUF stays whole
+    os.write(sys.stdout.fileno(), f"rank {rank} losses: {' '.join(x.hex() for x in losses)}\n".encode())

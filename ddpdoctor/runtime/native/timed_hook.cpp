@@ -1073,33 +1073,79 @@ class GradWatch {
   std::vector<std::pair<Unowned<NodeRef>::type, torch::autograd::FunctionPreHook*>> hooked_;
 };
 
-// A bucket of at most this many elements is scaled by ``multiply_small`` below; a larger one by
-// torch's kernel, which splits it over the intra-op threads (torch's own grain size).
+// A bucket of at most this many elements is scaled by ``multiply_checked`` below in one go; a
+// larger one in pieces of this size over the intra-op threads (torch's own grain size).
 constexpr int64_t kSmallBucket = 32768;
 
 // ``data[i] *= s`` over ``n`` elements, a 32-byte vector at a time (GCC and Clang vector types):
 // per element the IEEE product of the same two operands that torch's ``mul_`` kernel forms, so
-// the same bits.
+// the same bits. True where some element was NaN or infinite: checked in the same pass (``x - x``
+// is +0 for every finite ``x`` and NaN otherwise, so the OR of its bits is 0 exactly when all are
+// finite: a subtract and an OR a vector, off the multiply's path, an OR's latency on the chain).
 template <typename T>
-inline __attribute__((always_inline)) void multiply_lanes(T* data, int64_t n, T s) {
+inline __attribute__((always_inline)) bool multiply_lanes(T* data, int64_t n, T s) {
   int64_t i = 0;
+  bool bad = false;
 #if defined(__GNUC__) || defined(__clang__)
+  using Bits = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
   typedef T Lanes __attribute__((vector_size(32)));
+  typedef Bits BitLanes __attribute__((vector_size(32)));
   constexpr int64_t kLanes = 32 / sizeof(T);
   Lanes factor;
   for (int64_t k = 0; k < kLanes; ++k) {
     factor[k] = s;
   }
+  BitLanes seen = {};
   for (; i + kLanes <= n; i += kLanes) {
     Lanes v;
     std::memcpy(&v, data + i, sizeof v);
+    const Lanes zero_or_nan = v - v;
+    BitLanes bits;
+    std::memcpy(&bits, &zero_or_nan, sizeof bits);
+    seen |= bits;
     v *= factor;
     std::memcpy(data + i, &v, sizeof v);
   }
+  for (int64_t k = 0; k < kLanes; ++k) {
+    bad = bad || seen[k] != 0;
+  }
 #endif
   for (; i < n; ++i) {
-    data[i] *= s;
+    const T x = data[i];
+    bad = bad || (x - x) != T(0);
+    data[i] = x * s;
   }
+  return bad;
+}
+
+// Whether any of ``n`` elements is NaN or infinite (the same test, read only): a bucket DDP
+// divides in place (``div_``), checked after its scaling.
+template <typename T>
+inline __attribute__((always_inline)) bool any_nonfinite_lanes(const T* data, int64_t n) {
+  int64_t i = 0;
+  bool bad = false;
+#if defined(__GNUC__) || defined(__clang__)
+  using Bits = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+  typedef T Lanes __attribute__((vector_size(32)));
+  typedef Bits BitLanes __attribute__((vector_size(32)));
+  constexpr int64_t kLanes = 32 / sizeof(T);
+  BitLanes seen = {};
+  for (; i + kLanes <= n; i += kLanes) {
+    Lanes v;
+    std::memcpy(&v, data + i, sizeof v);
+    const Lanes zero_or_nan = v - v;
+    BitLanes bits;
+    std::memcpy(&bits, &zero_or_nan, sizeof bits);
+    seen |= bits;
+  }
+  for (int64_t k = 0; k < kLanes; ++k) {
+    bad = bad || seen[k] != 0;
+  }
+#endif
+  for (; i < n; ++i) {
+    bad = bad || (data[i] - data[i]) != T(0);
+  }
+  return bad;
 }
 
 // Built twice on x86-64 Linux with GCC, picked at load by the CPU (AVX2 where it has it, as
@@ -1112,34 +1158,89 @@ inline __attribute__((always_inline)) void multiply_lanes(T* data, int64_t n, T 
 #define DDPDOCTOR_CLONES
 #endif
 
-DDPDOCTOR_CLONES void multiply_floats(float* data, int64_t n, float s) {
-  multiply_lanes<float>(data, n, s);
+DDPDOCTOR_CLONES bool multiply_floats(float* data, int64_t n, float s) {
+  return multiply_lanes<float>(data, n, s);
 }
 
-DDPDOCTOR_CLONES void multiply_doubles(double* data, int64_t n, double s) {
-  multiply_lanes<double>(data, n, s);
+DDPDOCTOR_CLONES bool multiply_doubles(double* data, int64_t n, double s) {
+  return multiply_lanes<double>(data, n, s);
 }
 
-// ``buffer.mul_(1 / divisor)`` for a small contiguous float or double buffer on the CPU, without
-// the dispatcher and TensorIterator: their microsecond and a half a call is most of what scaling a
-// model of small buckets costs a step (DDP itself scales as it copies the gradients in, which a
-// comm hook cannot). The version counter moves as ``mul_`` moves it. False: not such a buffer,
-// nothing done.
-bool multiply_small(at::Tensor& buffer, double scale) {
-  if (!buffer.device().is_cpu() || !buffer.is_contiguous() || buffer.numel() > kSmallBucket ||
-      buffer.is_inference() || buffer.is_conj() || buffer.is_neg() || buffer.requires_grad()) {
-    return false;
-  }
+DDPDOCTOR_CLONES bool nonfinite_floats(const float* data, int64_t n) {
+  return any_nonfinite_lanes<float>(data, n);
+}
+
+DDPDOCTOR_CLONES bool nonfinite_doubles(const double* data, int64_t n) {
+  return any_nonfinite_lanes<double>(data, n);
+}
+
+// A plain CPU buffer that the loops above may read and write: contiguous, float or double, and
+// nothing of autograd's or of a lazy view's on it.
+bool plain_cpu_buffer(const at::Tensor& buffer) {
   const at::ScalarType dtype = buffer.scalar_type();
-  if (dtype == at::kFloat) {
-    multiply_floats(buffer.data_ptr<float>(), buffer.numel(), static_cast<float>(scale));
-  } else if (dtype == at::kDouble) {
-    multiply_doubles(buffer.data_ptr<double>(), buffer.numel(), scale);
+  return buffer.device().is_cpu() && buffer.is_contiguous() && !buffer.is_inference() && !buffer.is_conj() &&
+         !buffer.is_neg() && !buffer.requires_grad() && (dtype == at::kFloat || dtype == at::kDouble);
+}
+
+// What a multiply of a bucket found: not done (not a plain CPU buffer), every element finite, or
+// some NaN or infinite one.
+enum class Scaled { kNotDone, kFinite, kNonFinite };
+
+// ``buffer.mul_(1 / divisor)`` for a contiguous float or double buffer on the CPU, without the
+// dispatcher and TensorIterator: their microsecond and a half a call is most of what scaling a
+// model of small buckets costs a step (DDP itself scales as it copies the gradients in, which a
+// comm hook cannot). A bucket larger than ``kSmallBucket`` elements is split over the intra-op
+// threads at torch's own grain size, as ``mul_`` splits it. The version counter moves as
+// ``mul_`` moves it. The non-finite check rides the same pass.
+Scaled multiply_checked(at::Tensor& buffer, double scale) {
+  if (!plain_cpu_buffer(buffer)) {
+    return Scaled::kNotDone;
+  }
+  const int64_t n = buffer.numel();
+  bool bad = false;
+  if (buffer.scalar_type() == at::kFloat) {
+    float* data = buffer.data_ptr<float>();
+    const auto s = static_cast<float>(scale);
+    if (n <= kSmallBucket) {
+      bad = multiply_floats(data, n, s);
+    } else {
+      std::atomic<bool> any{false};
+      at::parallel_for(0, n, kSmallBucket, [&](int64_t begin, int64_t end) {
+        if (multiply_floats(data + begin, end - begin, s)) {
+          any.store(true, std::memory_order_relaxed);
+        }
+      });
+      bad = any.load();
+    }
   } else {
-    return false;
+    double* data = buffer.data_ptr<double>();
+    if (n <= kSmallBucket) {
+      bad = multiply_doubles(data, n, scale);
+    } else {
+      std::atomic<bool> any{false};
+      at::parallel_for(0, n, kSmallBucket, [&](int64_t begin, int64_t end) {
+        if (multiply_doubles(data + begin, end - begin, scale)) {
+          any.store(true, std::memory_order_relaxed);
+        }
+      });
+      bad = any.load();
+    }
   }
   buffer.unsafeGetTensorImpl()->bump_version();
-  return true;
+  return bad ? Scaled::kNonFinite : Scaled::kFinite;
+}
+
+// Whether ``tensor`` (a bucket, after a scaling that was not ``multiply_checked``'s) holds a NaN
+// or an infinity: the loops above where they apply, torch's kernels otherwise.
+bool any_nonfinite(const at::Tensor& tensor) {
+  if (tensor.layout() != c10::kStrided || !at::isFloatingType(tensor.scalar_type())) {
+    return false;  // (sparse gradients are not looked at; integers are always finite)
+  }
+  if (plain_cpu_buffer(tensor)) {
+    return tensor.scalar_type() == at::kFloat ? nonfinite_floats(tensor.data_ptr<float>(), tensor.numel())
+                                              : nonfinite_doubles(tensor.data_ptr<double>(), tensor.numel());
+  }
+  return !at::isfinite(tensor).all().item<bool>();
 }
 
 // 1/``size`` as DDP's reducer passes it to its multiply: a double scalar tensor marked as a wrapped
@@ -1162,13 +1263,41 @@ class DdpScale {
     }
   }
 
-  // Scales ``bucket`` in place as DDP's reducer would have scaled its gradients.
+  // Scales ``bucket`` in place as DDP's reducer would have scaled its gradients; where a flag is
+  // watched (``watch_nonfinite``), notes a bucket holding a NaN or an infinity.
   void apply(c10d::GradBucket& bucket) {
     std::lock_guard<std::mutex> lock(mu_);
-    scale(bucket);
+    const bool bad = scale(bucket);
+    if (bad && flag_.defined()) {
+      note_nonfinite(bucket);
+    }
     if (watch_ != nullptr && bucket.isLast()) {
       watch_->end_round();
     }
+  }
+
+  // Where to say that a bucket held a NaN or an infinity: ``flag`` (a one-element int64 CPU
+  // tensor that Python reads as a plain word, one read a step) is set to 1 and the bucket's
+  // details kept for ``take_nonfinite``. An undefined tensor (None) stops the watch.
+  void watch_nonfinite(std::optional<at::Tensor> flag) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (flag && flag->defined()) {
+      TORCH_CHECK(flag->device().is_cpu() && flag->scalar_type() == at::kLong && flag->numel() == 1 &&
+                      flag->is_contiguous(),
+                  "watch_nonfinite: a one-element int64 CPU tensor");
+      flag_ = *flag;
+    } else {
+      flag_ = at::Tensor();
+    }
+  }
+
+  // The buckets noted since the last take, in order: (bucket index, [(parameter's TensorImpl
+  // address, NaN count, infinity count)] for each of its gradients that is not finite).
+  std::vector<std::tuple<int64_t, std::vector<std::tuple<int64_t, int64_t, int64_t>>>> take_nonfinite() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::tuple<int64_t, std::vector<std::tuple<int64_t, int64_t, int64_t>>>> out;
+    out.swap(nonfinite_);
+    return out;
   }
 
   // The divisor DDP's reducer uses this round (the world size where it cannot be read).
@@ -1189,17 +1318,20 @@ class DdpScale {
   }
 
  private:
-  void scale(c10d::GradBucket& bucket) {
+  // Scales the bucket; true where it holds a NaN or an infinity (looked at only while a flag is
+  // watched: the multiply's own pass on a CPU bucket, a read after ``div_`` otherwise).
+  bool scale(c10d::GradBucket& bucket) {
     at::Tensor& buffer = bucket.getBufferRef();
+    const bool look = flag_.defined();
     const int64_t div = divisor();
     if (buffer.layout() != c10::kStrided) {
       buffer.div_(div);  // a sparse gradient: DDP divides it
-      return;
+      return false;
     }
     if (div == 1 && buffer.is_cuda()) {
       // by 1.0 no bit changes on a GPU (CUDA kernels keep subnormals), and that pass over every
       // gradient is what a scaling comm hook costs there; on CPU it stays (flush_denormal)
-      return;
+      return look && any_nonfinite(buffer);
     }
     if (div != divisor_) {
       divisor_ = div;
@@ -1208,19 +1340,15 @@ class DdpScale {
     const double reciprocal = 1.0 / static_cast<double>(div);  // (the value scale_ holds)
     if (watch_ == nullptr || power_of_two(div)) {
       // (dividing by a power of two gives the same bits)
-      if (!multiply_small(buffer, reciprocal)) {
-        buffer.mul_(scale_);
-      }
-      return;
+      return multiply(buffer, reciprocal, look);
     }
     const std::vector<char> in_place = watch_->in_place(bucket);
     const bool all = std::all_of(in_place.begin(), in_place.end(), [](char c) { return c != 0; });
     const bool none = std::none_of(in_place.begin(), in_place.end(), [](char c) { return c != 0; });
     if (none) {
-      if (!multiply_small(buffer, reciprocal)) {
-        buffer.mul_(scale_);
-      }
-    } else if (all) {
+      return multiply(buffer, reciprocal, look);
+    }
+    if (all) {
       buffer.div_(div);
     } else {
       const std::vector<at::Tensor> views = bucket.getGradients();
@@ -1233,14 +1361,54 @@ class DdpScale {
         }
       }
     }
+    return look && any_nonfinite(buffer);
   }
 
+  // ``buffer`` times ``reciprocal`` (``multiply_checked``, else torch's ``mul_``); true where it
+  // holds a NaN or an infinity and ``look``.
+  bool multiply(at::Tensor& buffer, double reciprocal, bool look) {
+    const Scaled done = multiply_checked(buffer, reciprocal);
+    if (done != Scaled::kNotDone) {
+      return look && done == Scaled::kNonFinite;
+    }
+    buffer.mul_(scale_);
+    return look && any_nonfinite(buffer);
+  }
+
+  // A bucket found not finite: the flag set, and which of its gradients are not, with their NaN
+  // and infinity counts (torch's kernels: this runs once in a broken run, not every step).
+  // Bounded: what Python has not taken stops growing at ``kNonFiniteKept`` buckets.
+  void note_nonfinite(c10d::GradBucket& bucket) {
+    flag_.data_ptr<int64_t>()[0] = 1;
+    if (nonfinite_.size() >= kNonFiniteKept) {
+      return;
+    }
+    const std::vector<at::Tensor> views = bucket.getGradients();
+    const auto params = bucket.getParameters();
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> bad;
+    for (size_t j = 0; j < views.size() && j < params.size(); ++j) {
+      const at::Tensor& view = views[j];
+      if (!at::isFloatingType(view.scalar_type())) {
+        continue;
+      }
+      const int64_t nan = at::isnan(view).sum().item<int64_t>();
+      const int64_t inf = at::isinf(view).sum().item<int64_t>();
+      if (nan != 0 || inf != 0) {
+        bad.emplace_back(reinterpret_cast<int64_t>(params[j].unsafeGetTensorImpl()), nan, inf);
+      }
+    }
+    nonfinite_.emplace_back(static_cast<int64_t>(bucket.getIndex()), std::move(bad));
+  }
+
+  static constexpr size_t kNonFiniteKept = 64;
   std::mutex mu_;
   std::weak_ptr<c10d::Reducer> reducer_;  // (the reducer owns the hook that owns this: not held)
   const int64_t world_size_;
   int64_t divisor_;
   at::Tensor scale_;
   std::unique_ptr<GradWatch> watch_;
+  at::Tensor flag_;  // (undefined: non-finite buckets are not looked for)
+  std::vector<std::tuple<int64_t, std::vector<std::tuple<int64_t, int64_t, int64_t>>>> nonfinite_;
 };
 
 class TimedAllReduceHook
@@ -2724,6 +2892,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("reducer"), py::arg("world_size"), py::arg("params"), py::arg("watch"))
       .def("__call__", &DdpScale::apply, py::arg("bucket"))
       .def_property_readonly("watches", &DdpScale::watches)
+      .def("watch_nonfinite", &DdpScale::watch_nonfinite, py::arg("flag"),
+           "Set flag[0] = 1 when a bucket holds a NaN or an infinity (None: stop looking)")
+      .def("take_nonfinite", &DdpScale::take_nonfinite,
+           "[(bucket index, [(TensorImpl address, NaN count, inf count)])] noted since the last take")
       .def_property_readonly_static("reads_divisor", [](py::object) { return kReadsDivisor; });
   m.def("accepts", &accepts, py::arg("reducer"), py::arg("group"));
   m.def("tensor_values", &tensor_values, py::arg("tensors"), py::arg("sums_from"),
