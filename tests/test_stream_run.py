@@ -51,11 +51,13 @@ def test_streamed_run_collected_then_reported(tmp_path: Path) -> None:
     finally:
         collector.kill()
         collector.wait(timeout=30)
-    assert "dropped by senders or here: 0" in out
+    assert "dropped by senders: 0, dropped here (reader behind): 0, lost in transit: 0" in out
+    assert "refused over the limit of" in out and "the stream is incomplete" not in out
     local, collected = tmp_path / "local", tmp_path / "collected"
     names = sorted(p.name for p in local.iterdir())
     assert names == ["rank-00000.jsonl", "rank-00001.jsonl"]
-    assert sorted(p.name for p in collected.iterdir()) == names
+    assert sorted(p.name for p in collected.iterdir()) == [*names, "receiver.json"]
+    assert ddpdoctor.load_run(collected).receiver == (0, 0, 0, 0, 0, 0)
     for name in names:  # nothing dropped: the collected files are the local ones, byte for byte
         assert (collected / name).read_bytes() == (local / name).read_bytes()
     run = ddpdoctor.load_run(collected)

@@ -4,7 +4,9 @@ Every rank streaming to it (``ddpdoctor run --endpoint HOST:PORT``) gets its
 ``rank-NNNNN.jsonl`` in DIR (in ``attempt-N/`` for an elastic run), written line for line as
 the rank's own file sink writes it, so ``ddpdoctor report DIR`` and ``trace`` work on it. It runs
 until SIGINT or SIGTERM. A stream is a copy: records the senders dropped are missing here (the
-count is printed), the ranks' local files have them all.
+count is printed), the ranks' local files have them all. What the receiver refused or lost
+(connections over its limit, streams closed early, records lost in transit) is printed at the
+end and written to ``receiver.json`` in DIR, where ``ddpdoctor report`` reads it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any, BinaryIO
 from ddpdoctor.cli.model_option import add_ddp_argument
 from ddpdoctor.events.layout import TOKEN_ENV, rank_file_path
 from ddpdoctor.events.wire import parse_endpoint
-from ddpdoctor.stream.listener import Peer, StreamLine, StreamListener
+from ddpdoctor.runlog.receiver import write_receiver_health
+from ddpdoctor.stream.listener import MAX_CONNECTIONS, Peer, StreamLine, StreamListener
 
 #: How often received lines are written out (and files flushed).
 WRITE_INTERVAL_S = 0.2
@@ -42,6 +45,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--token", default=None, help=f"shared secret the senders must present (default: ${TOKEN_ENV})")
     p.add_argument(
         "--metrics", metavar="HOST:PORT", help="serve the live state for Prometheus on http://HOST:PORT/metrics"
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        metavar="N",
+        help="streams accepted at once, one per rank (default %(default)s, capped by the open-files "
+        "limit); beyond it connections are refused and counted",
     )
     add_ddp_argument(p)  # which model --metrics follows (every model's stream is written)
     p.set_defaults(func=run)
@@ -107,7 +118,7 @@ def _metrics(address: str | None, listener: StreamListener, ddp: int = 0) -> tup
 def run(args: argparse.Namespace) -> int:
     try:
         host, port = parse_endpoint(args.listen, listen=True, what="--listen")
-        listener = StreamListener(host, port, args.token)
+        listener = StreamListener(host, port, args.token, max_connections=max(1, args.max_connections))
     except (ValueError, OSError) as exc:  # malformed address, no token off loopback, port taken
         print(f"ddpdoctor collect: {exc}", file=sys.stderr)
         return 2
@@ -138,10 +149,12 @@ def run(args: argparse.Namespace) -> int:
         collector.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    ranks = len({(p.rank, p.ddp) for p in listener.peers.values()})
+    health = listener.health()
+    write_receiver_health(args.run_dir, health)
     print(
-        f"ddpdoctor collect: {collector.records} records from {ranks} rank streams in {args.run_dir}; "
-        f"dropped by senders or here: {listener.dropped()}; rejected connections: {listener.rejected}",
+        f"ddpdoctor collect: {collector.records} records in {args.run_dir} from {listener.summary()}",
         flush=True,
     )
+    if health.refused or health.lost or health.dropped or health.closed:
+        print(f"ddpdoctor collect: warning: the stream is incomplete: {', '.join(health.problems())}", flush=True)
     return 0
