@@ -61,6 +61,7 @@ MAX_PENDING = 500_000
 ACCEPT_BACKOFF_S = 0.25
 _RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _RECV = 1 << 16
+_HELLO_PREFIX = CONTROL_PREFIX + b'"hello"'
 
 
 class StreamError(ValueError):
@@ -95,13 +96,14 @@ class StreamLine(NamedTuple):
 
 
 class _Conn:
-    __slots__ = ("sock", "addr", "buf", "peer", "opened", "last_data")
+    __slots__ = ("sock", "addr", "buf", "peer", "opened", "last_data", "relay")
 
     def __init__(self, sock: socket.socket, addr: object, now: float) -> None:
         self.sock = sock
         self.addr = addr
         self.buf = bytearray()
         self.peer: Peer | None = None
+        self.relay = False  # a node's relay: a hello may come again, switching the rank
         self.opened = now
         self.last_data = now
 
@@ -342,6 +344,8 @@ class StreamListener:
         """Handle one complete line; False closes the connection."""
         if conn.peer is None:
             return self._hello(conn, line)
+        if conn.relay and line.startswith(_HELLO_PREFIX):
+            return self._hello(conn, line)
         if line.startswith(CONTROL_PREFIX):
             try:
                 sent, dropped = decode_stats(line)
@@ -380,7 +384,7 @@ class StreamListener:
 
     def _hello(self, conn: _Conn, line: bytes) -> bool:
         hello = decode_hello(line)
-        ok = hello is not None
+        ok = hello is not None and (conn.peer is None or hello.relay)
         if hello is not None and self._token is not None:
             ok = hello.token is not None and hmac.compare_digest(hello.token.encode(), self._token)
         if hello is None or not ok:
@@ -393,7 +397,9 @@ class StreamListener:
         peer.host = hello.host
         if peer.pid != hello.pid:  # another process of that rank: its totals start over
             peer.pid, peer._mark, peer.received, peer.ended = hello.pid, None, 0, False
-        peer.connections += 1
+        if conn.peer is None:
+            peer.connections += 1
+            conn.relay = hello.relay
         conn.peer = peer
         return True
 
