@@ -440,6 +440,11 @@ def _read_sampled(
     last = max(max((s for s, _ in full), default=-1), max((s + n - 1 for s, n, _ in windows), default=-1))
     # a compact log shares the budget: half for the steps on the stride, half for the full records
     stride = _power_of_two_stride(total, max_steps // 2 if windows else max_steps)
+    if len(windows) > max_steps // 4:
+        # a long compact log: past a window's rows, each step on the stride costs a whole window
+        # decoded for one row; a quarter of the budget in windows bounds that cost by the budget,
+        # not by the file (a run of 160,000 steps then reads like one of 20,000)
+        stride = max(stride, _power_of_two_stride(total, max(1, max_steps // 4)))
     tail_from = _tail_start(windows, full, last)
     on_stride = _OnStride(stride, tail_from)
     # full records: on the stride or in the tail; in a compact log also the ones that hold what happened
