@@ -12,13 +12,17 @@ every rank from scratch would take an hour at 1,024 ranks x 100,000 steps on 2 c
 it runs ``python -m ddpdoctor report RUN --format json`` in a fresh process ``--repeat`` times
 and prints the wall time, the CPU time (user + system) and the peak RSS of that process.
 
-Measured on the 2-core shared machine this project's benches run on (load average 6 to 10 from
-other work while measuring, so the wall times are about twice the CPU times; the CPU time is the
-figure to compare):
+Measured on a 2-core machine shared with other work (load average 6 to 12 while measuring: wall
+times vary with it, the CPU time less; best of ``--repeat``):
 
-    python bench/report_scale.py --ranks 64 --steps 10000,160000 /tmp/rs64
-      (figures in the commit that added this script and in the change's report)
+    python bench/report_scale.py --ranks 64 --steps 10000,160000 --repeat 2 /tmp/rs64
+      64 x 10,000:  wall 8.3 s, CPU 5.9 s, peak RSS 223 MiB (77 MiB of logs)
+      64 x 160,000: wall 10.3 s, CPU 8.4 s, peak RSS 201 MiB (1,226 MiB of logs)
+      160,000 vs 10,000 steps: wall x1.25, CPU x1.42 (load average 6 to 7)
+      before the line index (the same logs scanned whole): 64 x 160,000 took CPU 15.1 s, x2.8
     python bench/report_scale.py --ranks 1024 --steps 100000 /tmp/rs1024
+      1,024 x 100,000 (12,272 MiB of logs), before the window cap of the sampled read:
+      wall 297 s at load average 10.6, CPU 80 s, peak RSS 1,236 MiB
 
 Every copy is removed at the end unless ``--keep``.
 """
