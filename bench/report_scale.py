@@ -21,8 +21,9 @@ times vary with it, the CPU time less; best of ``--repeat``):
       160,000 vs 10,000 steps: wall x1.25, CPU x1.42 (load average 6 to 7)
       before the line index (the same logs scanned whole): 64 x 160,000 took CPU 15.1 s, x2.8
     python bench/report_scale.py --ranks 1024 --steps 100000 /tmp/rs1024
-      1,024 x 100,000 (12,272 MiB of logs), before the window cap of the sampled read:
-      wall 297 s at load average 10.6, CPU 80 s, peak RSS 1,236 MiB
+      1,024 x 100,000 (12,272 MiB of logs): wall 76.6 s, CPU 51.5 s, peak RSS 1,082 MiB
+      (load average 5); before the window cap of the sampled read: wall 297 s at load average
+      10.6, CPU 80 s, peak RSS 1,236 MiB
 
 Every copy is removed at the end unless ``--keep``.
 """

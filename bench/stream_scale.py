@@ -30,11 +30,19 @@ load average 8 to 14 while measuring), ``--seconds 30``:
     2,048  direct  2.2 s    6.3 s  6.7 s   63,488/63,488   29 %          243 MiB   11.5
     2,048  relay   13.4 s   17.6 s 18.9 s  63,488/63,488   20 %          249 MiB   13.8
 
+Again once the machine was quieter (load average 0.7 to 2 before each run; the senders and the
+receiver still share its 2 cores):
+
+    256    direct  0.12 s   0.22 s 0.29 s  8,192/8,192     2.6 %         65 MiB
+    1,024  direct  0.34 s   1.76 s 2.48 s  32,768/32,768   13 %          142 MiB
+    2,048  direct  0.47 s   1.15 s 1.51 s  65,536/65,536   30 %          242 MiB
+    2,048  relay   0.47 s   1.32 s 1.73 s  65,536/65,536   31 %          241 MiB
+
 Nothing was lost or refused at any size. The lag at 2,048 ranks is the live analysis, not the
 network: one snapshot of 2,048 rank rows costs about 150 ms of CPU (``live_view.bucket_views``
 for every row) and the watcher takes one up to five times a second, on a machine whose two cores
-the load leaves a fraction of to the receiver. (The relay row ran with a hello before every
-record, the worst case, under the higher load.)
+the load leaves a fraction of to the receiver. (The relay sends a hello before every record
+here, as it does when the ranks' lines interleave.)
 """
 
 from __future__ import annotations
