@@ -14,6 +14,7 @@ from typing import Any
 import ddpdoctor
 from ddpdoctor.analysis.live_run import LiveRun
 from ddpdoctor.events import FindingRecord, Hang, decode
+from ddpdoctor.events.line_index import is_index_line
 from ddpdoctor.runlog import DirSource
 from tests.ddp_harness import free_port
 
@@ -22,7 +23,7 @@ HANG_TIMEOUT = 2.0
 
 
 def _records(path: Path) -> list[object]:
-    return [decode(line) for line in path.read_bytes().splitlines() if line.strip()]
+    return [decode(line) for line in path.read_bytes().splitlines() if line.strip() and not is_index_line(line)]
 
 
 def _hang_finding(run_dir: Path) -> ddpdoctor.Finding | None:

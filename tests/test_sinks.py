@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ddpdoctor.events import End, Record, Step, decode
+from ddpdoctor.events.line_index import is_index_line
 from ddpdoctor.sinks import FileSink, MemorySink, NullSink, SinkError
 from ddpdoctor.sinks.file import FLUSH_INTERVAL_S
 
@@ -22,7 +23,8 @@ def _step(i: int) -> Step:
 
 
 def _lines(path: Path) -> list[bytes]:
-    return [line for line in path.read_bytes().split(b"\n") if line]
+    """The record lines (the file's own index lines left out)."""
+    return [line for line in path.read_bytes().split(b"\n") if line and not is_index_line(line)]
 
 
 def test_file_sink_writes_json_lines_in_order_and_closes(tmp_path: Path) -> None:

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import ddpdoctor
+from ddpdoctor.events.line_index import is_index_line
+from ddpdoctor.runlog.indexed import file_lines
 from tests.ddp_harness import free_port, torchrun_cmd
 from tests.test_run_cmd import EXAMPLES, _env, ddpdoctor_run
 
@@ -51,13 +53,16 @@ def test_streamed_run_collected_then_reported(tmp_path: Path) -> None:
     finally:
         collector.kill()
         collector.wait(timeout=30)
-    assert "dropped by senders or here: 0" in out
+    assert "dropped by senders: 0, dropped here (reader behind): 0, lost in transit: 0" in out
+    assert "refused over the limit of" in out and "the stream is incomplete" not in out
     local, collected = tmp_path / "local", tmp_path / "collected"
     names = sorted(p.name for p in local.iterdir())
     assert names == ["rank-00000.jsonl", "rank-00001.jsonl"]
-    assert sorted(p.name for p in collected.iterdir()) == names
-    for name in names:  # nothing dropped: the collected files are the local ones, byte for byte
-        assert (collected / name).read_bytes() == (local / name).read_bytes()
+    assert sorted(p.name for p in collected.iterdir()) == [*names, "receiver.json"]
+    assert ddpdoctor.load_run(collected).receiver == (0, 0, 0, 0, 0, 0)
+    for name in names:  # nothing dropped: the collected files hold the local ones' records, byte for byte
+        assert _records(collected / name) == _records(local / name)
+        assert file_lines(collected / name) is not None  # and the collector indexed them as the ranks do
     run = ddpdoctor.load_run(collected)
     assert all(len(log.steps) == 6 and log.end is not None for log in run.ranks.values())
     report = subprocess.run(
@@ -97,3 +102,8 @@ def test_receiver_down_training_unaffected_drops_logged_locally(tmp_path: Path) 
     assert report.returncode == 0, report.stderr[-2000:]
     total = sum(log.stream_dropped for log in run.ranks.values())
     assert f"the live stream dropped {total} records (by rank 0: " in report.stdout
+
+
+def _records(path: Path) -> list[bytes]:
+    """A rank file's record lines (its index lines are where each writer put them)."""
+    return [line for line in path.read_bytes().splitlines() if not is_index_line(line)]

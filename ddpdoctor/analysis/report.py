@@ -282,6 +282,7 @@ def analyze(run: Run) -> Report:
         "log_schema": header.schema if header else SCHEMA_VERSION,
         "corrupt_lines": run.corrupt_lines,
         "unknown_lines": run.unknown_lines,
+        "stream_receiver": run.receiver.problems() if run.receiver else None,  # what `collect` refused or lost
         "finished": bool(run.ranks) and all(log.end is not None for log in run.ranks.values()),
         # of the ranks an exception ended, the first on the aligned clocks (where it began: the
         # others' collectives fail once it is gone)

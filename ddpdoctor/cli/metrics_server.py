@@ -133,6 +133,22 @@ class SnapshotCollector(Collector):
         skipped.add_metric([run, "corrupt"], src.corrupt_lines)
         skipped.add_metric([run, "unknown"], src.unknown_lines)
         yield skipped
+        c = CounterMetricFamily
+        lost = c(
+            "ddpdoctor_records_lost", "records a sender sent that never arrived (broken connections)", labels=["run"]
+        )
+        lost.add_metric([run], src.lost)
+        yield lost
+        refused = c(
+            "ddpdoctor_connections_refused", "stream connections refused (over the limit, bad hello)", labels=["run"]
+        )
+        refused.add_metric([run], src.refused)
+        yield refused
+        closed = c(
+            "ddpdoctor_streams_closed_early", "streams that closed before their rank's end record", labels=["run"]
+        )
+        closed.add_metric([run], src.closed)
+        yield closed
 
     def _value(self, family: GaugeMetricFamily, labels: list[str], value: float | None) -> None:
         key = (family.name, *labels)
@@ -249,10 +265,7 @@ class LiveFeed:
                     self._live = LiveRun(label=self._live.label, attempt=peer.attempt, ddp=self._ddp)
                     records = []
                 records.append(RankRecord(peer.rank, peer.ddp, line.record))
-            lis = self._listener
-            self._live.set_source_health(
-                SourceHealth(lis.corrupt_lines + lis.oversized, lis.unknown_lines, lis.dropped())
-            )
+            self._live.set_source_health(self._listener.health())
             if records:
                 self._live.feed(records)
 

@@ -112,6 +112,8 @@ def out_of_line_lines(report: Report, limit: int = LISTED_OUT_OF_LINE) -> list[s
 def _stream_note(report: Report) -> str | None:
     """How many records the live stream lost, by rank (the rank files have them all)."""
     lost = {r["rank"]: r.get("stream_dropped", 0) for r in report.ranks if r.get("stream_dropped")}
+    if receiver := report.run.get("stream_receiver"):
+        return f"the receiver that wrote this run dir did not get everything: {', '.join(receiver)}"
     if not lost:
         return None
     ranks = ", ".join(f"{rank}: {n}" for rank, n in sorted(lost.items()))

@@ -1,10 +1,11 @@
-"""``ddpdoctor run [--run-dir DIR] [--endpoint HOST:PORT] [--hang-timeout S] -- CMD...``.
+"""``ddpdoctor run [--run-dir DIR] [--endpoint HOST:PORT] [--metrics HOST:PORT] [--hang-timeout S] -- CMD...``.
 
 Runs CMD with every DDP model of every Python process it starts instrumented, no code change:
 the settings go into the environment, and ``ddpdoctor/autoload/site`` goes first on
 ``PYTHONPATH``, whose ``sitecustomize`` patches ``DistributedDataParallel`` when torch loads it.
 The exit code is CMD's (128 + N when CMD died of signal N); SIGINT and SIGTERM sent to this
-process are passed on to CMD.
+process are passed on to CMD. ``--metrics`` serves this node's ranks for Prometheus (and relays
+them to ``--endpoint`` over one connection): ``cli.node_stream``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         metavar="HOST:PORT",
         help="also stream every rank's records to `ddpdoctor watch --listen` or `ddpdoctor collect`",
+    )
+    p.add_argument(
+        "--metrics",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve this node's ranks for Prometheus on http://HOST:PORT/metrics (one per node: the ranks "
+        "stream to this process on loopback; with --endpoint it relays them there over one connection)",
     )
     p.add_argument(
         "--hang-timeout",
@@ -196,8 +204,19 @@ def run(args: argparse.Namespace) -> int:
     if run_dir is None:
         run_dir = _default_run_dir(torchrun)
     run_dir = run_dir.absolute()  # absolute: CMD may change directory
-    env = child_env(run_dir, args.endpoint, args.hang_timeout)
+    node = None
+    if args.metrics:
+        from ddpdoctor.cli.node_stream import NodeStream  # (sockets and the analysis only when asked)
+
+        try:
+            node = NodeStream(args.metrics, args.endpoint)
+        except (ValueError, OSError) as exc:
+            print(f"ddpdoctor run: --metrics: {exc}", file=sys.stderr)
+            return 2
+    env = child_env(run_dir, node.endpoint if node is not None else args.endpoint, args.hang_timeout)
     print(f"ddpdoctor run: run dir {run_dir}", flush=True)
+    if node is not None:
+        print(f"ddpdoctor run: this node's ranks for Prometheus on {node.metrics.url}", flush=True)
     for advice in (torchrun_args.restart_advice(torchrun), torchrun_args.port_advice(torchrun)) if torchrun else ():
         if advice:
             print(f"ddpdoctor run: note: {advice}", file=sys.stderr, flush=True)
@@ -208,9 +227,13 @@ def run(args: argparse.Namespace) -> int:
         proc = subprocess.Popen(cmd, env=env)
     except OSError as exc:
         print(f"ddpdoctor run: cannot start {cmd[0]!r}: {exc.strerror or exc}", file=sys.stderr)
+        if node is not None:
+            node.close()
         return 127 if isinstance(exc, FileNotFoundError) else 126
     _forward_signals(proc)
     code = proc.wait()
+    if node is not None:
+        print(f"ddpdoctor run: {node.close()}", flush=True)
     if _recorded(run_dir):
         print(f"ddpdoctor run: CMD exited with {code}; report: ddpdoctor report {run_dir}", file=sys.stderr, flush=True)
     elif code != 0:

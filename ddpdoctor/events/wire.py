@@ -8,6 +8,12 @@ One JSON object per line, UTF-8, over TCP:
 - control lines between them, ``{"ddpdoctor": "stats", "sent": S, "dropped": N}``: the sender's
   running totals.
 
+A relay (``ddpdoctor run --metrics`` on a node, ``stream.relay``) sends many ranks on one
+connection: its hellos carry ``"relay": true``, and on such a connection a hello may come again
+between records: the lines after it, stats lines included, are that rank's. (A listener older
+than relays would file every rank's lines under the first hello's rank: a relay needs a listener
+of this version. A rank's own stream is unchanged.)
+
 A record line always starts with ``{"kind":``; a control line with ``CONTROL_PREFIX``. The token
 variable is ``layout.TOKEN_ENV``. Endpoints on the command line and in the environment are
 ``HOST:PORT`` (``[::1]:PORT`` for IPv6), read by ``parse_endpoint`` alone.
@@ -39,6 +45,7 @@ class Hello:
     token: str | None = None
     host: str = ""
     pid: int = 0
+    relay: bool = False  # sent by a relay: more hellos follow on this connection, one per rank
 
 
 def encode_hello(hello: Hello) -> bytes:
@@ -55,6 +62,7 @@ def encode_hello(hello: Hello) -> bytes:
                 "attempt": hello.attempt,
                 "host": hello.host,
                 "pid": hello.pid,
+                **({"relay": True} if hello.relay else {}),
             }
         )
         + b"\n"
@@ -89,6 +97,7 @@ def decode_hello(line: bytes) -> Hello | None:
         token=token if isinstance(token, str) else None,
         host=str(msg.get("host", ""))[:256],
         pid=pid if isinstance(pid, int) else 0,
+        relay=msg.get("relay") is True,
     )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,11 +27,16 @@ from ddpdoctor.events import (
     Window,
     decode,
 )
+from ddpdoctor.events.line_index import INDEX_PREFIX
 from ddpdoctor.events.schedule import DEFAULT_EVERY
+from ddpdoctor.runlog.indexed import FileLines, IndexMismatch, file_lines, scanned
 from ddpdoctor.runlog.windows import window_steps
 
 #: Bare steps (without any bucket) remembered per rank: enough to name a skipped backward.
 MAX_BARE_STEPS = 1000
+#: Full step records (the per-bucket detail) a sampled read of a compact log keeps per rank at most,
+#: however long the run: what the analysis costs then stays that of a run of about 20,000 steps.
+MAX_DETAIL = 256
 #: Steps always kept at the end of a sampled rank log (what happened last: lost ranks, hangs).
 TAIL_STEPS = 128
 #: How far back a full step record may find the window row it replaces (the writer's ring and a window).
@@ -212,8 +216,9 @@ class RankFileTail:
 
 
 def decode_counted(line: bytes, log: RankLog) -> Record | None:
-    """One line's record, or None for a blank, corrupt or unknown line (counted in ``log``)."""
-    if not line.strip():
+    """One line's record, or None for a blank, corrupt or unknown line (counted in ``log``), or
+    the file's own index line (not a record: skipped)."""
+    if not line.strip() or line.startswith(INDEX_PREFIX):
         return None
     try:
         return decode(line)
@@ -229,11 +234,6 @@ def is_bare(s: Step) -> bool:
     return s.b_count == 0 if s.summary else not s.b_ready_us
 
 
-#: What the writer puts first on a step or window line (msgspec writes fields in their order):
-#: the step index (and a window's row count) without decoding the line.
-_HEAD = re.compile(rb'\{"kind":"(step|window)","rank":-?\d+(?:,"ddp":\d+)?,"step":(\d+)(?:,"n":(\d+))?')
-_BUCKETS = b'"buckets":'
-_READY = b'"b_ready_us":'
 #: Periodic records a sampled read keeps per rank (the first and last ``_ENDS``, evenly in between):
 #: process samples, fingerprints, unused-parameter checks, by the start of their kind.
 MAX_PROCS = 512
@@ -265,8 +265,12 @@ def _power_of_two_stride(count: int, budget: int) -> int:
 
 def _lines_by_kind(lines: list[bytes]) -> dict[bytes, list[int]]:
     """Line indices by the start of their kind (``{"kind":"`` is 9 bytes): one cheap pass, no decoding."""
+    return _by_tag([line[9:14] for line in lines])
+
+
+def _by_tag(tags: list[bytes]) -> dict[bytes, list[int]]:
     by_kind: dict[bytes, list[int]] = {}
-    for i, tag in enumerate([line[9:14] for line in lines]):
+    for i, tag in enumerate(tags):
         got = by_kind.get(tag)
         if got is None:
             by_kind[tag] = [i]
@@ -331,7 +335,7 @@ def read_job(path: Path, rank: int, ddp: int, segment: int) -> RankLog:
     return tail.log
 
 
-def job_cuts(lines: list[bytes], at: list[int], log: RankLog) -> list[int]:
+def job_cuts(lines: list[bytes] | FileLines, at: list[int], log: RankLog) -> list[int]:
     """The first line of each process that wrote the file (0 first), from the header lines ``at``:
     a header whose process differs from the header before it starts a later job
     (``RankLog._next_job``). Only the header lines are decoded."""
@@ -367,9 +371,9 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int, segment: int |
 
     Steps are kept at a power-of-two stride of their index, so ranks with similar step counts keep
     the same steps and stay comparable step by step, plus the last ``TAIL_STEPS``. A compact log
-    (windows) gives half of ``max_steps`` to the stride and a quarter to its full step records, the
-    per-bucket detail: all of them when they fit, else the first and last ones outside the sampled
-    schedule (what happened) and the sampled ones at a stride. Only the lines that hold a kept
+    (windows) gives half of ``max_steps`` to the stride and a quarter (at most ``MAX_DETAIL``) to its
+    full step records, the per-bucket detail: all of them when they fit, else the first and last ones
+    outside the sampled schedule (what happened) and the sampled ones at a stride. Only the lines that hold a kept
     step are decoded: the others are told apart by the head of the line, so the cost grows with
     ``max_steps``, not with the file. ``steps_total`` and ``bare_steps`` still count every step.
     Every record that is not a step is kept, but the periodic ones are thinned the same way
@@ -377,29 +381,53 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int, segment: int |
 
     A file that several jobs' processes wrote one after another is read from its last process on
     (``earlier_jobs`` counts the others), or at its ``segment``-th process (0 first) when given.
+
+    Where the file carries its own line index (``sinks.line_index``), the kinds and steps of its
+    lines come from the index and only the lines kept are read: the file is never scanned whole.
     """
+    try:
+        found = file_lines(path)
+        if found is not None:
+            return _read_sampled(found[0], found[1], path, rank, ddp, max_steps, segment)
+    except (IndexMismatch, OSError, ValueError):
+        pass  # an index that does not match the file: read it all, as before the index
     log = RankLog(rank=rank, ddp=ddp, path=path)
-    lines = _file_lines(path, log)
-    by_kind = _lines_by_kind(lines)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return log
+    lines, torn = scanned(path, data)
+    return _read_sampled(lines, torn, path, rank, ddp, max_steps, segment)
+
+
+def _read_sampled(
+    lines: FileLines, torn: bool, path: Path, rank: int, ddp: int, max_steps: int, segment: int | None
+) -> RankLog:
+    log = RankLog(rank=rank, ddp=ddp, path=path)
+    if torn:
+        log.torn_tail = True
+        log.corrupt_lines += 1
+    by_kind = lines.by_kind()
+    by_kind.pop(b"index", None)  # the file's own index lines (a scanned file): not records
     cuts = job_cuts(lines, by_kind.get(b"heade", []), log)
     part = len(cuts) - 1 if segment is None else segment
     if len(cuts) > 1 or part:  # (rare: a run dir that several jobs wrote) read one process's lines
         stop = cuts[part + 1] if part + 1 < len(cuts) else len(lines)
-        lines = lines[cuts[part] : stop] if part < len(cuts) else []
-        by_kind = _lines_by_kind(lines)
+        lines = lines.slice(cuts[part], stop) if part < len(cuts) else lines.slice(0, 0)
+        by_kind = lines.by_kind()
+        by_kind.pop(b"index", None)
         log.earlier_jobs = part
     full: list[tuple[int, int]] = []  # (step, line)
     windows: list[tuple[int, int, int]] = []  # (first step, rows, line)
     others: list[int] = []  # every other record, and any step line not as the writer puts it
-    head = _HEAD.match
-    for i in by_kind.pop(b'step"', []) + by_kind.pop(b"windo", []):
-        m = head(lines[i])
-        if m is None:
+    step_lines = by_kind.pop(b'step"', []) + by_kind.pop(b"windo", [])
+    for i, head in zip(step_lines, lines.heads(step_lines), strict=True):
+        if head is None:
             others.append(i)
-        elif m.group(1) == b"step":
-            full.append((int(m.group(2)), i))
+        elif head[0] == "step":
+            full.append((head[1], i))
         else:
-            windows.append((int(m.group(2)), int(m.group(3) or 0), i))
+            windows.append((head[1], head[2], i))
     full.sort(key=lambda t: t[1])
     windows.sort(key=lambda t: t[2])
     # the periodic records: process samples, fingerprints, unused checks (the same steps on every rank)
@@ -412,15 +440,20 @@ def read_sampled(path: Path, rank: int, ddp: int, max_steps: int, segment: int |
     last = max(max((s for s, _ in full), default=-1), max((s + n - 1 for s, n, _ in windows), default=-1))
     # a compact log shares the budget: half for the steps on the stride, half for the full records
     stride = _power_of_two_stride(total, max_steps // 2 if windows else max_steps)
+    if len(windows) > max_steps // 4:
+        # a long compact log: past a window's rows, each step on the stride costs a whole window
+        # decoded for one row; a quarter of the budget in windows bounds that cost by the budget,
+        # not by the file (a run of 160,000 steps then reads like one of 20,000)
+        stride = max(stride, _power_of_two_stride(total, max(1, max_steps // 4)))
     tail_from = _tail_start(windows, full, last)
     on_stride = _OnStride(stride, tail_from)
     # full records: on the stride or in the tail; in a compact log also the ones that hold what happened
     keep_full = [i for s, i in full if s in on_stride]
     if windows:
-        keep_full = sorted(set(keep_full) | set(_detail(full, max_steps // 4)))
+        keep_full = sorted(set(keep_full) | set(_detail(full, min(max_steps // 4, MAX_DETAIL))))
     keep_windows = [i for s, n, i in windows if on_stride.meets(s, n)]
     chosen = sorted(others + [i for rows in periodic for i in rows] + keep_full + keep_windows)
-    for record in _decode_many([lines[i] for i in chosen], log):
+    for record in _decode_many(lines.many(chosen), log):
         if isinstance(record, Window):
             log.windows += 1
             for s in window_steps(record, on_stride.rows(record.step, record.n)):
@@ -501,9 +534,9 @@ def _sort_steps(log: RankLog) -> None:
     log.steps = [best[k] for k in sorted(best)]
 
 
-def _bare(lines: list[bytes], full: list[tuple[int, int]], windows: list[tuple[int, int, int]]) -> list[int]:
-    bare = [(s, s + 1) for s, i in full if _READY not in lines[i]]
-    bare += [(s, s + n) for s, n, i in windows if _BUCKETS not in lines[i][:200]]
+def _bare(lines: FileLines, full: list[tuple[int, int]], windows: list[tuple[int, int, int]]) -> list[int]:
+    bare = [(s, s + 1) for s, i in full if lines.is_bare(i)]
+    bare += [(s, s + n) for s, n, i in windows if lines.is_bare(i)]
     out: list[int] = []
     for a, b in sorted(bare):
         for step in range(a, b):

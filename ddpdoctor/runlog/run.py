@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Literal
 
 from ddpdoctor.errors import InputError
+from ddpdoctor.events.health import SourceHealth
 from ddpdoctor.events.layout import attempt_dir_name, parse_attempt_dir_name, parse_rank_file_name
 from ddpdoctor.runlog.rank_file import RankFileTail, RankLog, job_spans, read_job, read_sampled
+from ddpdoctor.runlog.receiver import read_receiver_health
 
 
 class RunDirError(InputError, ValueError):
@@ -32,6 +34,9 @@ class Run:
     earlier_jobs: int = 0
     #: jobs that wrote it after the one read (``load_run(job=K)`` of an earlier job; else 0)
     later_jobs: int = 0
+    #: what the stream receiver that wrote this run dir refused or lost (``ddpdoctor collect``;
+    #: None: the ranks wrote it themselves)
+    receiver: SourceHealth | None = None
 
     @property
     def corrupt_lines(self) -> int:
@@ -162,6 +167,7 @@ def load_run(
             f"{path}: no rank files of DDP model {ddp} here (models with files: {', '.join(map(str, models))})"
         )
     run = Run(dir=path, attempt=chosen, attempts=attempts(root) if chosen is not None else [], ddp=ddp)
+    run.receiver = read_receiver_health(root)
     if max_steps == "auto":
         max_steps = min(MAX_STEPS_PER_RANK, max(MIN_STEPS_PER_RANK, STEP_BUDGET // len(files)))
     segments: dict[int, int] | None = None  # file -> the process of the job asked for

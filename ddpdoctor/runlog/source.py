@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from ddpdoctor.events import Record
+from ddpdoctor.events.health import SourceHealth
 from ddpdoctor.runlog.rank_file import RankFileTail
 from ddpdoctor.runlog.run import RunDirError, attempt_dir, check_run_dir, rank_files
 
@@ -22,14 +23,6 @@ class RankRecord(NamedTuple):
     rank: int
     ddp: int
     record: Record
-
-
-class SourceHealth(NamedTuple):
-    """What a source lost or skipped so far (shown by the UI, never fatal)."""
-
-    corrupt_lines: int  # garbage or torn lines skipped
-    unknown_lines: int  # JSON, but a record kind this version does not know
-    dropped: int  # records the writers dropped (stream only: slow or absent receiver)
 
 
 class RecordSource(Protocol):

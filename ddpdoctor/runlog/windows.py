@@ -7,7 +7,7 @@ full record had them (to the µs), empty per-bucket arrays, and ``b_count``,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from itertools import accumulate
 
 from ddpdoctor.events import Step, Window
@@ -33,18 +33,23 @@ def _column(w: Window, name: str, n: int) -> list[int | None]:
     return values if len(values) >= n else values + [None] * (n - len(values))
 
 
-def window_steps(w: Window, rows: Iterable[int] | None = None) -> list[Step]:
+def window_steps(w: Window, rows: Sequence[int] | None = None) -> list[Step]:
     """The window's rows as steps, in step order (``rows``: only these row indices, ascending).
 
     A column shorter than ``n`` (a hand-edited or truncated record) reads as null past its end.
     """
-    n = min(w.n, len(w.t0)) if w.t0 else w.n
+    whole = min(w.n, len(w.t0)) if w.t0 else w.n
+    n = whole
     if rows is None:
         rows = range(n)
-    starts = list(accumulate(w.t0)) if w.t0 else [0] * n
+    elif not rows:
+        return []
+    else:  # (a sampled read keeps a row or two of a window: its columns up to the last of them)
+        n = min(n, rows[-1] + 1)
+    starts = list(accumulate(w.t0[:n])) if w.t0 else [0] * n
     (fs, fwd, bs, bc, fe, be, rf, rl, se, os_, oe, end) = (_column(w, name, n) for name, _ in _COLUMNS)
-    wall = w.wall if len(w.wall) >= n else [0] * n
-    micro = w.micro if len(w.micro) >= n else [0] * n
+    wall = w.wall if len(w.wall) >= whole else [0] * n
+    micro = w.micro if len(w.micro) >= whole else [0] * n
     skew = w.t0_wall_ns - w.t0_mono_ns
     rank, ddp, first, mono0 = w.rank, w.ddp, w.step, w.t0_mono_ns
     bcast_bytes, clock, count, nbytes = w.bcast_bytes, w.clock, w.buckets, w.bytes

@@ -7,8 +7,9 @@ import threading
 from pathlib import Path
 
 from ddpdoctor.categories import LogWriteWarning, warn
-from ddpdoctor.events import Record, encode_into
+from ddpdoctor.events import Record, Step, Window, encode_into
 from ddpdoctor.events.layout import LOG_MODE_ENV
+from ddpdoctor.events.line_index import LineIndexer
 from ddpdoctor.events.schedule import DEFAULT_EVERY
 from ddpdoctor.sinks.background import BackgroundSink
 from ddpdoctor.sinks.base import SinkError
@@ -42,6 +43,11 @@ class FileSink(BackgroundSink):
     sampled steps (every ``every``-th, dense at the start) and around anything anomalous, and
     windows of per-step columns otherwise (``sinks.compact``); "full" writes every record as it
     came. Compaction happens here, on the writer thread.
+
+    The file indexes its own lines (``sinks.line_index``): a reader of a long log seeks to the
+    lines it needs instead of scanning them all. A file that ends in a torn line (a crashed
+    process of the same rank) gets a newline first, so that the torn line stays one corrupt line
+    and the first new one stays whole.
     """
 
     def __init__(
@@ -61,6 +67,10 @@ class FileSink(BackgroundSink):
             self._file = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115 - owned by the writer
         except OSError as exc:
             raise SinkError(f"cannot open {self.path} for writing: {exc.strerror or exc}") from exc
+        try:
+            self._index: LineIndexer | None = LineIndexer(self.path, os.fstat(self._file.fileno()).st_size)
+        except OSError:  # (unreadable tail: a reader scans this file as it did before the index)
+            self._index = None
         self._init_queue(MAX_PENDING)
         self._warned = False
         self._thread = threading.Thread(target=self._run, name=f"ddpdoctor-writer:{self.path.name}", daemon=True)
@@ -79,6 +89,7 @@ class FileSink(BackgroundSink):
             self._wake.wait(self.flush_interval)
             self._wake.clear()
             requests = self._take_requests()
+            index = self._index
             for record in self._take_records(bool(requests)):
                 mark = len(buf)
                 try:
@@ -86,11 +97,20 @@ class FileSink(BackgroundSink):
                 except Exception as exc:  # noqa: BLE001 - a record that cannot be encoded is a bug: lose it, not the log
                     del buf[mark:]
                     self._report(f"could not encode a {type(record).__name__} record: {exc}")
-            self._write(buf)
+                    continue
+                if index is not None:
+                    if isinstance(record, Step):
+                        index.note(buf, mark, ("s", record.step, 0))
+                    elif isinstance(record, Window):
+                        index.note(buf, mark, ("w", record.step, record.n))
+                    else:
+                        index.note(buf, mark, None)
+            stop = any(r.stop for r in requests)
+            self._write(buf, final=stop)
             buf.clear()
             for request in requests:
                 request.done.set()
-            if any(r.stop for r in requests):
+            if stop:
                 break
         try:
             self._file.close()
@@ -123,13 +143,26 @@ class FileSink(BackgroundSink):
                 out.append(records.popleft())
         return out
 
-    def _write(self, buf: bytearray) -> None:
+    def _write(self, buf: bytearray, final: bool = False) -> None:
+        index = self._index
         try:
+            before, after = index.wrap(len(buf), final) if index is not None else (b"", b"")
+        except Exception as exc:  # noqa: BLE001 - a bug in the index must not cost the log
+            self._index, before, after = None, b"", b""
+            self._report(f"indexing {self.path} failed ({exc!r}); the log is written without an index")
+        try:
+            if before:
+                self._file.write(before)
             if buf:
                 self._file.write(buf)
+            if after:
+                self._file.write(after)
+            if before or buf or after:
                 self._file.flush()
         except (OSError, ValueError) as exc:
             self.write_errors += 1
+            if index is not None:
+                index.broken = True  # where the next lines land is unknown now: no more index lines
             self._report(f"writing {self.path} failed: {exc}")
 
     def _report(self, message: str) -> None:

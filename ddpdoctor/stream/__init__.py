@@ -4,6 +4,7 @@
   and ``stream_tee`` (the local file plus the stream). Writing side: imports events and sinks.
 - ``listener``: ``StreamListener`` (one selector thread, bounded, loopback or token). Imports events.
 - ``source``: ``StreamSource``, the listener as the live view's ``RecordSource``. Imports runlog.
+- ``relay``: ``StreamRelay``, a node's ranks to a receiver over one connection (``run --metrics``).
 
 Nothing is imported here eagerly: a training rank that streams loads the sender alone, never the
 reading side.

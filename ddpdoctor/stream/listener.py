@@ -9,6 +9,13 @@ and the time a connection may stay silent. Garbage is counted and skipped; an ov
 a bad hello closes that connection. Out of file descriptors, it stops accepting for a moment
 instead of spinning.
 
+Nothing is lost silently: a connection turned away (over ``max_connections``, a bad hello) is
+counted, so is a stream that closed before its rank's end record, and so are records a sender
+sent that never arrived (each sender's running total of sent records, in its stats lines, is
+compared with what arrived: a gap is what a broken connection lost). ``health()`` has them all.
+The listener raises its process's soft limit of open files to the hard one (a receiver of
+thousands of ranks needs a descriptor each), and caps ``max_connections`` below what that allows.
+
 Security: it binds loopback by default. Binding any other address needs a shared token
 (``DDPDOCTOR_TOKEN``), which every sender must present in its hello (compared in constant time).
 The token authenticates, it does not encrypt: off a trusted network, tunnel the port (ssh -L).
@@ -20,6 +27,7 @@ import errno
 import hmac
 import ipaddress
 import os
+import resource
 import selectors
 import socket
 import threading
@@ -29,13 +37,20 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ddpdoctor.errors import InputError
-from ddpdoctor.events import CorruptLine, Record, UnknownRecord, decode
+from ddpdoctor.events import CorruptLine, End, Record, UnknownRecord, decode
+from ddpdoctor.events.health import SourceHealth
 from ddpdoctor.events.layout import TOKEN_ENV
 from ddpdoctor.events.wire import CONTROL_PREFIX, decode_hello, decode_stats
 
 #: Longest line accepted; a rank's header lists every parameter, so this is generous.
 MAX_LINE = 16 << 20
-MAX_CONNECTIONS = 512
+#: Connections accepted at once (one per rank streaming directly); capped by the open-files limit.
+MAX_CONNECTIONS = 16_384
+#: Descriptors kept free for everything else the process opens (rank files, the metrics server).
+FD_RESERVE = 64
+#: Connections the kernel queues before they are accepted (capped by ``net.core.somaxconn``): a
+#: whole job connects at once, and a full queue makes each late sender wait out a SYN retry.
+BACKLOG = 4096
 #: Seconds a new connection has to send its hello.
 HELLO_TIMEOUT_S = 5.0
 #: Seconds a connection may stay silent (senders send a keepalive every 15 s).
@@ -47,6 +62,7 @@ MAX_PENDING = 500_000
 ACCEPT_BACKOFF_S = 0.25
 _RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _RECV = 1 << 16
+_HELLO_PREFIX = CONTROL_PREFIX + b'"hello"'
 
 
 class StreamError(InputError, ValueError):
@@ -66,6 +82,10 @@ class Peer:
     sent: int = 0  # the sender's own totals, from its latest stats line
     dropped: int = 0
     connections: int = 0
+    received: int = 0  # record lines that arrived from it
+    lost: int = 0  # records it sent that never arrived (its stats said more than came)
+    ended: bool = False  # its end record arrived: a close after it is the rank finishing
+    _mark: int | None = None  # (sent at the latest stats line) - (received by then)
 
 
 class StreamLine(NamedTuple):
@@ -77,15 +97,34 @@ class StreamLine(NamedTuple):
 
 
 class _Conn:
-    __slots__ = ("sock", "addr", "buf", "peer", "opened", "last_data")
+    __slots__ = ("sock", "addr", "buf", "peer", "opened", "last_data", "relay")
 
     def __init__(self, sock: socket.socket, addr: object, now: float) -> None:
         self.sock = sock
         self.addr = addr
         self.buf = bytearray()
         self.peer: Peer | None = None
+        self.relay = False  # a node's relay: a hello may come again, switching the rank
         self.opened = now
         self.last_data = now
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit; the soft limit now.
+
+    Only a receiving process calls this (``watch --listen``, ``collect``), never one whose
+    children train: a limit is inherited.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20) if soft != resource.RLIM_INFINITY else soft
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 def is_loopback(host: str) -> bool:
@@ -109,10 +148,13 @@ class StreamListener:
     Args:
         token: the shared secret senders must present; default ``$DDPDOCTOR_TOKEN``. Required
             (``StreamError``) when ``host`` is not a loopback address.
+        raise_fd_limit: raise the soft limit of open files to the hard one first (False where
+            the process starts training processes, which would inherit it).
     Counters (read at any time): ``corrupt_lines``, ``unknown_lines``, ``rejected`` (bad hello
     or token), ``oversized``, ``refused`` (over ``max_connections``), ``timed_out``, ``overflow``
     (received but dropped because the reader did not keep up), ``accept_errors`` (out of file
-    descriptors or memory: accepting paused for ``ACCEPT_BACKOFF_S``).
+    descriptors or memory: accepting paused for ``ACCEPT_BACKOFF_S``), ``closed_early`` (streams
+    that closed before their rank's end record), and ``lost()`` (records sent, never arrived).
     """
 
     def __init__(
@@ -126,6 +168,7 @@ class StreamListener:
         hello_timeout: float = HELLO_TIMEOUT_S,
         idle_timeout: float = IDLE_TIMEOUT_S,
         max_pending: int = MAX_PENDING,
+        raise_fd_limit: bool = True,
     ) -> None:
         token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
         if not is_loopback(host) and not token:
@@ -134,19 +177,24 @@ class StreamListener:
                 f"set {TOKEN_ENV} here and for the senders (or listen on 127.0.0.1)"
             )
         self._token = token.encode() if token else None
+        if raise_fd_limit:
+            raise_open_files_limit()
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY:  # what the descriptors allow, not more: beyond it, refused and counted
+            max_connections = max(1, min(max_connections, soft - FD_RESERVE))
         self.max_connections = max_connections
         self.max_line = max_line
         self.hello_timeout = hello_timeout
         self.idle_timeout = idle_timeout
         self.max_pending = max_pending
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._server = socket.create_server((host, port), family=family, backlog=128)
+        self._server = socket.create_server((host, port), family=family, backlog=min(BACKLOG, max_connections))
         self._server.setblocking(False)
         self.host = host
         self.port: int = self._server.getsockname()[1]
         self.peers: dict[tuple[str, int | None, int, int], Peer] = {}
         self.corrupt_lines = self.unknown_lines = self.rejected = self.oversized = 0
-        self.refused = self.timed_out = self.overflow = self.accept_errors = 0
+        self.refused = self.timed_out = self.overflow = self.accept_errors = self.closed_early = 0
         self._accept_paused_until: float | None = None
         self._lines: deque[StreamLine] = deque()
         self._conns: dict[int, _Conn] = {}
@@ -166,6 +214,33 @@ class StreamListener:
     def dropped(self) -> int:
         """Records lost on the way: what the senders reported dropping, plus this side's overflow."""
         return sum(p.dropped for p in list(self.peers.values())) + self.overflow
+
+    def lost(self) -> int:
+        """Records the senders sent that never arrived here (connections that broke)."""
+        return sum(p.lost for p in list(self.peers.values()))
+
+    def health(self) -> SourceHealth:
+        """Everything lost, refused or skipped so far, as the live view and metrics show it."""
+        return SourceHealth(
+            self.corrupt_lines + self.oversized,
+            self.unknown_lines,
+            self.dropped(),
+            refused=self.refused + self.rejected,
+            lost=self.lost(),
+            closed=self.closed_early,
+        )
+
+    def summary(self) -> str:
+        """One line of counts for a summary printed at the end (every count, zero or not)."""
+        ranks = len({(p.rank, p.ddp) for p in list(self.peers.values())})
+        return (
+            f"{ranks} rank streams; dropped by senders: {self.dropped() - self.overflow}, "
+            f"dropped here (reader behind): {self.overflow}, lost in transit: {self.lost()}; "
+            f"connections refused over the limit of {self.max_connections}: {self.refused}, "
+            f"rejected (bad hello or token): {self.rejected}, timed out: {self.timed_out}, "
+            f"closed before their end: {self.closed_early}; lines skipped: "
+            f"{self.corrupt_lines + self.oversized} corrupt, {self.unknown_lines} unknown"
+        )
 
     def take(self) -> list[StreamLine]:
         """Everything received since the last call (never blocks)."""
@@ -270,19 +345,28 @@ class StreamListener:
         """Handle one complete line; False closes the connection."""
         if conn.peer is None:
             return self._hello(conn, line)
+        if conn.relay and line.startswith(_HELLO_PREFIX):
+            return self._hello(conn, line)
         if line.startswith(CONTROL_PREFIX):
             try:
                 sent, dropped = decode_stats(line)
             except ValueError:
                 self.corrupt_lines += 1
                 return True
+            peer = conn.peer
             if sent is not None:
-                conn.peer.sent = sent
+                # the records sent before this line and after the previous one all came before it
+                # on some connection: what did not arrive was lost with a connection that broke
+                if peer._mark is not None:
+                    peer.lost += max(0, sent - peer._mark - peer.received)
+                peer._mark = sent - peer.received
+                peer.sent = sent
             if dropped is not None:
-                conn.peer.dropped = dropped
+                peer.dropped = dropped
             return True
         if not line.strip():
             return True
+        conn.peer.received += 1
         try:
             record = decode(line)
         except CorruptLine:
@@ -291,6 +375,8 @@ class StreamListener:
         except UnknownRecord:
             self.unknown_lines += 1
             return True
+        if type(record) is End:
+            conn.peer.ended = True
         if len(self._lines) >= self.max_pending:
             self.overflow += 1
             return True
@@ -299,7 +385,7 @@ class StreamListener:
 
     def _hello(self, conn: _Conn, line: bytes) -> bool:
         hello = decode_hello(line)
-        ok = hello is not None
+        ok = hello is not None and (conn.peer is None or hello.relay)
         if hello is not None and self._token is not None:
             ok = hello.token is not None and hmac.compare_digest(hello.token.encode(), self._token)
         if hello is None or not ok:
@@ -310,8 +396,11 @@ class StreamListener:
         if peer is None:
             peer = self.peers[key] = Peer(run=hello.run, attempt=hello.attempt, rank=hello.rank, ddp=hello.ddp)
         peer.host = hello.host
-        peer.pid = hello.pid
-        peer.connections += 1
+        if peer.pid != hello.pid:  # another process of that rank: its totals start over
+            peer.pid, peer._mark, peer.received, peer.ended = hello.pid, None, 0, False
+        if conn.peer is None:
+            peer.connections += 1
+            conn.relay = hello.relay
         conn.peer = peer
         return True
 
@@ -324,6 +413,8 @@ class StreamListener:
                 self._drop(conn)
 
     def _drop(self, conn: _Conn) -> None:
+        if conn.peer is not None and not conn.peer.ended and not self._stop:
+            self.closed_early += 1
         self._conns.pop(conn.sock.fileno(), None)
         try:
             self._selector.unregister(conn.sock)

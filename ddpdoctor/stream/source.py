@@ -58,8 +58,7 @@ class StreamSource:
         return [rr for attempt, rr in taken if attempt == self._latest]
 
     def health(self) -> SourceHealth:
-        lis = self.listener
-        return SourceHealth(lis.corrupt_lines + lis.oversized, lis.unknown_lines, lis.dropped())
+        return self.listener.health()
 
     def close(self) -> None:
         self.listener.close()

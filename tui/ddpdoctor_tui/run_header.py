@@ -46,11 +46,8 @@ class RunHeader(Static):
             second.append(f"step {snap.view_step}", style="bold")
             second.append(f" (latest {snap.latest_step}) [{mode}]")
         src = snap.source
-        if src.corrupt_lines or src.unknown_lines or src.dropped:
-            second.append(
-                f"  skipped: {src.corrupt_lines} corrupt, {src.unknown_lines} unknown, {src.dropped} dropped",
-                style="yellow",
-            )
+        if src.problems():
+            second.append(f"  skipped: {', '.join(src.problems())}", style="yellow")
         lines = [line, second]
         if judged is not None:
             lines.append(_out_of_line_text(judged))
