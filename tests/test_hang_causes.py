@@ -23,6 +23,9 @@ from ddpdoctor.runlog import DirSource
 from tests.ddp_harness import free_port
 from tests.zoo_runs import ZooRuns
 
+#: zoo scripts that hang, run as a user runs them
+pytestmark = pytest.mark.acceptance
+
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "examples" / "zoo"
 HANG_TIMEOUT = "2"

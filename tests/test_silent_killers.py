@@ -23,6 +23,9 @@ from ddpdoctor.runlog import DirSource
 from ddpdoctor.runtime.nonfinite import NonFiniteWatch
 from tests.zoo_runs import ZooRuns
 
+#: the native hook's non-finite pass and torch's module registration hooks, on every torch CI runs
+pytestmark = pytest.mark.torch_compat
+
 ROOT = Path(__file__).resolve().parents[1]
 ZOO = ROOT / "examples" / "zoo"
 
