@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch.multiprocessing as mp
 
 from ddpdoctor.cli.ports import free_port
@@ -147,3 +149,25 @@ def torchrun_cmd(*args: str, nproc: int = 2) -> list[str]:
         str(free_port()),
         *args,
     ]
+
+
+def run_tree(argv: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in a session of its own; whatever it started is killed on the way out (torchrun
+    starts each worker in a session of its own: the whole tree is collected, then killed)."""
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            tree = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            tree = []
+        for child in [psutil.Process(proc.pid), *tree] if proc.poll() is None else tree:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        proc.wait(timeout=30)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

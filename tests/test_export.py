@@ -18,7 +18,8 @@ from ddpdoctor.integrations.figures import RANK_FIGURES, RUN_FIGURES, StepFigure
 from ddpdoctor.integrations.follow import RunFollower, finding_key
 from ddpdoctor.integrations.tensorboard_export import finding_markdown
 from ddpdoctor.runlog import load_run
-from tests.test_integrations import _env, _events, _missing, run_tree
+from tests.ddp_harness import run_tree
+from tests.test_integrations import _env, _events, _missing
 
 STEPS = 30
 

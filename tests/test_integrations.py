@@ -19,12 +19,11 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-import psutil
 import pytest
 
 import ddpdoctor
 from ddpdoctor.integrations.figures import RANK_FIGURES, RUN_FIGURES
-from tests.ddp_harness import torchrun_cmd
+from tests.ddp_harness import run_tree, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "integrations"
@@ -56,27 +55,6 @@ def _env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tui"), env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
-
-
-def run_tree(argv: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` in a session of its own; whatever it started is killed on the way out."""
-    proc = subprocess.Popen(
-        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            tree = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.Error:
-            tree = []
-        for child in [psutil.Process(proc.pid), *tree] if proc.poll() is None else tree:
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-        proc.wait(timeout=30)
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def _events(directory: Path) -> Any:

@@ -15,13 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 import ddpdoctor
 from ddpdoctor.events import Header
 from ddpdoctor.runlog import RankFileTail
-from tests.ddp_harness import free_port, torchrun_cmd
+from tests.ddp_harness import free_port, run_tree, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "zero_code"
@@ -43,30 +42,7 @@ def ddpdoctor_run(
 ) -> subprocess.CompletedProcess[str]:
     """``ddpdoctor run OPTIONS -- CMD`` in its own session: on a timeout the whole tree is killed."""
     argv = [sys.executable, "-m", "ddpdoctor", "run", *options, "--", *cmd]
-    proc = subprocess.Popen(
-        argv,
-        cwd=tmp_path,
-        env=env or _env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        # torchrun starts each worker in a session of its own: collect the whole tree, then kill
-        try:
-            tree = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.Error:
-            tree = []
-        for child in [psutil.Process(proc.pid), *tree] if proc.poll() is None else tree:
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
-        proc.wait(timeout=30)
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    return run_tree(argv, tmp_path, env or _env(), timeout)
 
 
 def _printed_run_dir(proc: subprocess.CompletedProcess[str]) -> Path:

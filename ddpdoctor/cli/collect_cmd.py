@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ddpdoctor.cli.model_option import add_ddp_argument
-from ddpdoctor.events import Step, Window
 from ddpdoctor.events.layout import TOKEN_ENV, rank_file_path
 from ddpdoctor.events.line_index import LineIndexer
 from ddpdoctor.events.wire import parse_endpoint
@@ -98,12 +97,7 @@ class Collector:
             mark = len(buf)
             buf += line.raw
             if index is not None:
-                if isinstance(record, Step):
-                    index.note(buf, mark, ("s", record.step, 0))
-                elif isinstance(record, Window):
-                    index.note(buf, mark, ("w", record.step, record.n))
-                else:
-                    index.note(buf, mark, None)
+                index.note_record(buf, mark, record)
             touched.add(key)
             self.records += 1
         for key in touched:

@@ -25,6 +25,8 @@ import os
 
 import msgspec
 
+from ddpdoctor.events.schema import Step, Window
+
 #: How an index line starts, byte for byte.
 INDEX_PREFIX = b'{"kind":"index"'
 #: Bytes of records described by one index line (a crash leaves at most this much unindexed).
@@ -130,6 +132,15 @@ class LineIndexer:
         self.rows: list[int] = []
         self.bare: list[str] = []
         self.covered = 0
+
+    def note_record(self, buf: bytearray, mark: int, record: object) -> None:
+        """``note`` for the line ``buf[mark:]`` just encoded from ``record``."""
+        if isinstance(record, Step):
+            self.note(buf, mark, ("s", record.step, 0))
+        elif isinstance(record, Window):
+            self.note(buf, mark, ("w", record.step, record.n))
+        else:
+            self.note(buf, mark, None)
 
     def note(self, buf: bytearray, mark: int, kind_step_n: tuple[str, int, int] | None) -> None:
         """The line ``buf[mark:]`` was just encoded; ``kind_step_n``: ("s"|"w", step, rows) for a

@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from ddpdoctor.categories import LogWriteWarning, warn
-from ddpdoctor.events import Record, Step, Window, encode_into
+from ddpdoctor.events import Record, encode_into
 from ddpdoctor.events.layout import LOG_MODE_ENV
 from ddpdoctor.events.line_index import LineIndexer
 from ddpdoctor.events.schedule import DEFAULT_EVERY
@@ -99,12 +99,7 @@ class FileSink(BackgroundSink):
                     self._report(f"could not encode a {type(record).__name__} record: {exc}")
                     continue
                 if index is not None:
-                    if isinstance(record, Step):
-                        index.note(buf, mark, ("s", record.step, 0))
-                    elif isinstance(record, Window):
-                        index.note(buf, mark, ("w", record.step, record.n))
-                    else:
-                        index.note(buf, mark, None)
+                    index.note_record(buf, mark, record)
             stop = any(r.stop for r in requests)
             self._write(buf, final=stop)
             buf.clear()
