@@ -19,6 +19,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from ddpdoctor.events import environment
+
 #: The C++ source of the native comm hook.
 SOURCE = Path(__file__).parent / "runtime" / "native" / "timed_hook.cpp"
 #: Written into the build directory once a build is complete (a killed build leaves none).
@@ -30,7 +32,7 @@ OK_MARK = "ddpdoctor-built"
 #: it.) Part of the name's hash: a build with other flags is another build.
 CFLAGS = ("-O2", "-DNDEBUG")
 #: Tests: ``compile`` makes the source fail to compile (a build failure, for real).
-FAULT_ENV = "DDPDOCTOR_TEST_NATIVE_FAULT"
+FAULT_ENV = environment.TEST_NATIVE_FAULT_ENV
 
 
 #: Defined for the build where torch's reducer declares the member the hook reads DDP's divisor
@@ -57,7 +59,7 @@ def source_text() -> str:
     text = SOURCE.read_text()
     if reducer_declares_divisor():
         text = DIVISOR_DEFINE + text
-    if os.environ.get(FAULT_ENV) == "compile":
+    if environment.read(FAULT_ENV) == "compile":
         text = '#include "ddpdoctor_test_missing_header.h"  // a source that does not compile\n' + text
     return text
 

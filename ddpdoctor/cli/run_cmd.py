@@ -22,6 +22,7 @@ from pathlib import Path
 import ddpdoctor.native_cache as native_cache
 from ddpdoctor.autoload import SITE_DIR
 from ddpdoctor.cli import torchrun_args
+from ddpdoctor.events import environment
 from ddpdoctor.events.layout import (
     ATTEMPT_PREFIX,
     DEFAULT_ROOT,
@@ -93,7 +94,7 @@ def child_env(
 
 
 #: ``0`` turns the native comm hook off (read by ``ddpdoctor.runtime.native_hook``).
-NATIVE_ENV = "DDPDOCTOR_NATIVE"
+NATIVE_ENV = environment.NATIVE_ENV
 #: Longest a first build may take before the ranks start without it.
 NATIVE_BUILD_TIMEOUT_S = 900.0
 

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ddpdoctor.errors import SetupError
-from ddpdoctor.events import Header
+from ddpdoctor.events import Header, environment
 from ddpdoctor.runtime import comm_hook, native_hook, torch_compat
 
 #: Every step of the transaction, in order ("validate" and "build" change nothing).
@@ -52,7 +51,7 @@ STEPS = (
     "retire_old_reducer",
 )
 #: Test-only: the step to fail at (also read from this environment variable).
-FAIL_ENV = "DDPDOCTOR_TEST_FAIL_ATTACH"
+FAIL_ENV = environment.TEST_FAIL_ATTACH_ENV
 fail_at: str | None = None
 
 #: What ddpdoctor puts in a DDP instance's ``__dict__`` (removed from copies and pickles).
@@ -88,7 +87,7 @@ def monitor_of(ddp: Any) -> Any:
 
 
 def _maybe_fail(step: str) -> None:
-    if step in (fail_at, os.environ.get(FAIL_ENV)):
+    if step in (fail_at, environment.read(FAIL_ENV)):
         raise InjectedFault(f"injected failure at attach step '{step}'")
 
 

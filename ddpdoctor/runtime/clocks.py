@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ddpdoctor.events import environment
+
 Mark = Any
 
 
@@ -96,11 +98,11 @@ mono_ns: Callable[[], int] = time.perf_counter_ns
 #: Test only: ``RANK:SECONDS`` shifts every host clock of the process whose ``$RANK`` is RANK
 #: (wall, monotonic, bucket marks) by SECONDS, as another host's clocks would be. The reader
 #: must line the ranks up anyway (``analysis.clock_align``); tests/test_clock_offset.py checks it.
-TEST_OFFSET_ENV = "DDPDOCTOR_TEST_CLOCK_OFFSET"
+TEST_OFFSET_ENV = environment.TEST_CLOCK_OFFSET_ENV
 
 
 def _test_offset_ns() -> int:
-    rank, _, seconds = os.environ.get(TEST_OFFSET_ENV, "").partition(":")
+    rank, _, seconds = environment.read(TEST_OFFSET_ENV).partition(":")
     if not seconds or os.environ.get("RANK") != rank:
         return 0
     try:

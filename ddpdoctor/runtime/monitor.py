@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning, warn
-from ddpdoctor.events import End, Fingerprint, Header, ProbeOff, ProcSample, Record, Step, Unused
+from ddpdoctor.events import End, Fingerprint, Header, ProbeOff, ProcSample, Record, Step, Unused, environment
 from ddpdoctor.events.schedule import is_sampled
 from ddpdoctor.runtime import clocks, native_hook, run_dir, torch_compat, watchdog
 from ddpdoctor.runtime.attach import AttachError, Attachment, monitor_of
@@ -115,7 +115,7 @@ class Monitor:
             # the stream is a copy beside the sink (the local file stays the source of truth)
             endpoint = opts.endpoint
             if endpoint is None and opts.sink is None:
-                endpoint = os.environ.get(ENDPOINT_ENV) or None
+                endpoint = environment.read(ENDPOINT_ENV) or None
             self.endpoint = endpoint
             if self.endpoint:
                 self.sink = stream_tee(
@@ -387,7 +387,7 @@ class Monitor:
 
     def _open_file_sink(self, explicit: str | os.PathLike[str] | None) -> Sink:
         store = None
-        if explicit is None and not os.environ.get(run_dir.RUN_DIR_ENV) and dist.is_initialized():
+        if explicit is None and not environment.read(run_dir.RUN_DIR_ENV) and dist.is_initialized():
             try:
                 store = torch_compat.default_store()
             except Exception:  # noqa: BLE001 - no store means rank-local naming; attaching must never break training

@@ -51,6 +51,7 @@ import torch
 import ddpdoctor.native_cache as native_cache
 from ddpdoctor.categories import CommHookWarning, warn
 from ddpdoctor.errors import SetupError
+from ddpdoctor.events import environment
 from ddpdoctor.runtime import clocks, torch_compat
 from ddpdoctor.runtime.step_recorder import OpenStep
 from ddpdoctor.runtime.torch_compat import (
@@ -60,7 +61,7 @@ from ddpdoctor.runtime.torch_compat import (
 )
 
 #: ``0`` (or ``off``/``false``/``no``) forces the Python comm hook.
-ENV = "DDPDOCTOR_NATIVE"
+ENV = environment.NATIVE_ENV
 #: Test-only: ``compile`` builds a source that does not compile (the fallback path).
 FAULT_ENV = native_cache.FAULT_ENV
 #: Ring entries: a step drains it, so this only has to exceed the buckets of one step; a rank
@@ -85,7 +86,7 @@ class NativeUnavailable(SetupError, RuntimeError):
 
 def enabled_by_env() -> bool:
     """False when ``DDPDOCTOR_NATIVE`` turns the native hook off."""
-    return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "false", "no")
+    return not environment.turned_off(ENV)
 
 
 def _source_text() -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpdoctor.categories import LogWriteWarning, warn
+from ddpdoctor.events import environment
 from ddpdoctor.events.layout import DEFAULT_ROOT, RUN_DIR_ENV, new_run_name, rank_file_path
 
 _AGREE_TIMEOUT = timedelta(seconds=30)
@@ -23,7 +24,7 @@ def resolve(explicit: str | os.PathLike[str] | None, rank: int, store: Any, key_
     """
     if explicit is not None:
         return Path(explicit)
-    env = os.environ.get(RUN_DIR_ENV)
+    env = environment.read(RUN_DIR_ENV)
     if env:
         return Path(env)
     name = None

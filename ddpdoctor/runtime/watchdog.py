@@ -11,7 +11,6 @@ checkpoint, not a hang).
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import traceback
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpdoctor.analysis.hang import COLLECTIVE_PHASES, where_waiting
 from ddpdoctor.categories import HangWarning, warn
-from ddpdoctor.events import FindingRecord, Hang
+from ddpdoctor.events import FindingRecord, Hang, environment
 from ddpdoctor.events.layout import HANG_TIMEOUT_ENV
 from ddpdoctor.runtime.clocks import mono_ns, wall_ns
 
@@ -40,7 +39,7 @@ def hang_timeout_from_env(explicit: float | None) -> float:
     """``explicit`` if given, else ``$DDPDOCTOR_HANG_TIMEOUT``, else the default; 0 turns it off."""
     if explicit is not None:
         return max(0.0, float(explicit))
-    raw = os.environ.get(HANG_TIMEOUT_ENV, "").strip()
+    raw = environment.read(HANG_TIMEOUT_ENV)
     if raw:
         try:
             return max(0.0, float(raw))

@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from ddpdoctor.categories import LogWriteWarning, warn
-from ddpdoctor.events import Record, encode_into
+from ddpdoctor.events import Record, encode_into, environment
 from ddpdoctor.events.layout import LOG_MODE_ENV
 from ddpdoctor.events.line_index import LineIndexer
 from ddpdoctor.events.schedule import DEFAULT_EVERY
@@ -25,7 +25,7 @@ LOG_MODES = ("compact", "full")
 
 def log_mode(mode: str | None = None) -> str:
     """The log mode asked for: ``mode``, else ``$DDPDOCTOR_LOG``, else "compact" (an unknown value too)."""
-    value = (mode or os.environ.get(LOG_MODE_ENV) or "compact").strip().lower()
+    value = (mode or environment.read(LOG_MODE_ENV)).strip().lower()
     return value if value in LOG_MODES else "compact"
 
 

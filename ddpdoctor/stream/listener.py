@@ -26,7 +26,6 @@ from __future__ import annotations
 import errno
 import hmac
 import ipaddress
-import os
 import resource
 import selectors
 import socket
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ddpdoctor.errors import InputError
-from ddpdoctor.events import CorruptLine, End, Record, UnknownRecord, decode
+from ddpdoctor.events import CorruptLine, End, Record, UnknownRecord, decode, environment
 from ddpdoctor.events.health import SourceHealth
 from ddpdoctor.events.layout import TOKEN_ENV
 from ddpdoctor.events.wire import CONTROL_PREFIX, decode_hello, decode_stats
@@ -170,7 +169,7 @@ class StreamListener:
         max_pending: int = MAX_PENDING,
         raise_fd_limit: bool = True,
     ) -> None:
-        token = token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+        token = token if token is not None else (environment.read(TOKEN_ENV) or None)
         if not is_loopback(host) and not token:
             raise StreamError(
                 f"listening on {host or 'all interfaces'} (not loopback) needs a shared token: "

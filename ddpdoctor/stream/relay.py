@@ -15,12 +15,12 @@ receiver counts what a broken connection lost as it does for a rank (``Peer.lost
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
 from collections import deque
 
+from ddpdoctor.events import environment
 from ddpdoctor.events.layout import TOKEN_ENV
 from ddpdoctor.events.wire import Hello, encode_hello, encode_stats, parse_endpoint
 from ddpdoctor.stream.listener import Peer, StreamLine
@@ -55,7 +55,7 @@ class StreamRelay:
     def __init__(self, endpoint: str, token: str | None = None, max_queue: int = MAX_QUEUE) -> None:
         self.endpoint = endpoint
         self.host, self.port = parse_endpoint(endpoint, what="--endpoint")
-        self._token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self._token = token if token is not None else (environment.read(TOKEN_ENV) or None)
         self._queue: deque[StreamLine] = deque()
         self._max_queue = max_queue
         self._lock = threading.Lock()

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ddpdoctor.categories import LogWriteWarning, warn
-from ddpdoctor.events import Record, StreamDrops, encode_into
+from ddpdoctor.events import Record, StreamDrops, encode_into, environment
 from ddpdoctor.events.layout import TOKEN_ENV
 from ddpdoctor.events.wire import Hello, encode_hello, encode_stats, parse_endpoint
 from ddpdoctor.sinks.background import BackgroundSink, Request
@@ -65,7 +65,7 @@ class TcpSink(BackgroundSink):
         self.sent = 0
         self.connects = 0
         self._interval = send_interval
-        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        token = token if token is not None else (environment.read(TOKEN_ENV) or None)
         self._hello = encode_hello(
             Hello(rank=rank, ddp=ddp, run=run, attempt=attempt, token=token, host=socket.gethostname(), pid=os.getpid())
         )
