@@ -1186,6 +1186,22 @@ bool plain_cpu_buffer(const at::Tensor& buffer) {
 // some NaN or infinite one.
 enum class Scaled { kNotDone, kFinite, kNonFinite };
 
+// ``multiply`` over ``data[0, n)``: at once for a small bucket, split over the intra-op threads
+// for a larger one; true when any element was not finite.
+template <typename T>
+bool multiply_split(T* data, int64_t n, T s, bool (*multiply)(T*, int64_t, T)) {
+  if (n <= kSmallBucket) {
+    return multiply(data, n, s);
+  }
+  std::atomic<bool> any{false};
+  at::parallel_for(0, n, kSmallBucket, [&](int64_t begin, int64_t end) {
+    if (multiply(data + begin, end - begin, s)) {
+      any.store(true, std::memory_order_relaxed);
+    }
+  });
+  return any.load();
+}
+
 // ``buffer.mul_(1 / divisor)`` for a contiguous float or double buffer on the CPU, without the
 // dispatcher and TensorIterator: their microsecond and a half a call is most of what scaling a
 // model of small buckets costs a step (DDP itself scales as it copies the gradients in, which a
@@ -1197,35 +1213,9 @@ Scaled multiply_checked(at::Tensor& buffer, double scale) {
     return Scaled::kNotDone;
   }
   const int64_t n = buffer.numel();
-  bool bad = false;
-  if (buffer.scalar_type() == at::kFloat) {
-    float* data = buffer.data_ptr<float>();
-    const auto s = static_cast<float>(scale);
-    if (n <= kSmallBucket) {
-      bad = multiply_floats(data, n, s);
-    } else {
-      std::atomic<bool> any{false};
-      at::parallel_for(0, n, kSmallBucket, [&](int64_t begin, int64_t end) {
-        if (multiply_floats(data + begin, end - begin, s)) {
-          any.store(true, std::memory_order_relaxed);
-        }
-      });
-      bad = any.load();
-    }
-  } else {
-    double* data = buffer.data_ptr<double>();
-    if (n <= kSmallBucket) {
-      bad = multiply_doubles(data, n, scale);
-    } else {
-      std::atomic<bool> any{false};
-      at::parallel_for(0, n, kSmallBucket, [&](int64_t begin, int64_t end) {
-        if (multiply_doubles(data + begin, end - begin, scale)) {
-          any.store(true, std::memory_order_relaxed);
-        }
-      });
-      bad = any.load();
-    }
-  }
+  const bool bad = buffer.scalar_type() == at::kFloat
+                       ? multiply_split(buffer.data_ptr<float>(), n, static_cast<float>(scale), multiply_floats)
+                       : multiply_split(buffer.data_ptr<double>(), n, scale, multiply_doubles);
   buffer.unsafeGetTensorImpl()->bump_version();
   return bad ? Scaled::kNonFinite : Scaled::kFinite;
 }
