@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ddpdoctor.analysis.findings import Finding
+from ddpdoctor.analysis.groups import ranks_named
 from ddpdoctor.analysis.sizes import name_list
 from ddpdoctor.events import FindingRecord
 
@@ -151,7 +152,7 @@ def origin_of(per_rank: Mapping[int, Finding], world_size: int) -> Finding | Non
             severity="warning",
             ranks=origin,
             step=first,
-            title=f"Non-finite gradients at {when} on rank(s) {', '.join(map(str, origin))}, step skipped",
+            title=f"Non-finite gradients at {when} on {ranks_named(origin)}, step skipped",
             detail=f"Gradients were not finite at {when}, before the all-reduce (parameters: {name_list(names)}). "
             + SKIPPED,
             fix=FIX_SKIPPED,
@@ -175,7 +176,7 @@ def origin_of(per_rank: Mapping[int, Finding], world_size: int) -> Finding | Non
             fix=FIX_TOGETHER,
             evidence={**evidence, "together": True},
         )
-    who = f"rank {origin[0]}" if len(origin) == 1 else f"ranks {', '.join(map(str, origin))}"
+    who = ranks_named(origin)
     spread = (
         f" The other ranks' gradients went non-finite only later (rank {later[0]} at step {steps[later[0]]}), "
         "after the all-reduce brought them the bad values."
