@@ -33,9 +33,10 @@ PLOTS_DRAWN = (
     "document.querySelectorAll('.plot').length > 0 && Array.from(document.querySelectorAll('.plot'))"
     ".every(d => d.classList.contains('js-plotly-plot') && d.querySelector('.main-svg'))"
 )
-PROBE = """Array.from(document.querySelectorAll('.plot')).map(d => ({
+PROBE = """({plots: Array.from(document.querySelectorAll('.plot')).map(d => ({
   id: d.id, svg: d.querySelectorAll('.main-svg').length, title: (d.querySelector('.gtitle') || {}).textContent || '',
-  traces: d.querySelectorAll('.trace, .hm, .heatmaplayer image, .barlayer .point').length}))"""
+  traces: d.querySelectorAll('.trace, .hm, .heatmaplayer image, .barlayer .point').length})),
+  fixes: Array.from(document.querySelectorAll('.finding h3 + pre')).map(p => [p.scrollWidth, p.clientWidth])})"""
 PLOT_AREAS = """Array.from(document.querySelectorAll('.plot .nsewdrag')).map(e => { const r = e.getBoundingClientRect();
   return {x: r.x + window.scrollX, y: r.y + window.scrollY, width: r.width, height: r.height}; })"""
 
@@ -110,14 +111,18 @@ def test_plot_data_from_a_real_run(runs: dict[str, Path]) -> None:
 
 @needs_chromium
 def test_the_report_page_loads_offline_and_draws_its_plots(report_html: Path, tmp_path: Path) -> None:
-    result = open_page(report_html, PROBE, settle=PLOTS_DRAWN, clips=PLOT_AREAS)
+    # (a narrow window, where a long fix line would run out of its box)
+    result = open_page(report_html, PROBE, width=760, settle=PLOTS_DRAWN, clips=PLOT_AREAS)
     assert result.console_errors == [] and result.exceptions == [], (result.console_errors, result.exceptions)
     # the only request is the page itself (plots may use data: or blob: URLs, never the network)
     assert [u for u in result.requests if not u.startswith(("data:", "blob:"))] == [report_html.resolve().as_uri()]
     assert result.failed == []
     (tmp_path / "report.png").write_bytes(result.screenshot)
     assert result.screenshot[:8] == b"\x89PNG\r\n\x1a\n" and len(result.screenshot) > 50_000
-    plots = result.value
+    plots = result.value["plots"]
+    # every fix is read whole: it wraps inside its box, never scrolls out of sight
+    fixes = result.value["fixes"]
+    assert fixes and all(scroll <= client for scroll, client in fixes), fixes
     assert len(plots) == 5 and all(p["svg"] >= 2 and p["traces"] > 0 for p in plots), plots
     titles = " | ".join(p["title"] for p in plots)
     assert "Step time per rank" in titles and "median step" in titles and "worst step" in titles
@@ -136,5 +141,6 @@ def test_the_compare_page_loads_offline(runs: dict[str, Path], tmp_path: Path) -
     result = open_page(out, PROBE, settle=PLOTS_DRAWN, clips=PLOT_AREAS)
     assert result.console_errors == [] and result.exceptions == []
     assert [u for u in result.requests if not u.startswith(("data:", "blob:"))] == [out.resolve().as_uri()]
-    assert len(result.value) == 2 and all(p["svg"] >= 2 and p["traces"] > 0 for p in result.value)
+    plots = result.value["plots"]
+    assert len(plots) == 2 and all(p["svg"] >= 2 and p["traces"] > 0 for p in plots)
     assert all(coloured_fraction(png) > 0.005 for png in result.clips)

@@ -56,6 +56,7 @@ table { border-collapse: collapse; font-variant-numeric: tabular-nums; margin: 6
 th, td { border: 1px solid #d0d7de; padding: 3px 8px; text-align: right; } th { background: #f6f8fa; }
 td.l, th.l { text-align: left; }
 pre { background: #f6f8fa; padding: 10px; overflow-x: auto; font-size: 12px; }
+pre.fix { white-space: pre-wrap; overflow-wrap: anywhere; }  /* a fix is prose: it wraps, never hides */
 .facts { color: #57606a; } .plot { width: 100%; min-height: 360px; }
 .finding { border-left: 4px solid #d0d7de; padding: 4px 12px; margin: 10px 0; }
 .finding.error { border-color: #cf222e; } .finding.warning { border-color: #bf8700; }
@@ -152,7 +153,7 @@ def _finding(f: Finding) -> str:
     return (
         f'<div class="finding {_esc(f.severity)}"><span class="sev">{_esc(f.severity)}</span> '
         f'<code>{_esc(f.code)}</code>: <b>{_esc(short_rank_lists(f.title))}</b><span class="facts">{where}{at}</span>'
-        f"<p>{_esc(short_rank_lists(f.detail))}</p><h3>Fix</h3><pre>{_esc(f.fix)}</pre>"
+        f"<p>{_esc(short_rank_lists(f.detail))}</p><h3>Fix</h3><pre class='fix'>{_esc(f.fix)}</pre>"
         f"<details><summary>Evidence</summary><pre>{_esc(evidence)}</pre></details></div>"
     )
 
