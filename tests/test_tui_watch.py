@@ -215,7 +215,7 @@ async def test_tails_a_growing_run_through_garbage_truncation_and_late_ranks(tmp
 
 
 async def test_a_streamed_run_looks_the_same(tmp_path: Path) -> None:
-    from ddpdoctor.stream.sender import TcpSink
+    from ddpdoctor.sinks.tcp import TcpSink
     from ddpdoctor.stream.source import StreamSource
 
     source = StreamSource("127.0.0.1", 0)
