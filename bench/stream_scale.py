@@ -55,12 +55,18 @@ import resource
 import socket
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tui"))
+#: Where ``ddpdoctor`` is imported from: this checkout, or the one ``--baseline`` names (set for
+#: the spawned receiver and senders, which import this module again).
+TREE_ENV = "STREAM_SCALE_TREE"
+TREE = Path(os.environ.get(TREE_ENV) or Path(__file__).resolve().parent.parent)
+sys.path.insert(0, str(TREE))
+sys.path.insert(0, str(TREE / "tui"))
 
 from bench.synth import header, step_record
 from ddpdoctor.events import End, encode
@@ -142,10 +148,38 @@ class _Target:
                 self.shown.setdefault(k, now)
 
 
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds (user + system) one thread of this process used so far (Linux)."""
+    try:
+        fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+    """``fn`` that appends the CPU seconds of its calling thread each call takes to ``into``."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.thread_time() - t)
+
+    return timed
+
+
 def receiver(conn: Any, ranks: int, seconds: float) -> None:
+    from ddpdoctor.analysis.live_run import LiveRun
     from ddpdoctor.stream.source import StreamSource
     from ddpdoctor_tui.watcher import Watcher
 
+    # the watcher thread's CPU per snapshot and per batch fed (the same code before and after)
+    snap_cpu: list[float] = []
+    feed_cpu: list[float] = []
+    LiveRun.snapshot = _timed(LiveRun.snapshot, snap_cpu)  # type: ignore[method-assign]
+    LiveRun.feed = _timed(LiveRun.feed, feed_cpu)  # type: ignore[method-assign]
     source = StreamSource("127.0.0.1", 0)
     target = _Target()
     watcher = Watcher(source, target)  # type: ignore[arg-type]
@@ -158,10 +192,12 @@ def receiver(conn: Any, ranks: int, seconds: float) -> None:
     steps = int(seconds)
     while time.time() < deadline and len(target.shown) < steps:
         time.sleep(0.2)
+    lis = source.listener
+    listener_cpu = _thread_cpu_s(lis._thread)
+    watcher_cpu = _thread_cpu_s(watcher)
     watcher.stop()
     thread.join(10)
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    lis = source.listener
     cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     conn.send(
         {
@@ -170,12 +206,20 @@ def receiver(conn: Any, ranks: int, seconds: float) -> None:
             "peers": len(lis.peers),
             "problems": lis.health().problems(),
             "cpu_s": cpu,
+            "listener_cpu_s": listener_cpu,
+            "watcher_cpu_s": watcher_cpu,
+            "snapshot_cpu_s": snap_cpu,
+            "feed_cpu_s": sum(feed_cpu),
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
     )
 
 
-def run_once(ranks: int, seconds: float, rate: float, relay: bool, per_node: int, senders: int) -> dict[str, Any]:
+def run_once(
+    ranks: int, seconds: float, rate: float, relay: bool, per_node: int, senders: int, tree: Path | None = None
+) -> dict[str, Any]:
+    """One receiver and its senders, on this checkout's ddpdoctor or ``tree``'s."""
+    os.environ[TREE_ENV] = str(tree or TREE)  # (the spawned processes import this module again)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     rec = ctx.Process(target=receiver, args=(there, ranks, seconds * rate))
@@ -209,7 +253,9 @@ def run_once(ranks: int, seconds: float, rate: float, relay: bool, per_node: int
     missing = [k for k in range(steps) if k not in shown]
     sent = ranks * (steps + 2)  # header, steps, end
     q = statistics.quantiles(lags, n=20, method="inclusive") if len(lags) >= 2 else [float("nan")] * 19
+    snaps = sorted(got["snapshot_cpu_s"]) or [float("nan")]
     return {
+        "code": "baseline" if tree else "this",
         "ranks": ranks,
         "mode": "relay" if relay else "direct",
         "lag_p50_s": statistics.median(lags) if lags else None,
@@ -221,6 +267,14 @@ def run_once(ranks: int, seconds: float, rate: float, relay: bool, per_node: int
         "rank_streams": got["peers"],
         "receiver_counted": got["problems"],
         "receiver_cpu_pct": round(100 * got["cpu_s"] / (seconds + 3), 1),
+        # where the receiver's CPU went: the listener thread (sockets, decoding), the watcher
+        # thread (the live analysis: feeding records, taking snapshots), per snapshot
+        "listener_cpu_s": round(got["listener_cpu_s"], 2),
+        "watcher_cpu_s": round(got["watcher_cpu_s"], 2),
+        "feed_cpu_s": round(got["feed_cpu_s"], 2),
+        "snapshots": len(got["snapshot_cpu_s"]),
+        "snapshot_cpu_ms_p50": round(1000 * snaps[len(snaps) // 2], 1),
+        "snapshot_cpu_ms_p95": round(1000 * snaps[int(0.95 * (len(snaps) - 1))], 1),
         "receiver_rss_mib": round(got["rss_mib"]),
         "load_avg": os.getloadavg()[0],
     }
@@ -234,10 +288,20 @@ def main() -> int:
     ap.add_argument("--mode", choices=["direct", "relay"], default="direct")
     ap.add_argument("--per-node", type=int, default=8)
     ap.add_argument("--senders", type=int, default=4)
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout (e.g. `git worktree add /tmp/base HEAD~3`): each size is run on its receiver "
+        "and on this one's in turn, --pairs times, so both see the same load",
+    )
+    ap.add_argument("--pairs", type=int, default=1)
     args = ap.parse_args()
+    trees: list[Path | None] = [args.baseline.resolve(), None] if args.baseline else [None]
     for n in (int(r) for r in args.ranks.split(",")):
-        out = run_once(n, args.seconds, args.rate, args.mode == "relay", args.per_node, args.senders)
-        print(json.dumps(out), flush=True)
+        for i in range(args.pairs):
+            for tree in trees if i % 2 == 0 else trees[::-1]:  # alternate which goes first
+                out = run_once(n, args.seconds, args.rate, args.mode == "relay", args.per_node, args.senders, tree)
+                print(json.dumps(out), flush=True)
     return 0
 
 

@@ -305,6 +305,40 @@ def test_snapshot_only_reads(tmp_path: Path) -> None:
         assert live.snapshot() == first
 
 
+def test_a_data_loading_straggler_is_titled_with_one_pair_of_brackets() -> None:
+    """Rank 0 starts every forward 40 ms late (its input pipeline): the phase, "data loading
+    (before forward)", is followed by the time lost without a second bracket."""
+    records = {r: synthetic_records(r, 3, range(30), late_at=lambda step: {0: 40.0}, end=None) for r in range(3)}
+    for rec in records[0]:
+        if isinstance(rec, Step):  # late before its forward, not in it: forward and backward take as long
+            rec.fwd_start_us += 40_000.0
+            rec.fwd_end_us = (rec.fwd_end_us or 0.0) + 40_000.0
+    live = LiveRun()
+    live.feed(RankRecord(r, 0, rec) for r in range(3) for rec in records[r])
+    f = next(f for f in live.snapshot().findings if f.code == "straggler")
+    assert f.ranks == [0] and "data loading (before forward)" in f.title
+    assert ") (" not in f.title and f.title.endswith(" lost"), f.title
+
+
+def test_a_straggler_that_dies_is_named_lost_not_a_straggler() -> None:
+    """Rank 2 is late at every step, then killed (no end record) while the others go on and
+    close: it is lost; the straggler finding it had while alive goes, and no later check names it."""
+    records = {r: synthetic_records(r, 3, range(20 if r == 2 else 30), straggler=2, end=None) for r in range(3)}
+    ends = {r: synthetic_records(r, 3, range(30), straggler=2)[-1] for r in (0, 1)}
+    alive = [RankRecord(r, 0, rec) for r in range(3) for rec in records[r] if getattr(rec, "step", 0) < 20]
+    later = [RankRecord(r, 0, rec) for r in (0, 1) for rec in records[r] if getattr(rec, "step", 0) >= 20]
+    live = LiveRun()
+    live.feed(alive)
+    snap = live.snapshot()
+    assert [f.ranks for f in snap.findings if f.code == "straggler"] == [[2]] and snap.ranks[2].status == "straggler"
+    live.feed([*later, *(RankRecord(r, 0, end) for r, end in ends.items())])
+    live.feed([])
+    snap = live.snapshot()
+    assert {r.rank: r.status for r in snap.ranks} == {0: "finished", 1: "finished", 2: "lost"}
+    assert any(f.code == "rank-lost" and f.ranks == [2] for f in snap.findings)
+    assert not [f for f in snap.findings if f.code == "straggler"], [f.title for f in snap.findings]
+
+
 def test_lost_ranks_are_found_when_fed(tmp_path: Path) -> None:
     d = tmp_path / "run"
     d.mkdir()
