@@ -68,7 +68,7 @@ TREE = Path(os.environ.get(TREE_ENV) or Path(__file__).resolve().parent.parent)
 sys.path.insert(0, str(TREE))
 sys.path.insert(0, str(TREE / "tui"))
 
-from bench.synth import header, step_record
+from bench.synth import header, layout, step_record
 from ddpdoctor.events import End, encode
 from ddpdoctor.events.wire import Hello, encode_hello, encode_stats
 
@@ -215,6 +215,65 @@ def receiver(conn: Any, ranks: int, seconds: float) -> None:
     )
 
 
+def analysis(conn: Any, ranks: int, steps: int, polls: int) -> None:
+    """The live analysis alone, no sockets: ``steps`` steps of ``ranks`` ranks fed to a ``LiveRun``
+    in ``polls`` batches a step (as the watcher's polls take them), a snapshot after each; sends
+    the CPU seconds of every feed and snapshot. CPU time, not wall: robust to the machine's load."""
+    from ddpdoctor.analysis.live_run import LiveRun
+    from ddpdoctor.runlog.source import RankRecord
+
+    live = LiveRun()
+    live.feed(
+        [RankRecord(r, 0, header(r, ranks)) for r in range(ranks)] + [RankRecord(r, 0, layout(r)) for r in range(ranks)]
+    )
+    feeds, snaps = [], []
+    for k in range(steps):
+        batch = [RankRecord(r, 0, step_record(r, ranks, k)) for r in range(ranks)]
+        for i in range(polls):
+            t = time.thread_time()
+            live.feed(batch[i * ranks // polls : (i + 1) * ranks // polls])
+            t1 = time.thread_time()
+            live.snapshot()
+            feeds.append(t1 - t)
+            snaps.append(time.thread_time() - t1)
+    conn.send((feeds, snaps))
+
+
+def analysis_once(ranks: int, steps: int, polls: int, tree: Path | None = None) -> dict[str, Any]:
+    """``analysis`` in a process of its own, on this checkout's ddpdoctor or ``tree``'s."""
+    os.environ[TREE_ENV] = str(tree or TREE)
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=analysis, args=(there, ranks, steps, polls))
+    proc.start()
+    try:
+        if not here.poll(3600):
+            raise RuntimeError("the analysis gave no result")
+        feeds, snaps = here.recv()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+
+    def q(values: list[float], share: float) -> float:
+        return round(1000 * sorted(values)[int(share * (len(values) - 1))], 1)
+
+    late = len(feeds) // 2  # the second half: the history filled as in a long run (64 steps and more)
+    return {
+        "code": "baseline" if tree else "this",
+        "ranks": ranks,
+        "steps": steps,
+        "polls_per_step": polls,
+        "cpu_ms_per_step": round(1000 * (sum(feeds) + sum(snaps)) / steps, 1),
+        "cpu_ms_per_step_second_half": round(1000 * (sum(feeds[late:]) + sum(snaps[late:])) / (steps - steps // 2), 1),
+        "feed_cpu_ms_p50": q(feeds, 0.5),
+        "feed_cpu_ms_p95": q(feeds, 0.95),
+        "snapshot_cpu_ms_p50": q(snaps, 0.5),
+        "snapshot_cpu_ms_p95": q(snaps, 0.95),
+        "load_avg": os.getloadavg()[0],
+    }
+
+
 def run_once(
     ranks: int, seconds: float, rate: float, relay: bool, per_node: int, senders: int, tree: Path | None = None
 ) -> dict[str, Any]:
@@ -295,12 +354,21 @@ def main() -> int:
         "and on this one's in turn, --pairs times, so both see the same load",
     )
     ap.add_argument("--pairs", type=int, default=1)
+    ap.add_argument(
+        "--analysis",
+        type=int,
+        metavar="STEPS",
+        help="time the live analysis alone (no sockets) over STEPS steps: CPU per step, per feed, per snapshot",
+    )
     args = ap.parse_args()
     trees: list[Path | None] = [args.baseline.resolve(), None] if args.baseline else [None]
     for n in (int(r) for r in args.ranks.split(",")):
         for i in range(args.pairs):
             for tree in trees if i % 2 == 0 else trees[::-1]:  # alternate which goes first
-                out = run_once(n, args.seconds, args.rate, args.mode == "relay", args.per_node, args.senders, tree)
+                if args.analysis:
+                    out = analysis_once(n, args.analysis, round(5 / args.rate), tree)
+                else:
+                    out = run_once(n, args.seconds, args.rate, args.mode == "relay", args.per_node, args.senders, tree)
                 print(json.dumps(out), flush=True)
     return 0
 

@@ -203,7 +203,7 @@ class LiveRun:
         self._recheck_collectives = True  # the groups changed, or a rank started over: look at all
         # each rank's ``RankTail`` (the lost check's input), rebuilt only for ranks that logged since
         self._tails: dict[int, RankTail] = {}
-        self._tail_ns: dict[int, int | None] = {}
+        self._tail_ns: dict[int, int] = {}  # (ranks whose tail has a wall time)
         self._stale_tails: set[int] = set()
         self._checked_upto: int | None = None
         self._whatif_at: int | None = None  # complete step of the last bucket what-if
@@ -572,13 +572,17 @@ class LiveRun:
                 tail = RankTail(
                     header=st.header, last_step=st.steps[-1] if st.steps else None, last_proc=st.proc, end=st.end
                 )
-                self._tails[rank], self._tail_ns[rank] = tail, tail.last_wall_ns
+                self._tails[rank] = tail
+                if (t := tail.last_wall_ns) is not None:
+                    self._tail_ns[rank] = t
+                else:
+                    self._tail_ns.pop(rank, None)
         self._stale_tails.clear()
         if len(self._ranks) < 2:
             return set()
         times = self._tail_ns.values()
         # none closed its log, every one logged, all within the grace: ``lost_ranks`` names none
-        if None not in times and max(times) - min(times) < GRACE_S * 1e9 and not self._any_ended():
+        if len(times) == len(self._tails) and max(times) - min(times) < GRACE_S * 1e9 and not self._any_ended():
             return set()
         found = lost_ranks(self._tails)
         for f in found:
