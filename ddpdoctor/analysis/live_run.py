@@ -4,8 +4,9 @@
 dir being written or a stream, the same here) and keeps only a sliding window of each rank's
 recent steps, so memory stays flat over a run of any length. It completes steps (every rank
 logged them: arrivals computed once), and runs the cross-rank detectors; their findings are
-kept under a typed ``FindingKey``. ``LiveRun.snapshot`` only reads: it projects that state into
-the frozen view of ``live_view`` (rows, heatmap, step times, findings) for the UI.
+kept under a typed ``FindingKey``. ``LiveRun.snapshot`` projects that state into the frozen view
+of ``live_view`` (rows, heatmap, step times, findings) for the UI, keeping each rank's row until
+what it shows changes: at thousands of ranks most rows are the same from one snapshot to the next.
 
 The cross-rank analysis is the same as the report's (a finding is defined once): clock offsets
 from ``clock_align``, arrivals from ``bucket_wait``, blame and stragglers from ``blame`` and
@@ -696,7 +697,8 @@ class LiveRun:
     def snapshot(self, at_step: int | None = None) -> LiveSnapshot:
         """The view at ``at_step`` (a complete step), or at the latest complete step when None.
 
-        A pure read: the state is exactly the same after it (the detectors ran in ``feed``).
+        It changes no finding or status (the detectors ran in ``feed``); what it keeps, each
+        rank's row and each step's merged arrivals and heatmap, is rebuilt where it changed.
         """
         complete = tuple(self._complete)
         if at_step is not None and complete:
