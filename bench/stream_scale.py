@@ -2,6 +2,7 @@
 
 usage: python bench/stream_scale.py [--ranks 256,1024,2048] [--seconds 30] [--rate 1]
                                     [--mode direct|relay] [--per-node 8] [--senders 4]
+                                    [--baseline DIR [--pairs N]] [--analysis STEPS]
 
 Simulated ranks on loopback speak the documented wire protocol (``events.wire``): ``--senders``
 processes each hold a share of the ranks, and at ``--rate`` steps per second send every rank's
@@ -16,13 +17,35 @@ The receiver is a process of its own running what ``watch --listen`` runs, witho
 the first snapshot whose view (the latest step every rank completed) reached it. Reported: lag
 p50/p95/max over the steps after the first 3 s, the records received against those sent (loss),
 what the receiver counted as refused or lost, its CPU (user + system over the run, as % of one
-core) and its peak RSS.
+core; the listener's and the watcher's threads apart, the CPU of each snapshot, of all feeds) and
+its peak RSS. ``--baseline DIR``: each size runs on DIR's ddpdoctor (another checkout) and on this
+one's in turn, ``--pairs`` times, so that both see the same load. ``--analysis STEPS``: the live
+analysis alone, no sockets: a ``LiveRun`` fed STEPS steps of synthetic records in the watcher's
+five batches a step, a snapshot after each; the CPU per step, per feed and per snapshot, which the
+machine's load hardly moves.
 
 Every loop is bounded by ``--seconds`` (plus 20 s to drain); the senders and the receiver are
 killed at the end whatever happened.
 
-Measured on a 2-core machine shared with other work (senders and receiver on the same 2 cores;
-load average 8 to 14 while measuring), ``--seconds 30``:
+Measured 2026-12-06 on a 2-core machine shared with other work, ``--baseline`` the commit before
+the live analysis scaled (rows rebuilt only where they changed, bucket views on first use, the
+collectives compared only once a step differs, the lost check gated, blame's noise median read by
+index). ``--ranks 2048 --analysis 70`` (load average 14 to 17), CPU ms:
+
+    code      per step  (steps 35-69)  feed p50  feed p95  snapshot p50  snapshot p95
+    before    1,846     2,395          192       630       92.5          252
+    after     145       145            2.8       80        5.5           31.8
+
+``--ranks 2048 --seconds 30 --pairs 2``, senders and receiver on the same 2 cores, run with
+``nice -n 5`` under a load average of 11 to 13:
+
+    code      lag p50  p95     max     receiver CPU  watcher CPU  snapshots  snapshot CPU p50/p95
+    before    2.8 s    4.8 s   5.0 s   39.8 %        11.3 s       33         97 / 280 ms
+    after     0.79 s   1.77 s  3.5 s   24.4 %        6.0 s        59         28 / 42 ms
+    after     0.84 s   1.66 s  2.7 s   23.9 %        5.7 s        64         23 / 41 ms
+    before    2.8 s    6.4 s   7.6 s   37.3 %        10.2 s       34         94 / 308 ms
+
+Before the change, on the same machine (load average 8 to 14 while measuring), ``--seconds 30``:
 
     ranks  mode    lag p50  p95    max    received/sent   receiver CPU  peak RSS  load
     256    direct  0.17 s   0.25 s 0.38 s  7,936/7,936     3.8 %         65 MiB    8.3
@@ -38,11 +61,13 @@ receiver still share its 2 cores):
     2,048  direct  0.47 s   1.15 s 1.51 s  65,536/65,536   30 %          242 MiB
     2,048  relay   0.47 s   1.32 s 1.73 s  65,536/65,536   31 %          241 MiB
 
-Nothing was lost or refused at any size. The lag at 2,048 ranks is the live analysis, not the
-network: one snapshot of 2,048 rank rows costs about 150 ms of CPU (``live_view.bucket_views``
-for every row) and the watcher takes one up to five times a second, on a machine whose two cores
-the load leaves a fraction of to the receiver. (The relay sends a hello before every record
-here, as it does when the ranks' lines interleave.)
+Nothing was lost or refused at any size. Before, the lag at 2,048 ranks was the live analysis:
+a snapshot of 2,048 rows cost about 100-150 ms of CPU (``live_view.bucket_views`` for every row),
+and the collectives check compared every rank's latest 64 steps at every feed, so a step cost
+more than a second of CPU once the history filled. After, the receiver's 24 % of a core is the
+listener (2 s of 33) and the watcher (6 s: a step's arrivals and blame, the rows of ranks that
+moved); the lag left under load is the share of the two cores the other work leaves it. (The
+relay sends a hello before every record here, as it does when the ranks' lines interleave.)
 """
 
 from __future__ import annotations
@@ -55,14 +80,20 @@ import resource
 import socket
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tui"))
+#: Where ``ddpdoctor`` is imported from: this checkout, or the one ``--baseline`` names (set for
+#: the spawned receiver and senders, which import this module again).
+TREE_ENV = "STREAM_SCALE_TREE"
+TREE = Path(os.environ.get(TREE_ENV) or Path(__file__).resolve().parent.parent)
+sys.path.insert(0, str(TREE))
+sys.path.insert(0, str(TREE / "tui"))
 
-from bench.synth import header, step_record
+from bench.synth import header, layout, step_record
 from ddpdoctor.events import End, encode
 from ddpdoctor.events.wire import Hello, encode_hello, encode_stats
 
@@ -142,10 +173,38 @@ class _Target:
                 self.shown.setdefault(k, now)
 
 
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds (user + system) one thread of this process used so far (Linux)."""
+    try:
+        fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+    """``fn`` that appends the CPU seconds of its calling thread each call takes to ``into``."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.thread_time() - t)
+
+    return timed
+
+
 def receiver(conn: Any, ranks: int, seconds: float) -> None:
+    from ddpdoctor.analysis.live_run import LiveRun
     from ddpdoctor.stream.source import StreamSource
     from ddpdoctor_tui.watcher import Watcher
 
+    # the watcher thread's CPU per snapshot and per batch fed (the same code before and after)
+    snap_cpu: list[float] = []
+    feed_cpu: list[float] = []
+    LiveRun.snapshot = _timed(LiveRun.snapshot, snap_cpu)  # type: ignore[method-assign]
+    LiveRun.feed = _timed(LiveRun.feed, feed_cpu)  # type: ignore[method-assign]
     source = StreamSource("127.0.0.1", 0)
     target = _Target()
     watcher = Watcher(source, target)  # type: ignore[arg-type]
@@ -158,10 +217,12 @@ def receiver(conn: Any, ranks: int, seconds: float) -> None:
     steps = int(seconds)
     while time.time() < deadline and len(target.shown) < steps:
         time.sleep(0.2)
+    lis = source.listener
+    listener_cpu = _thread_cpu_s(lis._thread)
+    watcher_cpu = _thread_cpu_s(watcher)
     watcher.stop()
     thread.join(10)
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    lis = source.listener
     cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     conn.send(
         {
@@ -170,12 +231,79 @@ def receiver(conn: Any, ranks: int, seconds: float) -> None:
             "peers": len(lis.peers),
             "problems": lis.health().problems(),
             "cpu_s": cpu,
+            "listener_cpu_s": listener_cpu,
+            "watcher_cpu_s": watcher_cpu,
+            "snapshot_cpu_s": snap_cpu,
+            "feed_cpu_s": sum(feed_cpu),
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
     )
 
 
-def run_once(ranks: int, seconds: float, rate: float, relay: bool, per_node: int, senders: int) -> dict[str, Any]:
+def analysis(conn: Any, ranks: int, steps: int, polls: int) -> None:
+    """The live analysis alone, no sockets: ``steps`` steps of ``ranks`` ranks fed to a ``LiveRun``
+    in ``polls`` batches a step (as the watcher's polls take them), a snapshot after each; sends
+    the CPU seconds of every feed and snapshot. CPU time, not wall: robust to the machine's load."""
+    from ddpdoctor.analysis.live_run import LiveRun
+    from ddpdoctor.runlog.source import RankRecord
+
+    live = LiveRun()
+    live.feed(
+        [RankRecord(r, 0, header(r, ranks)) for r in range(ranks)] + [RankRecord(r, 0, layout(r)) for r in range(ranks)]
+    )
+    feeds, snaps = [], []
+    for k in range(steps):
+        batch = [RankRecord(r, 0, step_record(r, ranks, k)) for r in range(ranks)]
+        for i in range(polls):
+            t = time.thread_time()
+            live.feed(batch[i * ranks // polls : (i + 1) * ranks // polls])
+            t1 = time.thread_time()
+            live.snapshot()
+            feeds.append(t1 - t)
+            snaps.append(time.thread_time() - t1)
+    conn.send((feeds, snaps))
+
+
+def analysis_once(ranks: int, steps: int, polls: int, tree: Path | None = None) -> dict[str, Any]:
+    """``analysis`` in a process of its own, on this checkout's ddpdoctor or ``tree``'s."""
+    os.environ[TREE_ENV] = str(tree or TREE)
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=analysis, args=(there, ranks, steps, polls))
+    proc.start()
+    try:
+        if not here.poll(3600):
+            raise RuntimeError("the analysis gave no result")
+        feeds, snaps = here.recv()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+
+    def q(values: list[float], share: float) -> float:
+        return round(1000 * sorted(values)[int(share * (len(values) - 1))], 1)
+
+    late = len(feeds) // 2  # the second half: the history filled as in a long run (64 steps and more)
+    return {
+        "code": "baseline" if tree else "this",
+        "ranks": ranks,
+        "steps": steps,
+        "polls_per_step": polls,
+        "cpu_ms_per_step": round(1000 * (sum(feeds) + sum(snaps)) / steps, 1),
+        "cpu_ms_per_step_second_half": round(1000 * (sum(feeds[late:]) + sum(snaps[late:])) / (steps - steps // 2), 1),
+        "feed_cpu_ms_p50": q(feeds, 0.5),
+        "feed_cpu_ms_p95": q(feeds, 0.95),
+        "snapshot_cpu_ms_p50": q(snaps, 0.5),
+        "snapshot_cpu_ms_p95": q(snaps, 0.95),
+        "load_avg": os.getloadavg()[0],
+    }
+
+
+def run_once(
+    ranks: int, seconds: float, rate: float, relay: bool, per_node: int, senders: int, tree: Path | None = None
+) -> dict[str, Any]:
+    """One receiver and its senders, on this checkout's ddpdoctor or ``tree``'s."""
+    os.environ[TREE_ENV] = str(tree or TREE)  # (the spawned processes import this module again)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     rec = ctx.Process(target=receiver, args=(there, ranks, seconds * rate))
@@ -209,7 +337,9 @@ def run_once(ranks: int, seconds: float, rate: float, relay: bool, per_node: int
     missing = [k for k in range(steps) if k not in shown]
     sent = ranks * (steps + 2)  # header, steps, end
     q = statistics.quantiles(lags, n=20, method="inclusive") if len(lags) >= 2 else [float("nan")] * 19
+    snaps = sorted(got["snapshot_cpu_s"]) or [float("nan")]
     return {
+        "code": "baseline" if tree else "this",
         "ranks": ranks,
         "mode": "relay" if relay else "direct",
         "lag_p50_s": statistics.median(lags) if lags else None,
@@ -221,6 +351,14 @@ def run_once(ranks: int, seconds: float, rate: float, relay: bool, per_node: int
         "rank_streams": got["peers"],
         "receiver_counted": got["problems"],
         "receiver_cpu_pct": round(100 * got["cpu_s"] / (seconds + 3), 1),
+        # where the receiver's CPU went: the listener thread (sockets, decoding), the watcher
+        # thread (the live analysis: feeding records, taking snapshots), per snapshot
+        "listener_cpu_s": round(got["listener_cpu_s"], 2),
+        "watcher_cpu_s": round(got["watcher_cpu_s"], 2),
+        "feed_cpu_s": round(got["feed_cpu_s"], 2),
+        "snapshots": len(got["snapshot_cpu_s"]),
+        "snapshot_cpu_ms_p50": round(1000 * snaps[len(snaps) // 2], 1),
+        "snapshot_cpu_ms_p95": round(1000 * snaps[int(0.95 * (len(snaps) - 1))], 1),
         "receiver_rss_mib": round(got["rss_mib"]),
         "load_avg": os.getloadavg()[0],
     }
@@ -234,10 +372,29 @@ def main() -> int:
     ap.add_argument("--mode", choices=["direct", "relay"], default="direct")
     ap.add_argument("--per-node", type=int, default=8)
     ap.add_argument("--senders", type=int, default=4)
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout (e.g. `git worktree add /tmp/base HEAD~3`): each size is run on its receiver "
+        "and on this one's in turn, --pairs times, so both see the same load",
+    )
+    ap.add_argument("--pairs", type=int, default=1)
+    ap.add_argument(
+        "--analysis",
+        type=int,
+        metavar="STEPS",
+        help="time the live analysis alone (no sockets) over STEPS steps: CPU per step, per feed, per snapshot",
+    )
     args = ap.parse_args()
+    trees: list[Path | None] = [args.baseline.resolve(), None] if args.baseline else [None]
     for n in (int(r) for r in args.ranks.split(",")):
-        out = run_once(n, args.seconds, args.rate, args.mode == "relay", args.per_node, args.senders)
-        print(json.dumps(out), flush=True)
+        for i in range(args.pairs):
+            for tree in trees if i % 2 == 0 else trees[::-1]:  # alternate which goes first
+                if args.analysis:
+                    out = analysis_once(n, args.analysis, round(5 / args.rate), tree)
+                else:
+                    out = run_once(n, args.seconds, args.rate, args.mode == "relay", args.per_node, args.senders, tree)
+                print(json.dumps(out), flush=True)
     return 0
 
 

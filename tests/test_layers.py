@@ -13,46 +13,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "ddpdoctor"
 
+# what no layer below the command line imports: the heavy or interactive dependencies, the CLI
+_NOT_BELOW_CLI = {"torch", "textual", "rich", "ddpdoctor.cli"}
+
 # layer -> top-level modules it must never import (directly)
 FORBIDDEN = {
-    "events": {
-        "torch",
-        "textual",
-        "rich",
-        "ddpdoctor.sinks",
-        "ddpdoctor.runtime",
-        "ddpdoctor.runlog",
-        "ddpdoctor.analysis",
-        "ddpdoctor.cli",
-    },
-    "sinks": {
-        "torch",
-        "textual",
-        "rich",
-        "ddpdoctor.runtime",
-        "ddpdoctor.runlog",
-        "ddpdoctor.analysis",
-        "ddpdoctor.cli",
-    },
-    "runtime": {
-        "textual",
-        "rich",
-        "ddpdoctor.runlog",
-        "ddpdoctor.cli",
-        "ddpdoctor.stream.listener",
-        "ddpdoctor.stream.source",
-    },
-    "stream": {"torch", "textual", "rich", "ddpdoctor.runtime", "ddpdoctor.analysis", "ddpdoctor.cli"},
-    "runlog": {
-        "torch",
-        "textual",
-        "rich",
-        "ddpdoctor.sinks",
-        "ddpdoctor.runtime",
-        "ddpdoctor.analysis",
-        "ddpdoctor.cli",
-    },
-    "analysis": {"torch", "textual", "rich", "ddpdoctor.sinks", "ddpdoctor.runtime", "ddpdoctor.cli"},
+    "events": _NOT_BELOW_CLI
+    | {"ddpdoctor.sinks", "ddpdoctor.runtime", "ddpdoctor.runlog", "ddpdoctor.analysis", "ddpdoctor.stream"},
+    # the stream's sending end is a sink (sinks/tcp.py); the receiving end is the reading side's
+    "sinks": _NOT_BELOW_CLI | {"ddpdoctor.stream", "ddpdoctor.runtime", "ddpdoctor.runlog", "ddpdoctor.analysis"},
+    "runtime": {"textual", "rich", "ddpdoctor.cli", "ddpdoctor.runlog", "ddpdoctor.stream"},
+    # the receiving end; the relay forwards lines its listener received as they came, so it needs
+    # no sender either: neither end imports the other
+    "stream": _NOT_BELOW_CLI | {"ddpdoctor.sinks", "ddpdoctor.runtime", "ddpdoctor.analysis"},
+    "runlog": _NOT_BELOW_CLI | {"ddpdoctor.sinks", "ddpdoctor.runtime", "ddpdoctor.analysis", "ddpdoctor.stream"},
+    "analysis": _NOT_BELOW_CLI | {"ddpdoctor.sinks", "ddpdoctor.runtime"},
     "cli": {"textual", "rich"},
 }
 
@@ -67,20 +42,44 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
-def test_layer_imports_point_one_way(layer: str) -> None:
+def _forbidden_imports(layer: str) -> list[str]:
     bad = []
     for path in sorted((PKG / layer).rglob("*.py")):
         for name in _imports(path):
             for forbidden in FORBIDDEN[layer]:
                 if name == forbidden or name.startswith(forbidden + "."):
                     bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    return bad
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_layer_imports_point_one_way(layer: str) -> None:
+    bad = _forbidden_imports(layer)
     assert not bad, "\n".join(bad)
 
 
-def test_the_stream_sender_and_listener_do_not_read_run_dirs() -> None:
+def test_the_layer_check_sees_the_stream_sides_meet() -> None:
+    planted = [PKG / "sinks" / "_planted_for_test.py", PKG / "stream" / "_planted_for_test.py"]
+    planted[0].write_text("from ddpdoctor.stream.listener import StreamListener\n")
+    planted[1].write_text("import ddpdoctor.sinks.tcp\n")
+    try:
+        assert _forbidden_imports("sinks") == ["ddpdoctor/sinks/_planted_for_test.py imports ddpdoctor.stream.listener"]
+        assert _forbidden_imports("stream") == ["ddpdoctor/stream/_planted_for_test.py imports ddpdoctor.sinks.tcp"]
+    finally:
+        for path in planted:
+            path.unlink()
+
+
+def test_the_sinks_and_the_stream_resolve_no_name_lazily() -> None:
+    """Each name they export is imported where it is defined: no module ``__getattr__`` hides a cycle."""
+    for package in ("sinks", "stream"):
+        tree = ast.parse((PKG / package / "__init__.py").read_text())
+        assert not [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"], package
+
+
+def test_the_listener_and_the_relay_do_not_read_run_dirs() -> None:
     """Only ``stream.source`` (the live view's record source) builds on runlog."""
-    for name in ("sender.py", "listener.py", "__init__.py"):
+    for name in ("listener.py", "relay.py"):
         assert not {n for n in _imports(PKG / "stream" / name) if n.startswith("ddpdoctor.runlog")}, name
 
 
@@ -117,7 +116,14 @@ def test_reading_and_reporting_run_without_torch() -> None:
     assert "torch" not in mods
 
 
-READING_SIDE = ("ddpdoctor.runlog", "ddpdoctor.analysis.report", "ddpdoctor.analysis.diagnose", "textual", "rich")
+READING_SIDE = (
+    "ddpdoctor.stream",
+    "ddpdoctor.runlog",
+    "ddpdoctor.analysis.report",
+    "ddpdoctor.analysis.diagnose",
+    "textual",
+    "rich",
+)
 
 
 def _reading_side(mods: set[str]) -> set[str]:
@@ -150,7 +156,7 @@ dist.destroy_process_group()
 
 def test_an_instrumented_training_loads_none_of_the_reading_side() -> None:
     mods = _modules_after(INSTRUMENT_ONE_RANK)
-    assert "ddpdoctor.runtime.monitor" in mods and "ddpdoctor.stream.sender" in mods  # it did instrument and stream
+    assert "ddpdoctor.runtime.monitor" in mods and "ddpdoctor.sinks.tcp" in mods  # it did instrument and stream
     assert _reading_side(mods) == set()
 
 

@@ -305,6 +305,101 @@ def test_snapshot_only_reads(tmp_path: Path) -> None:
         assert live.snapshot() == first
 
 
+def _afresh(live: LiveRun, at_step: int | None = None) -> LiveSnapshot:
+    """The snapshot built with nothing kept from earlier snapshots (rows, arrivals, heatmaps)."""
+    for st in live._ranks.values():
+        st.row = None
+    live._forget_views()
+    return live.snapshot(at_step)
+
+
+def test_rows_kept_between_snapshots_are_the_rows_built_afresh() -> None:
+    """Snapshots reuse a rank's row while nothing it shows changed: fed a few records at a time
+    (a straggler from step 8, a rank that ends early, snapshots between, stepped back too), every
+    snapshot equals the one built afresh, the bucket views included."""
+    world = 4
+    records = {
+        r: synthetic_records(r, world, range(24 if r == 3 else 30), straggler=1, straggle_from=8, end="close")
+        for r in range(world)
+    }
+    live, statuses = LiveRun(), set()
+    mixed = [
+        RankRecord(r, 0, rec) for i in range(40) for r in range(world) if i < len(records[r]) for rec in [records[r][i]]
+    ]
+
+    def same(at: int | None = None) -> None:
+        kept = live.snapshot(at)
+        fresh = _afresh(live, at)
+        assert kept == fresh
+        assert [r.buckets for r in kept.ranks] == [r.buckets for r in fresh.ranks]
+        assert kept.heatmap == fresh.heatmap
+        statuses.update(r.status for r in kept.ranks)
+
+    for i in range(0, len(mixed), 3):
+        live.feed(mixed[i : i + 3])
+        same(5 if 36 <= i < 60 else None)  # stepped back for a while, the run going on meanwhile
+        if i == 60:
+            for at in (6, 6, 12, None):
+                same(at)
+    assert {"straggler", "running", "finished"} <= statuses  # (what the run went through)
+
+
+def test_mismatched_collectives_are_named_once_every_rank_logged_the_step() -> None:
+    """Rank 0 ran no buffer broadcast in step 5 (a lone forward took it); rank 2 runs 10 steps
+    behind. The step is compared, and the finding named, as soon as rank 2 has logged it too
+    (rank 1 logs each step first: rank 2's step 5 agrees with the first seen, rank 0's did not)."""
+    records = {r: synthetic_records(r, 3, range(30), end=None) for r in range(3)}
+    for r, recs in records.items():
+        for rec in recs:
+            if isinstance(rec, Step) and not (r == 0 and rec.step == 5):
+                rec.bcast_start_us, rec.bcast_us = 500.0, 1000.0
+    steps = {r: [rec for rec in records[r] if isinstance(rec, Step)] for r in range(3)}
+    live = LiveRun()
+    live.feed(RankRecord(r, 0, rec) for r in range(3) for rec in records[r][:2])  # headers, layouts
+    named_at = None
+    for i in range(30):
+        live.feed(RankRecord(r, 0, steps[r][k]) for r, k in ((1, i), (0, i), (2, i - 10)) if k >= 0)
+        if named_at is None and any(f.code == "mismatched-collectives" for f in live.snapshot().findings):
+            named_at = i
+    assert named_at == 15  # rank 2 logged step 5 then
+    [f] = [f for f in live.snapshot().findings if f.code == "mismatched-collectives"]
+    assert f.ranks == [0] and f.step == 5 and f.evidence["collective"] == "buffer broadcast"
+
+
+def test_a_data_loading_straggler_is_titled_with_one_pair_of_brackets() -> None:
+    """Rank 0 starts every forward 40 ms late (its input pipeline): the phase, "data loading
+    (before forward)", is followed by the time lost without a second bracket."""
+    records = {r: synthetic_records(r, 3, range(30), late_at=lambda step: {0: 40.0}, end=None) for r in range(3)}
+    for rec in records[0]:
+        if isinstance(rec, Step):  # late before its forward, not in it: forward and backward take as long
+            rec.fwd_start_us += 40_000.0
+            rec.fwd_end_us = (rec.fwd_end_us or 0.0) + 40_000.0
+    live = LiveRun()
+    live.feed(RankRecord(r, 0, rec) for r in range(3) for rec in records[r])
+    f = next(f for f in live.snapshot().findings if f.code == "straggler")
+    assert f.ranks == [0] and "data loading (before forward)" in f.title
+    assert ") (" not in f.title and f.title.endswith(" lost"), f.title
+
+
+def test_a_straggler_that_dies_is_named_lost_not_a_straggler() -> None:
+    """Rank 2 is late at every step, then killed (no end record) while the others go on and
+    close: it is lost; the straggler finding it had while alive goes, and no later check names it."""
+    records = {r: synthetic_records(r, 3, range(20 if r == 2 else 30), straggler=2, end=None) for r in range(3)}
+    ends = {r: synthetic_records(r, 3, range(30), straggler=2)[-1] for r in (0, 1)}
+    alive = [RankRecord(r, 0, rec) for r in range(3) for rec in records[r] if getattr(rec, "step", 0) < 20]
+    later = [RankRecord(r, 0, rec) for r in (0, 1) for rec in records[r] if getattr(rec, "step", 0) >= 20]
+    live = LiveRun()
+    live.feed(alive)
+    snap = live.snapshot()
+    assert [f.ranks for f in snap.findings if f.code == "straggler"] == [[2]] and snap.ranks[2].status == "straggler"
+    live.feed([*later, *(RankRecord(r, 0, end) for r, end in ends.items())])
+    live.feed([])
+    snap = live.snapshot()
+    assert {r.rank: r.status for r in snap.ranks} == {0: "finished", 1: "finished", 2: "lost"}
+    assert any(f.code == "rank-lost" and f.ranks == [2] for f in snap.findings)
+    assert not [f for f in snap.findings if f.code == "straggler"], [f.title for f in snap.findings]
+
+
 def test_lost_ranks_are_found_when_fed(tmp_path: Path) -> None:
     d = tmp_path / "run"
     d.mkdir()

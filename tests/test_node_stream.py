@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.synth import rank_records
 from ddpdoctor.cli.node_stream import NodeStream
 from ddpdoctor.events import ProcSample, encode
+from ddpdoctor.sinks.tcp import TcpSink
 from ddpdoctor.stream.listener import Peer, StreamLine, StreamListener
 from ddpdoctor.stream.relay import StreamRelay
-from ddpdoctor.stream.sender import TcpSink
 from tests.ddp_harness import torchrun_cmd
 from tests.test_run_cmd import EXAMPLES, ddpdoctor_run
 from tests.test_stream import collect, wait_for

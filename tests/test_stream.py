@@ -22,8 +22,8 @@ from ddpdoctor.events import End, FindingRecord, ProcSample, Record, StreamDrops
 from ddpdoctor.runlog import RankFileTail
 from ddpdoctor.runlog.source import RankRecord
 from ddpdoctor.sinks import FileSink, MemorySink
+from ddpdoctor.sinks.tcp import TcpSink, TeeSink, stream_tee
 from ddpdoctor.stream.listener import StreamError, StreamLine, StreamListener
-from ddpdoctor.stream.sender import TcpSink, TeeSink, stream_tee
 from ddpdoctor.stream.source import StreamSource
 
 TOKEN = "s3cret-token"

@@ -12,8 +12,9 @@ from rich.console import Console
 from rich.text import Text
 from textual.app import App
 from textual.pilot import Pilot
-from textual.widgets import Sparkline, Static
+from textual.widgets import Input, Sparkline, Static
 
+from ddpdoctor.analysis.findings import Finding
 from ddpdoctor.events import Record, encode
 from ddpdoctor.events.layout import rank_file_name
 from ddpdoctor.runlog import DirSource
@@ -24,6 +25,7 @@ from ddpdoctor_tui.help_screen import HelpScreen
 from ddpdoctor_tui.rank_detail import RankDetail
 from ddpdoctor_tui.ranks_table import RanksTable
 from ddpdoctor_tui.run_header import RunHeader
+from ddpdoctor_tui.watcher import SnapshotReady
 from tests.test_live_run import synthetic_records, write_run
 
 SIZE = (120, 40)
@@ -215,7 +217,7 @@ async def test_tails_a_growing_run_through_garbage_truncation_and_late_ranks(tmp
 
 
 async def test_a_streamed_run_looks_the_same(tmp_path: Path) -> None:
-    from ddpdoctor.stream.sender import TcpSink
+    from ddpdoctor.sinks.tcp import TcpSink
     from ddpdoctor.stream.source import StreamSource
 
     source = StreamSource("127.0.0.1", 0)
@@ -275,3 +277,54 @@ async def test_a_column_widens_when_longer_values_come_after_the_first_rows(tmp_
         # rank, host, step, step ms, fwd, bwd, ar wait, buf sync, late, cost to others
         assert row.split()[1:11] == ["0", "node0", "2", "100.0", "20.0", "40.0", "0.0", "-", "0.0", "0.0"]
         assert "cost to others" in screen_text(app)
+
+
+async def test_a_snapshot_that_comes_after_the_screen_is_gone_is_dropped(tmp_path: Path) -> None:
+    """Closing, the app takes its screen down widget by widget while the watcher may still post:
+    a snapshot that finds the header gone is dropped, not half drawn (NoMatches before)."""
+    app = WatchApp(write_run(tmp_path / "run", world=2, steps=5), interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, at_step(app, 4))
+        shown = app.snapshot
+        assert shown is not None
+        await app.query_one(RunHeader).remove()
+        app.post_message(SnapshotReady(shown))
+        await pilot.pause()
+        assert app.query_one(RanksTable).row_count == 2  # the rest of the screen is as it was
+        await pilot.press("left")  # a step key while the header is gone: no NoMatches either
+        await pilot.press("q")
+    assert app.return_code == 0
+
+
+async def test_a_finding_over_the_whole_run_shows_no_step(tmp_path: Path) -> None:
+    """The bucket what-if judges the run, not a step: its line says no "step None"."""
+    app = WatchApp(write_run(tmp_path / "run", world=2, steps=5), interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, at_step(app, 4))
+        whatif = Finding(code="bucket-size", severity="info", title="fewer buckets", detail="", fix="bucket_cap_mb=50")
+        app.query_one(FindingsPanel).show((whatif,))
+        text = widget_text(app.query_one("#findings-text", Static))
+        assert "bucket-size" in text and "None" not in text
+        assert "        ranks -\n" in text
+        await pilot.press("q")
+
+
+async def test_the_rank_filter_takes_commas_and_dots(tmp_path: Path) -> None:
+    """``,`` and ``.`` step the view everywhere else; in the filter box they are typed ("0,3",
+    "node1.cluster"), and so are the cursor keys."""
+    app = WatchApp(write_run(tmp_path / "run", world=4, steps=10), interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, at_step(app, 9))
+        table = app.query_one(RanksTable)
+        await pilot.press("slash", "0", "comma", "3")
+        box = app.query_one("#rank-filter", Input)
+        assert box.value == "0,3" and not app.paused
+        await pilot.press("left", "left", "2", "end", "full_stop")
+        assert box.value == "02,3." and not app.paused
+        await pilot.press(*["backspace"] * 5, "0", "comma", "3", "enter")
+        assert not box.display and sorted(int(table.get_row_at(i)[0]) for i in range(table.row_count)) == [0, 3]
+        await pilot.press("comma")  # the table has focus again: the key steps the view back
+        await wait_for(pilot, at_step(app, 8))
+        assert app.paused
+        await pilot.press("q")
+    assert app.return_code == 0

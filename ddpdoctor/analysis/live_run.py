@@ -4,8 +4,9 @@
 dir being written or a stream, the same here) and keeps only a sliding window of each rank's
 recent steps, so memory stays flat over a run of any length. It completes steps (every rank
 logged them: arrivals computed once), and runs the cross-rank detectors; their findings are
-kept under a typed ``FindingKey``. ``LiveRun.snapshot`` only reads: it projects that state into
-the frozen view of ``live_view`` (rows, heatmap, step times, findings) for the UI.
+kept under a typed ``FindingKey``. ``LiveRun.snapshot`` projects that state into the frozen view
+of ``live_view`` (rows, heatmap, step times, findings) for the UI, keeping each rank's row until
+what it shows changes: at thousands of ranks most rows are the same from one snapshot to the next.
 
 The cross-rank analysis is the same as the report's (a finding is defined once): clock offsets
 from ``clock_align``, arrivals from ``bucket_wait``, blame and stragglers from ``blame`` and
@@ -31,12 +32,12 @@ from ddpdoctor.analysis.blame import Margins, blame, step_margins
 from ddpdoctor.analysis.bucket_size import RankBackward, bucket_size
 from ddpdoctor.analysis.bucket_wait import StepArrivals
 from ddpdoctor.analysis.clock_align import ClockOffsets
-from ddpdoctor.analysis.collectives import step_collectives, uneven_collectives
+from ddpdoctor.analysis.collectives import StepCollectives, step_collectives, uneven_collectives
 from ddpdoctor.analysis.findings import SEVERITY_ORDER, Finding, Severity
 from ddpdoctor.analysis.groups import arrivals_in_groups, ddp_groups, group_clocks, merged_arrivals
 from ddpdoctor.analysis.hang import hang_findings_in_groups
-from ddpdoctor.analysis.live_view import EMPTY_HEALTH, LiveSnapshot, StepTime
-from ddpdoctor.analysis.lost import RankTail, lost_ranks
+from ddpdoctor.analysis.live_view import EMPTY_HEALTH, LiveSnapshot, RankView, StepTime
+from ddpdoctor.analysis.lost import GRACE_S, RankTail, lost_ranks
 from ddpdoctor.analysis.nonfinite import CODE as NONFINITE
 from ddpdoctor.analysis.nonfinite import finding_from_evidence, origin_of
 from ddpdoctor.analysis.straggler import stragglers
@@ -94,6 +95,17 @@ def _crossed(code: str, ranks: tuple[int, ...] = (), severity: str = "") -> Find
     return FindingKey(code, "cross-rank", ranks, severity)
 
 
+class _Row(NamedTuple):
+    """A rank's row as a snapshot last built it, and what from: kept while those stay the same."""
+
+    version: int  # the rank's ``_RankState.version`` then
+    step: Step | None
+    arrivals: StepArrivals | None
+    status: str
+    lost_for_others_ms: float | None
+    view: RankView
+
+
 @dataclass
 class _RankState:
     rank: int
@@ -108,6 +120,8 @@ class _RankState:
     sampled: deque[Unused] = field(default_factory=lambda: deque(maxlen=WHATIF_SAMPLES))  # with ready times
     bare: deque[int] = field(default_factory=lambda: deque(maxlen=BARE_STEPS))  # steps without any bucket
     bucket_params: dict[int, list[str]] = field(default_factory=dict)  # from the latest layout
+    version: int = 0  # counts its records: a row built before the latest one is rebuilt
+    row: _Row | None = None
 
 
 def _latest(steps: deque[Step], n: int = BARE_STEPS) -> list[Step]:
@@ -164,6 +178,10 @@ class LiveRun:
         # of the group and by how much, and the group's median step (ms). Ranks of different
         # groups never wait for each other: arrivals, clocks and blame stay within a group
         self._arrivals: dict[int, dict[int, StepArrivals]] = {}
+        # per step, the groups' arrivals merged and drawn as a heatmap: the same for every snapshot
+        # that shows that step, so built once (a step's arrivals never change once it is complete)
+        self._merged: dict[int, StepArrivals | None] = {}
+        self._heatmaps: dict[int, live_view.Heatmap] = {}
         self._margins: dict[int, dict[int, Margins]] = {}
         self._group_ms: dict[int, dict[int, float]] = {}
         self._step_times: deque[StepTime] = deque(maxlen=self.history)
@@ -176,6 +194,18 @@ class LiveRun:
         self._lost: set[int] = set()  # ranks lost, as of the last feed
         self._hung: set[int] = set()  # ranks waiting in a hang, as of the last feed
         self._collectives_seen = -1  # the records count when the collectives were last compared
+        # each step's collectives as the first rank of its DDP group to log it ran them (group lead
+        # -> step -> collectives), the steps where a later rank's differed, and the step records
+        # not looked at yet: the full comparison runs only once some step differs
+        self._lead: dict[int, int] = {}
+        self._first_collectives: dict[int, dict[int, StepCollectives]] = {}
+        self._uneven_steps: set[tuple[int, int]] = set()
+        self._unchecked_steps: list[tuple[int, Step]] = []
+        self._recheck_collectives = True  # the groups changed, or a rank started over: look at all
+        # each rank's ``RankTail`` (the lost check's input), rebuilt only for ranks that logged since
+        self._tails: dict[int, RankTail] = {}
+        self._tail_ns: dict[int, int] = {}  # (ranks whose tail has a wall time)
+        self._stale_tails: set[int] = set()
         self._checked_upto: int | None = None
         self._whatif_at: int | None = None  # complete step of the last bucket what-if
         self._whatif_final = False
@@ -199,6 +229,7 @@ class LiveRun:
         self._check_stragglers()
         self._check_bucket_size()
         self._lost = self._check_lost()
+        self._unname_lost()
         self._hung = self._check_hangs()
         self._check_collectives()
 
@@ -218,15 +249,20 @@ class LiveRun:
             groups = ddp_groups({r: st.header for r, st in self._ranks.items()})
             if groups != self._groups:
                 self._clocks = None  # each group's clocks are aligned within it
+                self._lead = {r: members[0] for members in groups for r in members}
+                self._recheck_collectives = True
             self._groups, self._groups_stale = groups, False
         return self._groups
 
     def _add(self, rank: int, rec: object) -> None:
         st = self._state(rank)
+        st.version += 1
+        self._stale_tails.add(rank)
         if isinstance(rec, Step):
             if st.steps and rec.step <= st.steps[-1].step:
                 return  # read again (a file replaced under us) or out of order: already counted
             st.steps.append(rec)
+            self._unchecked_steps.append((rank, rec))
             if not rec.bucket_count():
                 st.bare.append(rec.step)
             st.last_wall_ns = max(st.last_wall_ns, _step_wall_ns(rec))
@@ -313,6 +349,10 @@ class LiveRun:
     def _reset_rank(self, rank: int) -> None:
         del self._ranks[rank]
         self._groups_stale = True
+        self._forget_views()
+        self._recheck_collectives = True
+        self._tails.pop(rank, None)
+        self._tail_ns.pop(rank, None)
         for ranks in self._pending.values():
             ranks.discard(rank)
         self._clocks = None
@@ -343,7 +383,27 @@ class LiveRun:
     def _merged_arrivals(self, step: int) -> StepArrivals | None:
         """Every group's arrivals at ``step`` in one: each rank's lateness stays that within its
         own group."""
-        return merged_arrivals(list(self._arrivals.get(step, {}).values()))
+        if step not in self._merged:
+            if len(self._merged) > 2 * self.history:
+                self._forget_views()
+            self._merged[step] = merged_arrivals(list(self._arrivals.get(step, {}).values()))
+        return self._merged[step]
+
+    def _heatmap(self, arr: StepArrivals) -> live_view.Heatmap:
+        heat = self._heatmaps.get(arr.step)
+        if heat is None:
+            has_bcast = any(s.bcast_start_us is not None for s in self._steps_at(arr.step).values())
+            heat = self._heatmaps[arr.step] = live_view.heatmap(arr, has_bcast)
+        return heat
+
+    def _forget_views(self, step: int | None = None) -> None:
+        """Drop what ``_merged_arrivals`` and ``_heatmap`` built, of one step or of all."""
+        if step is None:
+            self._merged.clear()
+            self._heatmaps.clear()
+        else:
+            self._merged.pop(step, None)
+            self._heatmaps.pop(step, None)
 
     @staticmethod
     def _followed(st: _RankState) -> Step | None:
@@ -407,10 +467,12 @@ class LiveRun:
         if at_step:
             self._arrivals[step], self._margins[step] = at_step, margins
         self._group_ms[step] = group_ms
+        self._forget_views(step)  # a finished rank's row may have asked for it before it completed
         if len(self._complete) == self._complete.maxlen:
             self._arrivals.pop(self._complete[0], None)
             self._margins.pop(self._complete[0], None)
             self._group_ms.pop(self._complete[0], None)
+            self._forget_views(self._complete[0])
         self._complete.append(step)
 
     # -- cross-rank live findings ---------------------------------------------------------------
@@ -437,6 +499,7 @@ class LiveRun:
         if not lost_for_others:  # too few complete steps yet: keep what the last check said
             return
         self._lost_for_others = lost_for_others
+        found = {rank: f for rank, f in found.items() if rank not in self._lost}  # (``_unname_lost``)
         self._stragglers = set(found)
         for rank, f in found.items():
             key = _crossed("straggler", (rank,))
@@ -504,29 +567,90 @@ class LiveRun:
 
     def _check_lost(self) -> set[int]:
         """Ranks whose log stopped while others went on (their finding is kept once seen)."""
-        if len(self._ranks) < 2:
-            return set()
-        found = lost_ranks(
-            {
-                rank: RankTail(
+        for rank in self._stale_tails:
+            st = self._ranks.get(rank)
+            if st is not None:
+                tail = RankTail(
                     header=st.header, last_step=st.steps[-1] if st.steps else None, last_proc=st.proc, end=st.end
                 )
-                for rank, st in self._ranks.items()
-            }
-        )
+                self._tails[rank] = tail
+                if (t := tail.last_wall_ns) is not None:
+                    self._tail_ns[rank] = t
+                else:
+                    self._tail_ns.pop(rank, None)
+        self._stale_tails.clear()
+        if len(self._ranks) < 2:
+            return set()
+        times = self._tail_ns.values()
+        # none closed its log, every one logged, all within the grace: ``lost_ranks`` names none
+        if len(times) == len(self._tails) and max(times) - min(times) < GRACE_S * 1e9 and not self._any_ended():
+            return set()
+        found = lost_ranks(self._tails)
         for f in found:
             self._findings.setdefault(_crossed("rank-lost", (f.ranks[0],)), f)
         return {r for f in found for r in f.ranks}
 
+    def _unname_lost(self) -> None:
+        """A lost rank is no straggler: the others waited for it because it died (its last step's
+        collectives never came), which ``rank-lost`` says; a straggler finding would send the
+        reader after its speed."""
+        for rank in self._lost & self._stragglers:
+            self._findings.pop(_crossed("straggler", (rank,)), None)
+        self._stragglers -= self._lost
+
+    def _any_ended(self) -> bool:
+        return any(tail.end is not None for tail in self._tails.values())
+
     def _check_collectives(self) -> None:
-        """``mismatched-collectives`` once the ranks' steps ran different collectives (kept once seen)."""
+        """``mismatched-collectives`` once the ranks' steps ran different collectives (kept once seen).
+
+        Each new step record is held against the first one of its step in its DDP group; the
+        ranks' latest steps are compared in full (``uneven_collectives``) only while some step
+        differs, so a healthy run costs one look per record, not one per rank and step per feed.
+        """
         if self._collectives_seen == self._records or any(k.code == "mismatched-collectives" for k in self._findings):
+            self._unchecked_steps.clear()
             return
         self._collectives_seen = self._records
-        for members in self._ddp_groups():
+        groups = self._ddp_groups()
+        fresh, self._unchecked_steps = self._unchecked_steps, []
+        if self._recheck_collectives:
+            self._recheck_collectives = False
+            self._first_collectives.clear()
+            self._uneven_steps.clear()
+            fresh = [(r, s) for r, st in self._ranks.items() for s in reversed(_latest(st.steps))]
+        for rank, s in fresh:
+            lead = self._lead.get(rank)
+            if lead is None:  # in no group yet (no header): the full comparison leaves it out too
+                continue
+            ran = step_collectives((s,))[s.step]
+            firsts = self._first_collectives.setdefault(lead, {})
+            if firsts.setdefault(s.step, ran) != ran:
+                self._uneven_steps.add((lead, s.step))
+            if len(firsts) > 2 * self.history:
+                horizon = self._collectives_horizon(lead)
+                for step in [k for k in firsts if k < horizon]:
+                    del firsts[step]
+        if not self._uneven_steps:
+            return
+        for members in groups:
             steps = {r: step_collectives(_latest(self._ranks[r].steps)) for r in members if r in self._ranks}
             for f in uneven_collectives(steps):
                 self._findings.setdefault(_crossed("mismatched-collectives", tuple(members)), f)
+        # a step some rank of the group no longer holds among its latest can never be compared again
+        self._uneven_steps = {(lead, k) for lead, k in self._uneven_steps if k >= self._collectives_horizon(lead)}
+
+    def _collectives_horizon(self, lead: int) -> int:
+        """The oldest step that can still be among every rank's latest of ``lead``'s group."""
+        members = next((g for g in self._groups if g[0] == lead), [lead])
+        return max(
+            (
+                self._ranks[r].steps[-BARE_STEPS].step
+                for r in members
+                if r in self._ranks and len(self._ranks[r].steps) >= BARE_STEPS
+            ),
+            default=-1,
+        )
 
     def _check_hangs(self) -> set[int]:
         """Ranks that are part of a hang now (waiting in a collective that cannot complete)."""
@@ -573,7 +697,8 @@ class LiveRun:
     def snapshot(self, at_step: int | None = None) -> LiveSnapshot:
         """The view at ``at_step`` (a complete step), or at the latest complete step when None.
 
-        A pure read: the state is exactly the same after it (the detectors ran in ``feed``).
+        It changes no finding or status (the detectors ran in ``feed``); what it keeps, each
+        rank's row and each step's merged arrivals and heatmap, is rebuilt where it changed.
         """
         complete = tuple(self._complete)
         if at_step is not None and complete:
@@ -591,30 +716,39 @@ class LiveRun:
                 if s.step not in at:
                     at[s.step] = self._merged_arrivals(s.step)
                 row_arr = at[s.step]
-            lat = (
-                row_arr.lateness_us.get(rank) if row_arr is not None and (s is None or s.step == row_arr.step) else None
-            )
             status = live_view.rank_status(
                 rank, st.end, st.hang is not None, lost=self._lost, hung=self._hung, stragglers=self._stragglers
             )
-            rows.append(
-                live_view.rank_row(
-                    rank,
-                    header=st.header,
-                    step=s,
-                    proc=st.proc,
-                    end=st.end,
-                    hang=st.hang,
-                    status=status,
-                    arrivals=row_arr,
-                    lateness=lat,
-                    lost_for_others_ms=self._lost_for_others.get(rank),
-                )
+            lost_ms = self._lost_for_others.get(rank)
+            old = st.row
+            if (
+                old is not None
+                and old.version == st.version
+                and old.step is s
+                and old.arrivals is row_arr
+                and old.status == status
+                and old.lost_for_others_ms == lost_ms
+            ):
+                rows.append(old.view)  # most ranks logged nothing since the last snapshot
+                continue
+            lat = (
+                row_arr.lateness_us.get(rank) if row_arr is not None and (s is None or s.step == row_arr.step) else None
             )
-        heat = None
-        if arr is not None:
-            has_bcast = any(s.bcast_start_us is not None for s in self._steps_at(arr.step).values())
-            heat = live_view.heatmap(arr, has_bcast)
+            row = live_view.rank_row(
+                rank,
+                header=st.header,
+                step=s,
+                proc=st.proc,
+                end=st.end,
+                hang=st.hang,
+                status=status,
+                arrivals=row_arr,
+                lateness=lat,
+                lost_for_others_ms=lost_ms,
+            )
+            st.row = _Row(st.version, s, row_arr, status, lost_ms, row)
+            rows.append(row)
+        heat = self._heatmap(arr) if arr is not None else None
         headers = [st.header for st in self._ranks.values() if st.header is not None]
         h0 = min(headers, key=lambda h: h.rank) if headers else None
         findings = self._shown_findings()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from statistics import median
 
 from ddpdoctor.analysis.blame import Outlier, by_host, fold_into_hosts, out_of_line
@@ -53,12 +54,20 @@ class RankView:
     rss_bytes: int | None
     status: str
     hang: Hang | None = None  # the watchdog's last word while stalled (phase, pending bucket, stack)
-    buckets: tuple[BucketView, ...] = ()
     end_reason: str | None = None  # ``end_text`` of its end record
     #: wall ms the run lost waiting for this rank over the live blame window (the last 64 complete
     #: steps as of the latest check, as the status): the sum of its margins over the runner-up
     #: above the noise floor (``analysis/blame.py``). None: not computed yet (fewer than 3 complete steps, one rank)
     lost_for_others_ms: float | None = None
+    #: the step record and lateness ``buckets`` is built from: on first use only, as one rank's
+    #: detail (or a scrape) reads them, never for every row of every snapshot
+    step_record: Step | None = field(default=None, repr=False, compare=False)
+    step_lateness: Sequence[float] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def buckets(self) -> tuple[BucketView, ...]:
+        """The rank's collectives at its step (``bucket_views``); empty where it logged none."""
+        return bucket_views(self.step_record, self.step_lateness) if self.step_record is not None else ()
 
 
 @dataclass(frozen=True)
@@ -222,9 +231,10 @@ def rank_row(
         rss_bytes=proc.rss_bytes if proc else None,
         status=status,
         hang=hang,
-        buckets=bucket_views(s, lateness) if s is not None else (),
         end_reason=end_text(end) if end else None,
         lost_for_others_ms=lost_for_others_ms,
+        step_record=s,
+        step_lateness=lateness,
     )
 
 

@@ -171,8 +171,9 @@ def _finding(rb: RankBlame, b: Blame, steps_by_rank: dict[int, list[Step]], bcas
         ranks=[rb.rank],
         step=pat.first,
         title=(
-            f"rank {rb.rank} arrives late at the step's collectives by {late_ms:.1f} ms{when}: {label} "
-            f"({_human_ms(rb.lost_ms)} lost)"
+            # (no brackets around the time lost: a phase may end in its own, "data loading (before forward)")
+            f"rank {rb.rank} arrives late at the step's collectives by {late_ms:.1f} ms{when}: {label}, "
+            f"{_human_ms(rb.lost_ms)} lost"
         ),
         detail=(
             f"The other ranks lost {_human_ms(rb.lost_ms)} waiting for rank {rb.rank} ({share:.0%} of the "

@@ -1,4 +1,4 @@
-"""The live stream's wire protocol: what a sender (``stream.sender``) and a listener (``stream.listener``) say.
+"""The live stream's wire protocol: what a sender (``sinks.tcp``) and a listener (``stream.listener``) say.
 
 One JSON object per line, UTF-8, over TCP:
 

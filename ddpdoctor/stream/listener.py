@@ -1,7 +1,7 @@
 """The receiving end of the live stream: the listener behind ``watch --listen`` and ``collect``.
 
 ``StreamListener`` accepts the ranks' TCP streams (``ddpdoctor run --endpoint``; the sending end
-is ``ddpdoctor.stream.sender``, the wire format ``ddpdoctor.events.wire``) on a daemon thread
+is the sink ``ddpdoctor.sinks.tcp``, the wire format ``ddpdoctor.events.wire``) on a daemon thread
 with one selector loop: sockets are non-blocking, nothing is ever written back, so a slow, silent
 or half-open client holds at most its own slot and never stalls the others or the reader. What
 it accepts is bounded: the number of connections, the length of a line, the time to say hello

@@ -54,6 +54,8 @@ class FindingsPanel(VerticalScroll):
             out.append(f"{f.code}  ", style="bold")
             out.append(f"{f.title}\n")
             ranks = ", ".join(map(str, f.ranks[:16])) + (" ..." if len(f.ranks) > 16 else "")
-            out.append(f"        ranks {ranks or '-'}, step {f.step}\n", style="dim")
+            # a finding over the whole run (the bucket what-if) has no first step
+            at = "" if f.step is None else f", step {f.step}"
+            out.append(f"        ranks {ranks or '-'}{at}\n", style="dim")
             out.append(f"        fix: {f.fix}\n\n", style="green")
         self.query_one("#findings-text", Static).update(out)

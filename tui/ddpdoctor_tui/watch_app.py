@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from textual import on
+from textual.actions import SkipAction
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal
+from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Input
 
 from ddpdoctor.analysis.live_run import HISTORY
@@ -23,6 +25,17 @@ from ddpdoctor_tui.ranks_table import RanksTable
 from ddpdoctor_tui.run_header import RunHeader
 from ddpdoctor_tui.step_chart import StepChart
 from ddpdoctor_tui.watcher import SnapshotReady, SourceError, Watcher
+
+
+class _Panels(NamedTuple):
+    """The main screen's widgets that show a snapshot."""
+
+    header: RunHeader
+    table: RanksTable
+    heatmap: BucketHeatmap
+    chart: StepChart
+    findings: FindingsPanel
+    detail: RankDetail
 
 
 class WatchApp(App[None]):
@@ -97,21 +110,37 @@ class WatchApp(App[None]):
 
     # -- updates from the watcher -------------------------------------------------------------
 
+    def _panels(self) -> _Panels | None:
+        """The widgets a snapshot is drawn on; None once any is gone (the app is closing: its
+        screen is taken down widget by widget while the watcher may still post) or covered."""
+        try:
+            return _Panels(
+                self.query_one(RunHeader),
+                self.query_one(RanksTable),
+                self.query_one(BucketHeatmap),
+                self.query_one(StepChart),
+                self.query_one(FindingsPanel),
+                self.query_one(RankDetail),
+            )
+        except NoMatches:
+            return None
+
     @on(SnapshotReady)
     def _show(self, message: SnapshotReady) -> None:
-        if not self.query(RanksTable):
-            return  # the app is closing: the screen is gone
+        panels = self._panels()
+        if panels is None:
+            return
         self.snapshot = snap = message.snapshot
         if self.paused and self.view_step is None and snap.view_step is not None:
             self._set_view(snap.view_step)  # paused before any step was complete: hold the first one
-        table = self.query_one(RanksTable)
+        table = panels.table
         table.show(snap)
-        self.query_one(RunHeader).show(snap, self.paused, table.judged)  # (the table judged the ranks)
+        panels.header.show(snap, self.paused, table.judged)  # (the table judged the ranks)
         selected = table.detail_rank()
-        self.query_one(BucketHeatmap).show(snap, selected, at_scale=table.at_scale)
-        self.query_one(StepChart).show(snap)
-        self.query_one(FindingsPanel).show(snap.findings)
-        self.query_one(RankDetail).show(snap, selected)
+        panels.heatmap.show(snap, selected, at_scale=table.at_scale)
+        panels.chart.show(snap)
+        panels.findings.show(snap.findings)
+        panels.detail.show(snap, selected)
 
     @on(SourceError)
     def _source_error(self, message: SourceError) -> None:
@@ -123,17 +152,17 @@ class WatchApp(App[None]):
         self._show_detail()
 
     def _show_detail(self) -> None:
-        tables = self.query(RanksTable)  # (none once the app is closing: a late highlight)
-        if self.snapshot is not None and tables:
-            table = tables.first()
-            rank = table.detail_rank()
-            self.query_one(RankDetail).show(self.snapshot, rank)
-            self.query_one(BucketHeatmap).show(self.snapshot, rank, at_scale=table.at_scale)
+        panels = self._panels()  # (none once the app is closing: a late highlight)
+        if self.snapshot is not None and panels is not None:
+            rank = panels.table.detail_rank()
+            panels.detail.show(self.snapshot, rank)
+            panels.heatmap.show(self.snapshot, rank, at_scale=panels.table.at_scale)
 
     def _reshow_ranks(self) -> None:
         """Lay the ranks table out again now (a sort, a filter, the roll-up), not at the next tick."""
-        if self.snapshot is not None:
-            self.query_one(RanksTable).show(self.snapshot)
+        panels = self._panels()
+        if self.snapshot is not None and panels is not None:
+            panels.table.show(self.snapshot)
             self._show_detail()
 
     @on(DataTable.HeaderSelected)
@@ -163,8 +192,9 @@ class WatchApp(App[None]):
         if self._watcher is not None:
             self._watcher.view_step = step
             self._watcher.wake()
-        if self.snapshot is not None:
-            self.query_one(RunHeader).show(self.snapshot, self.paused, self.query_one(RanksTable).judged)
+        panels = self._panels()
+        if self.snapshot is not None and panels is not None:
+            panels.header.show(self.snapshot, self.paused, panels.table.judged)
 
     def action_pause(self) -> None:
         """Hold the view on the step shown now; again: follow the latest step."""
@@ -175,8 +205,16 @@ class WatchApp(App[None]):
         else:
             self.paused = True  # nothing to hold yet: the first complete step will be held
 
+    def _typing(self) -> None:
+        """Leave the key to the filter box while it has focus: its ``,`` and ``.`` (``0,3``,
+        ``node1.cluster``), its cursor keys. (The step keys are priority bindings, so that the
+        ranks table does not take them: without this they would reach no text box either.)"""
+        if isinstance(self.focused, Input):
+            raise SkipAction()
+
     def action_step(self, delta: int) -> None:
         """Move the view ``delta`` complete steps in time (pauses following)."""
+        self._typing()
         snap = self.snapshot
         if snap is None or not snap.steps or snap.view_step is None:
             return
@@ -189,6 +227,7 @@ class WatchApp(App[None]):
         self._set_view(steps[max(0, min(len(steps) - 1, i + delta))])
 
     def action_follow(self) -> None:
+        self._typing()
         self._set_view(None)
 
     def action_filter_findings(self) -> None:
