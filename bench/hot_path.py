@@ -53,16 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ddpdoctor
 from bench.harness import free_port, init_gloo
-from ddpdoctor.runtime import (
-    clocks,
-    comm_hook,
-    fingerprints,
-    live_findings,
-    native_hook,
-    optimizer_hooks,
-    sampled_checks,
-    step_recorder,
-)
+from ddpdoctor.runtime.checks import fingerprints, live_findings
+from ddpdoctor.runtime.checks import sampled as sampled_checks
+from ddpdoctor.runtime.step import clocks, comm_hook, native_hook, optimizer_hooks
+from ddpdoctor.runtime.step import recorder as step_recorder
 from ddpdoctor.runtime import monitor as monitor_module
 from ddpdoctor.sinks import NullSink
 

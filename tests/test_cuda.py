@@ -31,7 +31,7 @@ TOLERANCE_FRACTION = 0.02
 
 
 def test_cuda_clock_resolves_events_without_blocking() -> None:
-    from ddpdoctor.runtime.clocks import CudaClock
+    from ddpdoctor.runtime.step.clocks import CudaClock
 
     clock = CudaClock()
     a = clock.now()

@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpdoctor
 from ddpdoctor.events import End, Fingerprint, GradFlags, ProcSample, Record, Step, Unused
 from ddpdoctor.runtime import monitor as monitor_module
-from ddpdoctor.runtime.clocks import HostClock
-from ddpdoctor.runtime.step_recorder import BATCH_NS, BATCH_STEPS, StepRecorder
+from ddpdoctor.runtime.step.clocks import HostClock
+from ddpdoctor.runtime.step.recorder import BATCH_NS, BATCH_STEPS, StepRecorder
 from ddpdoctor.sinks.memory import MemorySink
 from tests.ddp_harness import run_ranks
 from tests.models import make_model

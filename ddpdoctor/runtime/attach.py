@@ -34,7 +34,9 @@ from typing import Any
 
 from ddpdoctor.errors import SetupError
 from ddpdoctor.events import Header, environment
-from ddpdoctor.runtime import comm_hook, native_hook, torch_compat
+from ddpdoctor.runtime import torch_compat
+from ddpdoctor.runtime.disabled import DisabledMonitor
+from ddpdoctor.runtime.step import comm_hook, native_hook
 
 #: Every step of the transaction, in order ("validate" and "build" change nothing).
 STEPS = (
@@ -404,8 +406,6 @@ def _state_without_ddpdoctor(ddp: Any) -> Callable[[], dict[str, Any]]:
         for name in SHADOWED:
             state.pop(name, None)
         if "ddpdoctor" in state:  # the drop-in class's attribute: a copy is not monitored
-            from ddpdoctor.runtime.monitor import DisabledMonitor
-
             state["ddpdoctor"] = DisabledMonitor()
         own = _own_hooks(monitor)
         for name in (

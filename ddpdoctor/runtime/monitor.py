@@ -24,18 +24,21 @@ import torch.distributed as dist
 from ddpdoctor.categories import CommHookWarning, LogWriteWarning, ProbeDisabledWarning, warn
 from ddpdoctor.events import End, Fingerprint, Header, ProbeOff, ProcSample, Record, Step, Unused, environment
 from ddpdoctor.events.schedule import is_sampled
-from ddpdoctor.runtime import clocks, native_hook, run_dir, torch_compat, watchdog
+from ddpdoctor.runtime import run_dir, torch_compat
+from ddpdoctor.runtime.process import watchdog
+from ddpdoctor.runtime.step import clocks, native_hook
 from ddpdoctor.runtime.attach import AttachError, Attachment, monitor_of
-from ddpdoctor.runtime.clocks import CudaClock, HostClock, mono_ns, wall_ns
+from ddpdoctor.runtime.step.clocks import CudaClock, HostClock, mono_ns, wall_ns
 from ddpdoctor.runtime.config import CHECK_EVERY, Options
+from ddpdoctor.runtime.disabled import DisabledMonitor
 from ddpdoctor.runtime.header import build_header
-from ddpdoctor.runtime.live_findings import LiveFindings
-from ddpdoctor.runtime.nonfinite import NonFiniteWatch
+from ddpdoctor.runtime.checks.live_findings import LiveFindings
+from ddpdoctor.runtime.checks.nonfinite import NonFiniteWatch
 from ddpdoctor.runtime.probes import Probes
-from ddpdoctor.runtime.sampled_checks import SampledChecks
-from ddpdoctor.runtime.services import services
-from ddpdoctor.runtime.step_recorder import BATCH_NS, BATCH_STEPS, OpenStep, StepRecorder, unpack_marks
-from ddpdoctor.runtime.unsynced import UnsyncedUpdates
+from ddpdoctor.runtime.checks.sampled import SampledChecks
+from ddpdoctor.runtime.process.services import services
+from ddpdoctor.runtime.step.recorder import BATCH_NS, BATCH_STEPS, OpenStep, StepRecorder, unpack_marks
+from ddpdoctor.runtime.checks.unsynced import UnsyncedUpdates
 from ddpdoctor.sinks import FileSink, NullSink, Sink, SinkError
 from ddpdoctor.sinks.file import log_mode
 from ddpdoctor.sinks.plain_columns import with_lists
@@ -790,7 +793,7 @@ class Monitor:
             return None
         if step.layout is not None and self.probes.on["layout"]:
             try:
-                from ddpdoctor.runtime.comm_hook import bucket_info
+                from ddpdoctor.runtime.step.comm_hook import bucket_info
 
                 self.recorder.bucket_layout(step, index, bucket_info(bucket, self._param_names))
             except Exception as exc:  # noqa: BLE001 - a failing probe is reported and switched off; it must never break training
@@ -930,28 +933,6 @@ class Monitor:
         self.close(reason="close" if exc_type is None else f"error: {exc_type.__name__}")
 
 
-class DisabledMonitor:
-    """What ``instrument`` returns when it could not attach: same surface, does nothing."""
-
-    closed = True
-    steps = 0
-    path = None
-    run_dir = None
-
-    def close(self, reason: str = "close", timeout: float = 5.0) -> None:
-        return None
-
-    def flush(self, timeout: float = 2.0) -> bool:
-        return True
-
-    def __enter__(self) -> DisabledMonitor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_DisabledMonitor = DisabledMonitor  # the old name
 
 
 def instrument(

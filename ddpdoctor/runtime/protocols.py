@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ddpdoctor.events import Record
     from ddpdoctor.runtime.probes import Probes
-    from ddpdoctor.runtime.step_recorder import OpenStep, StepRecorder
+    from ddpdoctor.runtime.step.recorder import OpenStep, StepRecorder
     from ddpdoctor.sinks import Sink
 
 

@@ -22,11 +22,11 @@ from ddpdoctor.analysis.hang import COLLECTIVE_PHASES, where_waiting
 from ddpdoctor.categories import HangWarning, warn
 from ddpdoctor.events import FindingRecord, Hang, environment
 from ddpdoctor.events.layout import HANG_TIMEOUT_ENV
-from ddpdoctor.runtime.clocks import mono_ns, wall_ns
+from ddpdoctor.runtime.step.clocks import mono_ns, wall_ns
 
 if TYPE_CHECKING:
     from ddpdoctor.runtime.protocols import Watched
-    from ddpdoctor.runtime.step_recorder import StepRecorder
+    from ddpdoctor.runtime.step.recorder import StepRecorder
 
 #: Default seconds without progress before a rank counts as stalled: far below the process
 #: group's own timeout (10 to 30 minutes), above any ordinary step.

@@ -44,10 +44,11 @@ from typing import Any
 from ddpdoctor.categories import CommHookWarning, warn
 from ddpdoctor.events import Fingerprint, GradFlags, Header, Unused
 from ddpdoctor.events.schedule import is_sampled, next_sampled  # shared with the file writer (sinks.compact)
-from ddpdoctor.runtime import clocks, torch_compat
-from ddpdoctor.runtime.clocks import HostClock
-from ddpdoctor.runtime.fingerprints import Fingerprinter
-from ddpdoctor.runtime.used_map import UsedMap
+from ddpdoctor.runtime import torch_compat
+from ddpdoctor.runtime.step import clocks
+from ddpdoctor.runtime.step.clocks import HostClock
+from ddpdoctor.runtime.checks.fingerprints import Fingerprinter
+from ddpdoctor.runtime.checks.used_map import UsedMap
 
 _requires_grad = operator.attrgetter("requires_grad")
 #: Walks of the model in a row, asked for by torch's registration hooks, that found no change: then

@@ -33,7 +33,7 @@ from typing import Any
 
 from ddpdoctor.events import BucketInfo, Layout, Record, Step
 from ddpdoctor.events.schedule import DEFAULT_EVERY, is_sampled
-from ddpdoctor.runtime.clocks import HostClock, Mark, mono_ns, wall_ns
+from ddpdoctor.runtime.step.clocks import HostClock, Mark, mono_ns, wall_ns
 
 #: Steps whose CUDA events are still in flight are kept this long before being given up.
 MAX_PENDING_STEPS = 64

@@ -52,8 +52,9 @@ import ddpdoctor.native_cache as native_cache
 from ddpdoctor.categories import CommHookWarning, warn
 from ddpdoctor.errors import SetupError
 from ddpdoctor.events import environment
-from ddpdoctor.runtime import clocks, torch_compat
-from ddpdoctor.runtime.step_recorder import OpenStep
+from ddpdoctor.runtime import torch_compat
+from ddpdoctor.runtime.step import clocks
+from ddpdoctor.runtime.step.recorder import OpenStep
 from ddpdoctor.runtime.torch_compat import (
     compiled_autograd_asked,
     compiled_autograd_enabled,
@@ -164,11 +165,11 @@ def build(timeout: float = BUILD_TIMEOUT_S, verbose: bool = False) -> Path:
     if so is not None:
         return so
     # the child imports this very ddpdoctor, wherever the parent found it
-    package_root = str(Path(__file__).resolve().parents[2])
+    package_root = str(Path(__file__).resolve().parents[3])
     python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PATH=_tool_path(), PYTHONPATH=python_path)
     code = (
-        "import sys; from pathlib import Path; from ddpdoctor.runtime import native_hook as n; "
+        "import sys; from pathlib import Path; from ddpdoctor.runtime.step import native_hook as n; "
         "n._build_here(sys.argv[1], Path(sys.argv[2]), sys.stdin.read(), sys.argv[3] == '1')"
     )
     try:

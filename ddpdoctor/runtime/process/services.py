@@ -20,10 +20,10 @@ import threading
 import weakref
 from typing import Any
 
-from ddpdoctor.runtime.exit_flush import ExitFlush
-from ddpdoctor.runtime.optimizer_hooks import OptimizerHooks
-from ddpdoctor.runtime.proc_stats import ProcSampler
-from ddpdoctor.runtime.watchdog import Watchdog
+from ddpdoctor.runtime.process.exit_flush import ExitFlush
+from ddpdoctor.runtime.step.optimizer_hooks import OptimizerHooks
+from ddpdoctor.runtime.process.proc_stats import ProcSampler
+from ddpdoctor.runtime.process.watchdog import Watchdog
 
 
 class Services:
