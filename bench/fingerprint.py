@@ -33,8 +33,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ddpdoctor.runtime.step import native_hook
 from ddpdoctor.runtime.checks.fingerprints import float_values, fold_bits, tensor_bits
+from ddpdoctor.runtime.step import native_hook
 
 
 def _mlp(layers: int, width: int, bn: bool) -> nn.Module:

@@ -15,9 +15,9 @@ import torch
 from ddpdoctor.categories import AccumulationWarning
 from ddpdoctor.events import FindingRecord, Header, ParamInfo, Record, Step
 from ddpdoctor.runtime.checks import live_findings
+from ddpdoctor.runtime.checks.live_findings import LiveFindings
 from ddpdoctor.runtime.step import native_hook
 from ddpdoctor.runtime.step.clocks import HostClock, mono_ns
-from ddpdoctor.runtime.checks.live_findings import LiveFindings
 from ddpdoctor.runtime.step.optimizer_hooks import OptimizerHooks
 from ddpdoctor.runtime.step.recorder import StepRecorder
 

@@ -192,9 +192,9 @@ def _phases_around_the_optimizer(rank: int) -> list[str]:
     def where(*_: Any) -> None:
         found = locate(
             monitor.recorder,
-            monitor.buckets_in_flight(),
-            monitor.backward_ended_in_flight(),
-            monitor.optimizer_running(),
+            monitor.hooks.buckets_in_flight(),
+            monitor.hooks.backward_ended_in_flight(),
+            monitor.hooks.optimizer_running(),
         )
         phases.append(found["phase"])
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from ddpdoctor.runtime.checks.replicas import check_replicas
 from ddpdoctor.runtime.ddp import DistributedDataParallel
 from ddpdoctor.runtime.monitor import Monitor, instrument
-from ddpdoctor.runtime.checks.replicas import check_replicas
 from ddpdoctor.runtime.rewrap import rewrap
 
 __all__ = ["DistributedDataParallel", "Monitor", "check_replicas", "instrument", "rewrap"]
