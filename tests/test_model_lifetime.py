@@ -55,7 +55,7 @@ def _threads_went_round(mon: Any) -> None:
 
     dog = services()._watchdog
     assert dog is not None
-    _until(lambda: dog._watches[id(mon)].last is not None, "a watchdog round")
+    _until(lambda: dog._watches[id(mon.hooks)].last is not None, "a watchdog round")
 
     def sampled() -> bool:
         mon.flush()

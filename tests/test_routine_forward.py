@@ -1,4 +1,4 @@
-"""The monitor's routine forward (in ``Monitor.on_forward_pre``) against its full path.
+"""The monitor's routine forward (in ``StepHooks.on_forward_pre``) against its full path.
 
 The routine path is the full path's rule unrolled for the common forward (a synchronizing step
 after a synchronizing step, nothing to capture). Two real gloo ranks train the same model over
