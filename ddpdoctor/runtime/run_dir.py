@@ -76,7 +76,7 @@ def rank_file(run_dir: Path, rank: int) -> tuple[Path, int]:
 
 
 def open_file_sink(
-    explicit: str | os.PathLike[str] | None, rank: int, mode: str
+    explicit: str | os.PathLike[str] | None, rank: int, mode: str | None
 ) -> tuple[Sink, Path, Path | None, int]:
     """This rank's log file in the run dir, opened: (sink, run dir, file or None, DDP index).
 
