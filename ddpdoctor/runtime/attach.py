@@ -256,6 +256,10 @@ class Attachment:
         self._undo.append(("forward_hooks", self._remove_forward_hooks))
         self._handles.append(ddp.register_forward_hook(hooks.on_forward_post, always_call=True))
 
+    def hook_ids(self) -> set[int]:
+        """The ids of the forward hooks this attachment registered (a copy leaves them out)."""
+        return {h.id for h in self._handles}
+
     def _remove_forward_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -444,4 +448,4 @@ def _state_without_ddpdoctor(ddp: Any) -> Callable[[], dict[str, Any]]:
 
 def _own_hooks(monitor: Any) -> set[int]:
     attachment = getattr(monitor, "attachment", None) if monitor is not None else None
-    return {h.id for h in attachment._handles} if attachment is not None else set()
+    return attachment.hook_ids() if attachment is not None else set()

@@ -335,7 +335,8 @@ class NativeTiming:
 
     def __init__(self, module: ModuleType, ddp: Any, monitor: Any) -> None:
         self._module = module
-        self._monitor = weakref.ref(monitor)
+        #: the hooks this side reports to (``StepHooks``: recorder, probes, own_ns), held weakly
+        self.owner = weakref.ref(monitor)
         self.ring: Any = None
         #: the ``DdpScale`` the hook scales with (its non-finite check is watched through it)
         self.scale: Any = None
@@ -394,7 +395,7 @@ class NativeTiming:
         bucket)`` (ddpdoctor's Python comm hook, which times it). From then on the Python route
         times the buckets and this side does nothing per step (the stamps of a backward not
         drained yet go into the open step first)."""
-        monitor = self._monitor()
+        monitor = self.owner()
         if self.pending and monitor is not None:
             self.drain(monitor.recorder.current)
         self.ring.delegate(state, hook)
@@ -513,7 +514,7 @@ class NativeTiming:
     def on_backward_end(self, step: Any) -> None:
         """The graph is done (DDP's finalization not yet run): stamp it (the ring is drained at
         the monitor's next hook, as on the C++ path)."""
-        monitor = self._monitor()
+        monitor = self.owner()
         if monitor is None or monitor.closed:
             return
         try:
@@ -541,7 +542,7 @@ class NativeTiming:
     def drain(self, step: Any) -> None:
         """Move the ring's stamps, and the backward end stamped in C++, into ``step`` (the step
         whose backward ran them: the open one, at the monitor's next hook after the backward)."""
-        monitor = self._monitor()
+        monitor = self.owner()
         ring = self.ring
         if ring is None or monitor is None:  # (closing: the monitor drains before its last step)
             return
@@ -627,7 +628,7 @@ class _OutputGradHook:
         timing = self.timing()
         if timing is None:
             return
-        monitor = timing._monitor()
+        monitor = timing.owner()
         if monitor is None or monitor.closed:
             return
         try:
