@@ -1,6 +1,7 @@
 """What a rank checks beside the timings, and the findings it raises while training runs.
 
-Here: ``sampled`` (``SampledChecks``: requires_grad at every forward, the sampled steps'
+Here: ``attached`` (the checks of one attached DDP instance, started and stopped together),
+``sampled`` (``SampledChecks``: requires_grad at every forward, the sampled steps'
 gradient arrivals, unused parameters and fingerprints), ``fingerprints``, ``used_map`` (DDP's
 map of the parameters a step used), ``nonfinite`` (a rank's own non-finite gradients before the
 all-reduce), ``unsynced`` (weights updated after a backward DDP did not all-reduce), ``replicas``
