@@ -1,7 +1,7 @@
 """What a sampled step's fingerprint costs the training thread: Python against the native call.
 
 A fingerprint is each parameter's and buffer's L2 norm and exact bits, and each buffer's sum
-(``runtime/fingerprints.py``),
+(``runtime/checks/fingerprints.py``),
 taken at every sampled step (one in ``check_every``, 50 by default). Two routes give equal
 values: ``fingerprints.float_values`` and ``tensor_bits`` (Python, the fallback and CUDA's) and the extension's
 ``tensor_values`` (one C++ call, CPU tensors). Both run here on the same tensors, interleaved,
@@ -33,8 +33,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ddpdoctor.runtime import native_hook
-from ddpdoctor.runtime.fingerprints import float_values, fold_bits, tensor_bits
+from ddpdoctor.runtime.checks.fingerprints import float_values, fold_bits, tensor_bits
+from ddpdoctor.runtime.step import native_hook
 
 
 def _mlp(layers: int, width: int, bn: bool) -> nn.Module:

@@ -53,17 +53,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ddpdoctor
 from bench.harness import free_port, init_gloo
-from ddpdoctor.runtime import (
-    clocks,
-    comm_hook,
-    fingerprints,
-    live_findings,
-    native_hook,
-    optimizer_hooks,
-    sampled_checks,
-    step_recorder,
-)
-from ddpdoctor.runtime import monitor as monitor_module
+from ddpdoctor.runtime.checks import fingerprints, live_findings
+from ddpdoctor.runtime.checks import sampled as sampled_checks
+from ddpdoctor.runtime.step import clocks, comm_hook, native_hook, optimizer_hooks
+from ddpdoctor.runtime.step import hooks as hooks_module
+from ddpdoctor.runtime.step import recorder as step_recorder
 from ddpdoctor.sinks import NullSink
 
 TOTALS: dict[str, int] = {}
@@ -76,14 +70,14 @@ CALLS: dict[str, list[int]] = {}
 #: bucket), "gloo" (gloo's thread, once a bucket), "sampled" (training thread, sampled steps only:
 #: one in ``check_every``), "" (not ddpdoctor's own time alone).
 TOP = [
-    (monitor_module.Monitor, "on_forward_pre", "forward pre-hook", "step"),
-    (monitor_module.Monitor, "on_forward_post", "forward post-hook", "step"),
-    (monitor_module.Monitor, "on_sync_buffers", "buffer broadcast (wrapper + broadcast)", ""),
-    (monitor_module.Monitor, "on_bucket_ready", "bucket ready", "bucket"),
+    (hooks_module.StepHooks, "on_forward_pre", "forward pre-hook", "step"),
+    (hooks_module.StepHooks, "on_forward_post", "forward post-hook", "step"),
+    (hooks_module.StepHooks, "on_sync_buffers", "buffer broadcast (wrapper + broadcast)", ""),
+    (hooks_module.StepHooks, "on_bucket_ready", "bucket ready", "bucket"),
     (step_recorder.StepRecorder, "bucket_launched", "bucket launched", "bucket"),
     (step_recorder.StepRecorder, "bucket_done", "bucket done (gloo thread)", "gloo"),
     (comm_hook, "mean_allreduce", "inner all-reduce call", ""),
-    (monitor_module.Monitor, "_on_backward_end", "backward-end callback", "step"),
+    (hooks_module.StepHooks, "_on_backward_end", "backward-end callback", "step"),
     (optimizer_hooks.OptimizerHooks, "_pre", "optimizer pre-hook", "step"),
     (optimizer_hooks.OptimizerHooks, "_post", "optimizer post-hook", "step"),
     (sampled_checks.SampledChecks, "_on_module_pre", "fingerprint hook (sampled steps, --bn)", "sampled"),
@@ -96,10 +90,10 @@ TOP = [
 
 #: Functions inside the entry points (pass 2 only), indented under the row they belong to.
 NESTED = [
-    (monitor_module.Monitor, "_forward_pre", "  full path (forwards that are not routine)", "forward pre-hook"),
+    (hooks_module.StepHooks, "_forward_pre", "  full path (forwards that are not routine)", "forward pre-hook"),
     (step_recorder.StepRecorder, "forward_start", "    forward_start (closes the step)", "forward pre-hook"),
     (native_hook.NativeTiming, "drain", "    native: ring drained", "forward pre-hook"),
-    (monitor_module.Monitor, "take_optimizer", "    native: optimizer stamps taken", "forward pre-hook"),
+    (hooks_module.StepHooks, "take_optimizer", "    native: optimizer stamps taken", "forward pre-hook"),
     (native_hook.NativeTiming, "on_sync_forward", "    native: stamps pending", "forward pre-hook"),
     (step_recorder.StepRecorder, "_close", "  step closed (and the batch emitted)", "forward pre-hook"),
     (step_recorder.StepRecorder, "_record", "    step record built", "forward pre-hook"),

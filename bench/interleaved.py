@@ -123,7 +123,7 @@ class Contender:
         elif name == "python-hook":
             self.ddp.register_comm_hook(self.ddp.process_group, python_allreduce_hook)
         elif name == "native-hook":
-            from ddpdoctor.runtime import native_hook
+            from ddpdoctor.runtime.step import native_hook
 
             native_hook.load().register_timed_hook(self.ddp.reducer, self.ddp.process_group, native_hook.RING_CAPACITY)
         elif name == "empty-hooks":  # what any forward hook costs: the module call's slow path
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         args.built = _build_order([BASE, TOOL, NOISE, *(ATTRIBUTION if args.attribution else ())], args.build_order)
     except ValueError as exc:
         parser.error(str(exc))
-    from ddpdoctor.runtime import native_hook
+    from ddpdoctor.runtime.step import native_hook
 
     try:
         native_hook.load()  # built here once, before the ranks look for it

@@ -281,7 +281,7 @@ def _run_round(
     elif mode == "pyhook":  # attribution only: DDP's allreduce done by a minimal Python comm hook
         ddp.register_comm_hook(ddp.process_group, python_allreduce_hook)
     elif mode == "nativehook":  # routes only: ddpdoctor's C++ timed hook alone, its ring never drained
-        from ddpdoctor.runtime import native_hook
+        from ddpdoctor.runtime.step import native_hook
 
         native_hook.load().register_timed_hook(ddp.reducer, ddp.process_group, native_hook.RING_CAPACITY)
     profiler = None
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     models = [args.model] if args.model else list(SPECS)
     # the launcher pays the native hook's one-time build, not the timed ranks; the ddpdoctor
     # rounds must then take the native route
-    from ddpdoctor.runtime import native_hook
+    from ddpdoctor.runtime.step import native_hook
 
     try:
         native_hook.build()

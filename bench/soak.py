@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ddpdoctor
 from bench.harness import free_port, init_gloo
-from ddpdoctor.runtime.sampled_checks import is_sampled
+from ddpdoctor.runtime.checks.sampled import is_sampled
 
 
 class Net(nn.Module):

@@ -2,7 +2,7 @@
 anchor and where it is raised.
 
 Every place that needs to know a code reads it here: the warning category a live finding is
-raised in (``runtime.live_findings``), how the report merges findings (``analysis.diagnose``) and
+raised in (``runtime.checks.live_findings``), how the report merges findings (``analysis.diagnose``) and
 the findings reference in the docs. A new finding is its detector plus one entry below;
 ``tests/test_codes.py`` fails when a detector produces a code that is not declared here, or when a
 code declared here is produced nowhere.

@@ -2,7 +2,7 @@
 
 The name holds the Python and torch versions and the source's hash, so another torch or another
 source never loads a stale build (torch's extension directory is shared by every torch of a
-Python). The ranks compute it from the imported torch (``runtime.native_hook``). ``ddpdoctor
+Python). The ranks compute it from the imported torch (``runtime.step.native_hook``). ``ddpdoctor
 run`` and ``ddpdoctor demo`` compute the same name from torch's version file, without importing
 torch (seconds), so that a cached build costs a launch nothing; when anything here differs from
 what the ranks will compute, the lookup finds nothing and the launcher asks a child process that

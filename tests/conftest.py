@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def native_built() -> Path:
     """Build (or find) the native extension once per session; skip where it cannot build here."""
-    from ddpdoctor.runtime import native_hook
+    from ddpdoctor.runtime.step import native_hook
 
     try:
         return native_hook.build()
@@ -29,7 +29,7 @@ def native_built() -> Path:
 @pytest.fixture(scope="session")
 def native_extension(native_built: Path) -> ModuleType:
     """The native extension, loaded in this process (skipped where it cannot build)."""
-    from ddpdoctor.runtime import native_hook
+    from ddpdoctor.runtime.step import native_hook
 
     return native_hook.load()
 

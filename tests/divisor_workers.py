@@ -15,7 +15,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpdoctor
-from ddpdoctor.runtime import native_hook
+from ddpdoctor.runtime.step import native_hook
 
 BUCKET_CAP_MB = 0.004  # ~4 KB: the net's gradients fall into several buckets of several tensors
 STEPS = 5

@@ -395,8 +395,8 @@ def sampled_marks_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     readiness, the recorder's pending steps) over events that stamp the host clock: the recorder
     marks every bucket only at the sampled steps, as on a GPU, and the CPU runs the same
     callbacks, DDP's finalization included."""
-    from ddpdoctor.runtime import native_hook
-    from ddpdoctor.runtime.clocks import CudaClock
+    from ddpdoctor.runtime.step import native_hook
+    from ddpdoctor.runtime.step.clocks import CudaClock
 
     os.environ[native_hook.ENV] = "0"
     torch.manual_seed(0)

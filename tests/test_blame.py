@@ -243,7 +243,7 @@ def test_blame_over_a_live_window() -> None:
 def cuda_between_samples(steps_by_rank: dict[int, list[Step]]) -> dict[int, list[Step]]:
     """The same timeline as a CUDA run logs it: three buckets (a middle one added), all marked at
     the sampled steps; between them the first and last bucket's ready only, no done times, and
-    the end of DDP's wait as ``sync_end_us`` (``runtime.step_recorder``)."""
+    the end of DDP's wait as ``sync_end_us`` (``runtime.step.recorder``)."""
     from ddpdoctor.events.schedule import DEFAULT_EVERY, is_sampled
 
     out: dict[int, list[Step]] = {}

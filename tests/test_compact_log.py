@@ -310,7 +310,7 @@ def _compacted(records: list[Record], extension: Any = None) -> tuple[bytes, Com
 
 def _column(extension: Any, values: list[float | None]) -> Any:
     """A ``Column`` of ``values`` (µs), as the extension's record build makes them."""
-    from ddpdoctor.runtime.step_recorder import OpenStep
+    from ddpdoctor.runtime.step.recorder import OpenStep
 
     step = OpenStep(0, 0)
     step.t0_mono_ns, step.t0_wall_ns = 0, 0

@@ -31,7 +31,7 @@ TOLERANCE_FRACTION = 0.02
 
 
 def test_cuda_clock_resolves_events_without_blocking() -> None:
-    from ddpdoctor.runtime.clocks import CudaClock
+    from ddpdoctor.runtime.step.clocks import CudaClock
 
     clock = CudaClock()
     a = clock.now()
@@ -69,7 +69,7 @@ def _check_pair(results: list[dict[str, Any]], tmp_path: Path, backend: str, wor
             assert s.clock == "cuda"
             # the full log marks every bucket of every step; the compact one only at the sampled
             # steps (0, 1, 3, ...), and between them the first and last bucket ready and DDP's
-            # wait's end (timing events cost the GPU: step_recorder)
+            # wait's end (timing events cost the GPU: step.recorder)
             marked = mode == "full" or is_sampled(s.step, DEFAULT_EVERY)
             assert s.per_bucket() == marked, s
             if marked:

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ddpdoctor.events import Record, Step
-from ddpdoctor.runtime.clocks import CudaClock
-from ddpdoctor.runtime.step_recorder import StepRecorder
+from ddpdoctor.runtime.step.clocks import CudaClock
+from ddpdoctor.runtime.step.recorder import StepRecorder
 
 _TICKS = itertools.count(1)
 
@@ -165,7 +165,7 @@ def test_a_clean_close_waits_for_the_last_steps_events_and_no_longer() -> None:
 def test_the_hang_report_counts_unmarked_buckets_as_ready_and_done() -> None:
     """A step between the sampled ones marks few buckets: where a rank hangs, the report still
     counts every bucket that was ready and every one that completed, and names the first pending."""
-    from ddpdoctor.runtime import watchdog
+    from ddpdoctor.runtime.process import watchdog
 
     rec = StepRecorder(0, 0, lambda r: None, _clock())
     buckets = [Bucket(64), Bucket(64), Bucket(32), Bucket(16)]

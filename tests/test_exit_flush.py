@@ -209,7 +209,7 @@ def test_a_stop_signal_the_jobs_own_handler_caught_is_named_at_the_end(tmp_path:
 
 _TAKEN_NOT_NOTED = """
 import signal, threading, time
-from ddpdoctor.runtime import exit_flush
+from ddpdoctor.runtime.process import exit_flush
 taken = threading.Event()
 note = exit_flush.ExitFlush._note
 def late_note(self, data):
@@ -324,7 +324,7 @@ def test_a_pool_worker_terminated_leaves_the_rank_running(tmp_path: Path) -> Non
 
 
 def test_a_sigint_names_the_end_only_when_the_end_follows_it() -> None:
-    from ddpdoctor.runtime.exit_flush import SIGINT_END_S, ExitFlush
+    from ddpdoctor.runtime.process.exit_flush import SIGINT_END_S, ExitFlush
 
     flush = ExitFlush()
     assert flush.stop_signal == ""

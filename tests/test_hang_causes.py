@@ -181,7 +181,7 @@ def test_healthy_look_alikes_stay_silent(zoo_runs: ZooRuns, script: str, args: t
 
 
 def test_the_collective_is_read_off_the_stack() -> None:
-    from ddpdoctor.runtime.watchdog import collective_in_stack
+    from ddpdoctor.runtime.process.watchdog import collective_in_stack
 
     site = "/usr/lib/python3.11/site-packages/torch"
     barrier = [

@@ -14,11 +14,12 @@ import torch
 
 from ddpdoctor.categories import AccumulationWarning
 from ddpdoctor.events import FindingRecord, Header, ParamInfo, Record, Step
-from ddpdoctor.runtime import live_findings, native_hook
-from ddpdoctor.runtime.clocks import HostClock, mono_ns
-from ddpdoctor.runtime.live_findings import LiveFindings
-from ddpdoctor.runtime.optimizer_hooks import OptimizerHooks
-from ddpdoctor.runtime.step_recorder import StepRecorder
+from ddpdoctor.runtime.checks import live_findings
+from ddpdoctor.runtime.checks.live_findings import LiveFindings
+from ddpdoctor.runtime.step import native_hook
+from ddpdoctor.runtime.step.clocks import HostClock, mono_ns
+from ddpdoctor.runtime.step.optimizer_hooks import OptimizerHooks
+from ddpdoctor.runtime.step.recorder import StepRecorder
 
 
 class ScriptedClock(HostClock):
@@ -389,7 +390,7 @@ def test_a_step_is_anchored_where_it_starts_not_after_the_batch_its_forward_emit
 
 
 def test_buffer_slots_read_the_buffers_of_named_buffers_and_see_one_assigned_anew() -> None:
-    from ddpdoctor.runtime.sampled_checks import buffer_slots
+    from ddpdoctor.runtime.checks.sampled import buffer_slots
 
     shared = torch.zeros(3)
     model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))

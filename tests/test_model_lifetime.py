@@ -51,11 +51,11 @@ def _until(condition: Any, what: str, timeout: float = 20.0) -> None:
 
 def _threads_went_round(mon: Any) -> None:
     """Wait until the watchdog thread checked ``mon`` and the sampler thread sampled it."""
-    from ddpdoctor.runtime.services import services
+    from ddpdoctor.runtime.process.services import services
 
     dog = services()._watchdog
     assert dog is not None
-    _until(lambda: dog._watches[id(mon)].last is not None, "a watchdog round")
+    _until(lambda: dog._watches[id(mon.hooks)].last is not None, "a watchdog round")
 
     def sampled() -> bool:
         mon.flush()
@@ -66,7 +66,7 @@ def _threads_went_round(mon: Any) -> None:
 
 def lifetime_worker(rank: int, world_size: int, run_dir: str, case: str, bucket_view: bool = False) -> dict[str, Any]:
     import ddpdoctor
-    from ddpdoctor.runtime.services import services
+    from ddpdoctor.runtime.process.services import services
 
     opts = {"hang_timeout": 0.5, "proc_interval": 0.05, "check_every": 2}
     keeper = _model()  # monitored to the end: the process's threads keep running

@@ -1,4 +1,4 @@
-"""The native comm hook (``ddpdoctor/runtime/native_hook.py``) on real 2-rank gloo DDP.
+"""The native comm hook (``ddpdoctor/runtime/step/native_hook.py``) on real 2-rank gloo DDP.
 
 Per-bucket ready <= launch <= done on every step, losses bit-identical to plain DDP under every
 DDP option, ``DDPDOCTOR_NATIVE=0`` and a failed build taking the Python route with one warning,
@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpdoctor
 from ddpdoctor import native_cache
 from ddpdoctor.events import Header, Layout, Step
-from ddpdoctor.runtime import native_hook
+from ddpdoctor.runtime.step import native_hook
 from ddpdoctor.sinks.memory import MemorySink
 from tests.ddp_harness import run_ranks
 from tests.models import make_model
@@ -181,7 +181,7 @@ def native_checks(rank: int, world_size: int) -> dict[str, Any]:
 def _phases_around_the_optimizer(rank: int) -> list[str]:
     """Where the hang watchdog would place a stall after the backward, inside the optimizer step
     (stamped in C++, not yet taken into the step) and after it, for two steps."""
-    from ddpdoctor.runtime.watchdog import locate
+    from ddpdoctor.runtime.process.watchdog import locate
     from tests.models import batches
 
     ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
@@ -192,9 +192,9 @@ def _phases_around_the_optimizer(rank: int) -> list[str]:
     def where(*_: Any) -> None:
         found = locate(
             monitor.recorder,
-            monitor.buckets_in_flight(),
-            monitor.backward_ended_in_flight(),
-            monitor.optimizer_running(),
+            monitor.hooks.buckets_in_flight(),
+            monitor.hooks.backward_ended_in_flight(),
+            monitor.hooks.optimizer_running(),
         )
         phases.append(found["phase"])
 
@@ -469,7 +469,7 @@ def test_a_rank_loads_the_cached_build_without_torchs_build_tools(native_built: 
         import os, sys, socket, torch, torch.distributed as dist
         from torch import nn
         import ddpdoctor
-        from ddpdoctor.runtime import native_hook
+        from ddpdoctor.runtime.step import native_hook
         from ddpdoctor.sinks.memory import MemorySink
         s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -659,7 +659,7 @@ def test_tensor_values_equal_the_python_fingerprint(native_built: Path) -> None:
     the bits, and a rank whose extension did not build fingerprints in Python. (A float tensor is
     read once in C++ and summed in double; ATen sums in float32, in an order of its own.)"""
     from bench.fingerprint import agree
-    from ddpdoctor.runtime.fingerprints import Fingerprinter, float_values, fold_bits, tensor_bits
+    from ddpdoctor.runtime.checks.fingerprints import Fingerprinter, float_values, fold_bits, tensor_bits
 
     values = native_hook._import(native_built.stem, native_built).tensor_values
     torch.manual_seed(0)
@@ -710,7 +710,7 @@ def test_optimizer_stamps_set_the_common_case_as_the_python_rule_does(native_bui
     """``take_into``: one start and one end on a step that has buckets and no optimizer marks are
     set on it (what ``StepRecorder.optimizer_start``/``optimizer_end`` do with them); anything
     else comes back as ``take`` gives it, for the Python rule."""
-    from ddpdoctor.runtime.step_recorder import OpenStep
+    from ddpdoctor.runtime.step.recorder import OpenStep
 
     module = native_hook._import(native_built.stem, native_built)
     offset = 1_000
@@ -754,7 +754,7 @@ def test_step_opener_builds_the_step_python_builds(native_built: Path) -> None:
     """``step_opener(OpenStep)``: every slot of its step equals OpenStep(index, t0)'s (the clocks
     read between two reads of Python's, shifted by the offset), fresh lists each time, and
     ``synced`` sets the synchronizing forward's start; a class it does not know is refused."""
-    from ddpdoctor.runtime.step_recorder import OpenStep
+    from ddpdoctor.runtime.step.recorder import OpenStep
 
     module = native_hook._import(native_built.stem, native_built)
     opener = module.step_opener(OpenStep)

@@ -14,7 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpdoctor
-from ddpdoctor.runtime.fingerprints import fold_bits, tensor_bits
+from ddpdoctor.runtime.checks.fingerprints import fold_bits, tensor_bits
 from tests.ddp_harness import run_ranks
 
 #: elements of the large layer's weight: above ATen's grain for a parallel sum (32768), so a
@@ -68,7 +68,7 @@ def ignored_per_rank(rank: int, tmp: str) -> dict[str, Any]:
 
 def test_bits_without_numpy_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch runs without numpy: the CPU sums then take ATen's integer path, to the same values."""
-    from ddpdoctor.runtime import fingerprints
+    from ddpdoctor.runtime.checks import fingerprints
 
     torch.manual_seed(0)
     tensors = [

@@ -1,4 +1,4 @@
-"""The monitor's routine forward (in ``Monitor.on_forward_pre``) against its full path.
+"""The monitor's routine forward (in ``StepHooks.on_forward_pre``) against its full path.
 
 The routine path is the full path's rule unrolled for the common forward (a synchronizing step
 after a synchronizing step, nothing to capture). Two real gloo ranks train the same model over
@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpdoctor
 from ddpdoctor.events import End, FindingRecord, Header, ProcSample, Record, Step
-from ddpdoctor.runtime import monitor as monitor_module
+from ddpdoctor.runtime.step import hooks as hooks_module
 from ddpdoctor.sinks.memory import MemorySink
 from tests.ddp_harness import run_ranks
 from tests.models import make_model
@@ -65,15 +65,15 @@ def _shape(record: Record) -> Any:
 
 
 def _train(rank: int, world_size: int, routine: bool) -> tuple[list[Any], int, int, int]:
-    monitor_module.Monitor.routine_forward = routine
+    hooks_module.StepHooks.routine_forward = routine
     taken = [0, 0]  # forwards that took the full path, forwards in all
-    full = monitor_module.Monitor._forward_pre
+    full = hooks_module.StepHooks._forward_pre
 
     def counted(self: Any, module: Any, native: Any) -> None:
         taken[0] += 1
         full(self, module, native)
 
-    monitor_module.Monitor._forward_pre = counted  # type: ignore[method-assign]
+    hooks_module.StepHooks._forward_pre = counted  # type: ignore[method-assign]
     torch.manual_seed(1)
     data = [(torch.randn(8, 32), torch.randn(8, 4)) for _ in range(6)]
     sink = MemorySink()
@@ -159,11 +159,11 @@ def _train(rank: int, world_size: int, routine: bool) -> tuple[list[Any], int, i
     train_step()
     # the change of step was bound where the routine forward runs (its one C call), and it opens
     # only the OpenStep it knows
-    native = monitor._native_timing
+    native = monitor.hooks.native
     assert native is not None and (native.step_change is not None) == routine
     for cls in (lambda *a: None, type("Other", (), {"__slots__": ("index",)})):
         try:
-            native._module.step_changer(native.ring, monitor._opt_stamps, cls)
+            native._module.step_changer(native.ring, monitor.hooks.opt_stamps, cls)
         except TypeError:
             pass
         else:

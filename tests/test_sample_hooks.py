@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpdoctor.runtime import native_hook
+from ddpdoctor.runtime.step import native_hook
 from tests.ddp_harness import run_ranks
 
 pytestmark = pytest.mark.torch_compat

@@ -20,7 +20,7 @@ from ddpdoctor.analysis.live_run import LiveRun
 from ddpdoctor.analysis.nonfinite import origin_of, rank_nonfinite
 from ddpdoctor.events import Fingerprint, GradFlags, decode
 from ddpdoctor.runlog import DirSource
-from ddpdoctor.runtime.nonfinite import NonFiniteWatch
+from ddpdoctor.runtime.checks.nonfinite import NonFiniteWatch
 from tests.zoo_runs import ZooRuns
 
 #: the native hook's non-finite pass and torch's module registration hooks, on every torch CI runs
@@ -313,8 +313,8 @@ SENTINEL_SCRIPT = textwrap.dedent(
     from torch import nn
     import ddpdoctor
     from ddpdoctor.events import Fingerprint, GradFlags
-    from ddpdoctor.runtime import sampled_checks
-    from ddpdoctor.runtime.fingerprints import fold_bits, tensor_bits
+    from ddpdoctor.runtime.checks import sampled as sampled_checks
+    from ddpdoctor.runtime.checks.fingerprints import fold_bits, tensor_bits
     from ddpdoctor.sinks.memory import MemorySink
     s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

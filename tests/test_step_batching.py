@@ -16,9 +16,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpdoctor
 from ddpdoctor.events import End, Fingerprint, GradFlags, ProcSample, Record, Step, Unused
-from ddpdoctor.runtime import monitor as monitor_module
-from ddpdoctor.runtime.clocks import HostClock
-from ddpdoctor.runtime.step_recorder import BATCH_NS, BATCH_STEPS, StepRecorder
+from ddpdoctor.runtime.step import hooks as hooks_module
+from ddpdoctor.runtime.step.clocks import HostClock
+from ddpdoctor.runtime.step.recorder import BATCH_NS, BATCH_STEPS, StepRecorder
 from ddpdoctor.sinks.memory import MemorySink
 from tests.ddp_harness import run_ranks
 from tests.models import make_model
@@ -124,7 +124,7 @@ def _batching_worker(rank: int, world_size: int) -> dict[str, Any]:
     monitor.emit(Unused(rank=rank, step=11, names=[]))
     monitor.emit(sink.of_kind(Fingerprint)[-1])  # (the last sample's again: nothing new to find)
     out["emitted_after_checks"] = len(sink.of_kind(Step))
-    monitor_module._STALE_NS = 0
+    hooks_module._STALE_NS = 0
     monitor.emit(sample)  # they have waited long enough: they go out first
     out["emitted_after_stale_sample"] = len(sink.of_kind(Step))
     # a parameter frozen after wrapping: the next forward's check emits a grad_flags record

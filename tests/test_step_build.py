@@ -17,9 +17,9 @@ import pytest
 
 from ddpdoctor.events import Step
 from ddpdoctor.events.codec import encode
-from ddpdoctor.runtime import native_hook
-from ddpdoctor.runtime.clocks import HostClock
-from ddpdoctor.runtime.step_recorder import PACKED_NONE, OpenStep, StepRecorder
+from ddpdoctor.runtime.step import native_hook
+from ddpdoctor.runtime.step.clocks import HostClock
+from ddpdoctor.runtime.step.recorder import PACKED_NONE, OpenStep, StepRecorder
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpdoctor
 from ddpdoctor.events import Step
-from ddpdoctor.runtime import monitor as monitor_module
+from ddpdoctor.runtime.step import hooks as hooks_module
 from ddpdoctor.sinks.memory import MemorySink
 from tests.ddp_harness import run_ranks
 from tests.models import make_model
@@ -62,14 +62,14 @@ class Outer(torch.optim.SGD):
 
 
 def _train(rank: int, world_size: int, route: str, kind: str) -> dict[str, Any]:
-    full = monitor_module.Monitor._forward_pre
+    full = hooks_module.StepHooks._forward_pre
     taken = [0]
 
     def counted(self: Any, module: Any, native: Any) -> None:
         taken[0] += 1
         full(self, module, native)
 
-    monitor_module.Monitor._forward_pre = counted  # type: ignore[method-assign]
+    hooks_module.StepHooks._forward_pre = counted  # type: ignore[method-assign]
     os.environ["DDPDOCTOR_NATIVE"] = "1" if route == "native" else "0"
     ddp = DDP(make_model(), bucket_cap_mb=BUCKET_CAP_MB)
     sink = MemorySink()

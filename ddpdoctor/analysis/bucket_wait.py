@@ -57,7 +57,7 @@ def arrivals(steps_by_rank: dict[int, list[Step]], clocks: ClockOffsets) -> list
                     continue
                 if None in ready:
                     # a bucket not seen (left out), or a CUDA step between the sampled ones,
-                    # which marks its first and last bucket only (``runtime.step_recorder``):
+                    # which marks its first and last bucket only (``runtime.step.recorder``):
                     # compared there, as a window row is
                     span = None if s.per_bucket() else s.ready_span_us()
                     if span is None or span[0] == span[1]:

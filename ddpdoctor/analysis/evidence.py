@@ -3,7 +3,7 @@
 A rank that trains for a million steps must not keep its sampled records to re-read them at
 each check. Each accumulator here holds what its detector needs, in space bounded by the model
 (its parameters and buffers), not by the run: ``add`` takes one record, the detector reads the
-accumulator. The live checks (``runtime.live_findings``) feed them as records are emitted; the
+accumulator. The live checks (``runtime.checks.live_findings``) feed them as records are emitted; the
 report (``diagnose``) feeds them from a loaded log, so both sides apply one rule.
 """
 

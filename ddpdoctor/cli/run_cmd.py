@@ -93,7 +93,7 @@ def child_env(
     return env
 
 
-#: ``0`` turns the native comm hook off (read by ``ddpdoctor.runtime.native_hook``).
+#: ``0`` turns the native comm hook off (read by ``ddpdoctor.runtime.step.native_hook``).
 NATIVE_ENV = environment.NATIVE_ENV
 #: Longest a first build may take before the ranks start without it.
 NATIVE_BUILD_TIMEOUT_S = 900.0

@@ -281,7 +281,7 @@ class Unused(_Record, tag="unused", kw_only=True):
     # on the monotonic clock (host time); None when not reduced or no gradient
     param_ready_us: list[float | None] = []
     # find_unused_parameters on a CPU model: DDP's own map of the parameters each step used, read
-    # at every synchronizing step since the previous sample (``runtime/used_map.py``): the steps
+    # at every synchronizing step since the previous sample (``runtime/checks/used_map.py``): the steps
     # read, those of them with a parameter no rank used, and the steps whose set of such
     # parameters differed from the step before's. All 0 where it is not read.
     steps_read: int = 0

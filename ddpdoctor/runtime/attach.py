@@ -32,9 +32,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ddpdoctor.categories import CommHookWarning, warn
 from ddpdoctor.errors import SetupError
 from ddpdoctor.events import Header, environment
-from ddpdoctor.runtime import comm_hook, native_hook, torch_compat
+from ddpdoctor.runtime import torch_compat
+from ddpdoctor.runtime.disabled import DisabledMonitor
+from ddpdoctor.runtime.step import comm_hook, native_hook
 
 #: Every step of the transaction, in order ("validate" and "build" change nothing).
 STEPS = (
@@ -97,6 +100,9 @@ class Attachment:
     def __init__(self, ddp: Any, monitor: Any) -> None:
         self._ddp: Callable[[], Any] = weakref.ref(ddp)
         self.monitor = monitor
+        #: the monitor's probes (``StepHooks``): what the forward hooks, the buffer broadcast's
+        #: shadow, the comm hook and the native side call
+        self.hooks = monitor.hooks
         self.header: Header | None = None
         self.hook_state: comm_hook.HookState | None = None
         #: Why per-bucket timing is off on this instance (None: it is on).
@@ -162,14 +168,14 @@ class Attachment:
             raise RuntimeError("this DDP instance is already instrumented")
 
     def _build(self) -> None:
-        monitor, ddp = self.monitor, self.ddp
+        hooks, ddp = self.hooks, self.ddp
         if self.timing_off is None:
-            state = comm_hook.HookState(monitor, comm_hook.mean_allreduce, comm_hook.MeanState(ddp.process_group))
+            state = comm_hook.HookState(hooks, comm_hook.mean_allreduce, comm_hook.MeanState(ddp.process_group))
             if self._existing is not None:
                 state.inner_hook, state.inner_state, state.user_hook_name = self._existing
             self.hook_state = state
             if self._existing is None:
-                self._choose_native(ddp, monitor, state)
+                self._choose_native(ddp, state)
         original = ddp._sync_buffers if torch_compat.available("buffer_timing") else None
         # The shadow lives in the instance's __dict__: a strong bound method there would be a
         # cycle through the instance, which reference counting alone never frees. So it holds
@@ -188,17 +194,17 @@ class Attachment:
                 def bind(_model: Any, original: Any = original) -> Callable[[], Any]:
                     return original  # type: ignore[no-any-return]
 
-            self._sync_buffers = functools.partial(monitor.on_sync_buffers, bind, weakref.ref(ddp))
+            self._sync_buffers = functools.partial(hooks.on_sync_buffers, bind, weakref.ref(ddp))
         self._getstate = _state_without_ddpdoctor(ddp)
 
-    def _choose_native(self, ddp: Any, monitor: Any, state: comm_hook.HookState) -> None:
+    def _choose_native(self, ddp: Any, state: comm_hook.HookState) -> None:
         """The native route when its extension loads and takes this DDP (CPU models, DDP's default
         all-reduce, no hook registered before). A user hook registered later is handed the buckets
         by the native hook, through ``comm_hook.timed_hook`` (the Python route times it)."""
-        module = native_hook.choose(cuda=bool(getattr(monitor, "_cuda", False)))
+        module = native_hook.choose(cuda=bool(self.monitor.cuda))
         if module is None:
             return
-        native = native_hook.NativeTiming(module, ddp, monitor)
+        native = native_hook.NativeTiming(module, ddp, self.hooks)
         try:
             native.check(ddp)
         except Exception as exc:  # noqa: BLE001 - the extension cannot take this DDP: the Python route, said once
@@ -245,10 +251,14 @@ class Attachment:
     # -- the changes, each with its undo -------------------------------------------------
 
     def _add_forward_hooks(self) -> None:
-        ddp, monitor = self.ddp, self.monitor
-        self._handles.append(ddp.register_forward_pre_hook(monitor.on_forward_pre, prepend=True))
+        ddp, hooks = self.ddp, self.hooks
+        self._handles.append(ddp.register_forward_pre_hook(hooks.on_forward_pre, prepend=True))
         self._undo.append(("forward_hooks", self._remove_forward_hooks))
-        self._handles.append(ddp.register_forward_hook(monitor.on_forward_post, always_call=True))
+        self._handles.append(ddp.register_forward_hook(hooks.on_forward_post, always_call=True))
+
+    def hook_ids(self) -> set[int]:
+        """The ids of the forward hooks this attachment registered (a copy leaves them out)."""
+        return {h.id for h in self._handles}
 
     def _remove_forward_hooks(self) -> None:
         for handle in self._handles:
@@ -306,7 +316,7 @@ class Attachment:
         ddp, state = self.ddp, self.hook_state
         assert state is not None
         if isinstance(state.inner_state, comm_hook.MeanState):  # ddpdoctor's own all-reduce
-            state.inner_state.scale = native_hook.python_route_scale(ddp, bool(getattr(self.monitor, "_cuda", False)))
+            state.inner_state.scale = native_hook.python_route_scale(ddp, bool(self.monitor.cuda))
         torch_compat.register_comm_hook(ddp.reducer, state, comm_hook.timed_hook)
         if self._existing is not None and ddp.logger is not None:
             ddp.logger._set_comm_hook_name(self._existing[2])
@@ -342,6 +352,21 @@ class Attachment:
                 return False, False
             reads, watches = bool(scale.reads_divisor), bool(scale.watches)
         return reads, watches or not getattr(self.ddp, "gradient_as_bucket_view", False)
+
+    def warn_inexact_views(self, stacklevel: int) -> None:
+        """Warn where ddpdoctor's own all-reduce cannot divide the gradients as DDP does (the
+        Python route, without the extension, on bucket views at a world size above one)."""
+        ddp = self.ddp
+        if native_hook.views_divided_inexactly(ddp) and not self.exact_scaling()[1]:
+            warn(
+                f"ddpdoctor: gradient_as_bucket_view=True at a world size of {ddp.process_group.size()}: "
+                "without its native extension ddpdoctor's comm hook multiplies every gradient by 1/world "
+                "size, where DDP divides the gradients kept between steps (zero_grad(set_to_none=False)) in "
+                "place: their last bits can differ. Let the extension load (a C++ compiler, DDPDOCTOR_NATIVE "
+                "not 0), or let zero_grad set the gradients to None.",
+                CommHookWarning,
+                stacklevel=stacklevel + 1,
+            )
 
     def _retire_old_reducer(self) -> None:
         torch_compat.remove_reducer_hooks(self._old_reducer)
@@ -404,8 +429,6 @@ def _state_without_ddpdoctor(ddp: Any) -> Callable[[], dict[str, Any]]:
         for name in SHADOWED:
             state.pop(name, None)
         if "ddpdoctor" in state:  # the drop-in class's attribute: a copy is not monitored
-            from ddpdoctor.runtime.monitor import DisabledMonitor
-
             state["ddpdoctor"] = DisabledMonitor()
         own = _own_hooks(monitor)
         for name in (
@@ -425,4 +448,4 @@ def _state_without_ddpdoctor(ddp: Any) -> Callable[[], dict[str, Any]]:
 
 def _own_hooks(monitor: Any) -> set[int]:
     attachment = getattr(monitor, "attachment", None) if monitor is not None else None
-    return {h.id for h in attachment._handles} if attachment is not None else set()
+    return attachment.hook_ids() if attachment is not None else set()

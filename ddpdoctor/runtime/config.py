@@ -41,7 +41,7 @@ class Options:
             "full" (every step's full record). Default: ``$DDPDOCTOR_LOG``, else "compact".
             With CUDA timing, "full" also marks every bucket of every step with CUDA events;
             otherwise only at the sampled steps (timing events cost GPU time:
-            ``runtime.step_recorder``).
+            ``runtime.step.recorder``).
     """
 
     run_dir: str | os.PathLike[str] | None = None

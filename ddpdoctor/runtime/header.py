@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ddpdoctor.events import SCHEMA_VERSION, BufferInfo, Header, ParamInfo
 from ddpdoctor.runtime import torch_compat
-from ddpdoctor.runtime.clocks import mono_ns, wall_ns
+from ddpdoctor.runtime.step.clocks import mono_ns, wall_ns
 
 
 def ddp_options(ddp: Any) -> dict[str, Any]:

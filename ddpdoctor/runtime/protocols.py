@@ -1,8 +1,8 @@
 """The narrow interfaces the runtime's satellites use, instead of the whole ``Monitor``.
 
 Each process-wide service (exit flush, optimizer hooks, process sampler, watchdog) and the comm
-hook takes only what it calls. ``Monitor`` satisfies all of them; tests may pass anything else
-that does.
+hook takes only what it calls. ``Monitor`` satisfies ``Closable`` and ``ProcSource``; its
+``StepHooks`` (``step.hooks``) the others; tests may pass anything else that does.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ddpdoctor.events import Record
     from ddpdoctor.runtime.probes import Probes
-    from ddpdoctor.runtime.step_recorder import OpenStep, StepRecorder
+    from ddpdoctor.runtime.step.recorder import OpenStep, StepRecorder
     from ddpdoctor.sinks import Sink
 
 

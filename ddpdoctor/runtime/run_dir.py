@@ -10,6 +10,7 @@ from typing import Any
 from ddpdoctor.categories import LogWriteWarning, warn
 from ddpdoctor.events import environment
 from ddpdoctor.events.layout import DEFAULT_ROOT, RUN_DIR_ENV, new_run_name, rank_file_path
+from ddpdoctor.sinks import FileSink, NullSink, Sink, SinkError
 
 _AGREE_TIMEOUT = timedelta(seconds=30)
 
@@ -72,3 +73,28 @@ def rank_file(run_dir: Path, rank: int) -> tuple[Path, int]:
     index = _opened.get(key, 0)
     _opened[key] = index + 1
     return rank_file_path(run_dir, rank, index, attempt), index
+
+
+def open_file_sink(
+    explicit: str | os.PathLike[str] | None, rank: int, mode: str | None
+) -> tuple[Sink, Path, Path | None, int]:
+    """This rank's log file in the run dir, opened: (sink, run dir, file or None, DDP index).
+
+    Where the file cannot be opened it warns and returns a ``NullSink`` (training goes on)."""
+    import torch.distributed as dist
+
+    from ddpdoctor.runtime import torch_compat
+
+    store = None
+    if explicit is None and not environment.read(RUN_DIR_ENV) and dist.is_initialized():
+        try:
+            store = torch_compat.default_store()
+        except Exception:  # noqa: BLE001 - no store means rank-local naming; attaching must never break training
+            store = None
+    directory = resolve(explicit, rank, store, "0")
+    path, ddp_index = rank_file(directory, rank)
+    try:
+        return FileSink(path, mode=mode), directory, path, ddp_index
+    except SinkError as exc:
+        warn(f"ddpdoctor: {exc}; training goes on without a log", LogWriteWarning, stacklevel=4)
+        return NullSink(), directory, None, ddp_index

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ddpdoctor.runtime.native_hook import main
+from ddpdoctor.runtime.step.native_hook import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,7 @@ found in ``ddp._comm_hooks``; since the reducer will not take a second one, the 
 rebuilt the way DDP itself rebuilds it when unpickled, with the same parameters
 (``runtime/attach.py`` does that, as one step of its transaction).
 
-On the native route (``runtime/native_hook.py``: DDP's default all-reduce timed in C++) the
+On the native route (``runtime/step/native_hook.py``: DDP's default all-reduce timed in C++) the
 native hook is the one on the reducer. A user hook registered after ``instrument`` (at any time,
 as with plain DDP) is handed every bucket by the native hook, through ``timed_hook``, which
 times it as on the Python route; a second one gets DDP's "can only be called once" error.

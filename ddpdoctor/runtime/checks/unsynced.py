@@ -26,7 +26,9 @@ class UnsyncedUpdates:
         # the first and the last reduced parameter: an optimizer that steps the model changes them
         self._watched = [trained[0], trained[-1]] if trained else []
         self.rank = rank
-        self._noted: int | None = None  # versions at the last no_sync forward (None: not one)
+        #: versions at the last no_sync forward (None: not one; a synchronizing forward after a
+        #: synchronizing one need not call ``on_forward``)
+        self.noted: int | None = None
         self.updates = 0
         self.micro = 0
         self.reported = False
@@ -38,14 +40,14 @@ class UnsyncedUpdates:
         """A training forward (``sync``: outside no_sync). A finding once the weights changed
         ``UPDATES_TO_RAISE`` times after a backward that DDP did not all-reduce."""
         found = None
-        if self._noted is not None:
-            if self._version() != self._noted:
+        if self.noted is not None:
+            if self._version() != self.noted:
                 self.updates += 1
                 if self.updates >= UPDATES_TO_RAISE and not self.reported:
                     self.reported = True
                     found = unsynced_updates(self.rank, step, self.updates, self.micro, ever_synced)
-            self._noted = None
+            self.noted = None
         if not sync and self._watched and not self.reported:
             self.micro += 1
-            self._noted = self._version()
+            self.noted = self._version()
         return found

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from ddpdoctor.events import ProcSample
-from ddpdoctor.runtime.clocks import mono_ns, wall_ns
+from ddpdoctor.runtime.step.clocks import mono_ns, wall_ns
 
 if TYPE_CHECKING:
     from ddpdoctor.runtime.protocols import ProcSource

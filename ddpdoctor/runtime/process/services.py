@@ -20,10 +20,10 @@ import threading
 import weakref
 from typing import Any
 
-from ddpdoctor.runtime.exit_flush import ExitFlush
-from ddpdoctor.runtime.optimizer_hooks import OptimizerHooks
-from ddpdoctor.runtime.proc_stats import ProcSampler
-from ddpdoctor.runtime.watchdog import Watchdog
+from ddpdoctor.runtime.process.exit_flush import ExitFlush
+from ddpdoctor.runtime.process.proc_stats import ProcSampler
+from ddpdoctor.runtime.process.watchdog import Watchdog
+from ddpdoctor.runtime.step.optimizer_hooks import OptimizerHooks
 
 
 class Services:
@@ -38,8 +38,9 @@ class Services:
         self._members: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def join(self, monitor: Any, proc_interval: float, hang_timeout: float) -> None:
-        """Everything ``monitor`` gets from the process: optimizer timing, samples, exit, watchdog."""
-        self.optimizer_hooks.watch(monitor)
+        """Everything ``monitor`` gets from the process: optimizer timing, samples, exit, watchdog
+        (the optimizer hooks and the watchdog call its ``hooks``, the step's side)."""
+        self.optimizer_hooks.watch(monitor.hooks)
         with self._lock:
             self._members.add(monitor)
             if self._sampler is None:
@@ -52,7 +53,7 @@ class Services:
         sampler.add(monitor)
         self.exit_flush.register(monitor)
         if dog is not None:
-            dog.add(monitor, hang_timeout)
+            dog.add(monitor.hooks, hang_timeout)
 
     def sample_now(self) -> None:
         """A process sample for every member at once (a header was just written)."""
@@ -63,10 +64,10 @@ class Services:
     def leave(self, monitor: Any) -> None:
         """``monitor`` closes: nothing of the process refers to it any more."""
         if self._watchdog is not None:
-            self._watchdog.remove(monitor)
+            self._watchdog.remove(monitor.hooks)
         if self._sampler is not None:
             self._sampler.remove(monitor)
-        self.optimizer_hooks.unwatch(monitor)
+        self.optimizer_hooks.unwatch(monitor.hooks)
         self.exit_flush.unregister(monitor)
         with self._lock:
             self._members.discard(monitor)

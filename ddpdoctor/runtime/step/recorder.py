@@ -33,7 +33,7 @@ from typing import Any
 
 from ddpdoctor.events import BucketInfo, Layout, Record, Step
 from ddpdoctor.events.schedule import DEFAULT_EVERY, is_sampled
-from ddpdoctor.runtime.clocks import HostClock, Mark, mono_ns, wall_ns
+from ddpdoctor.runtime.step.clocks import HostClock, Mark, mono_ns, wall_ns
 
 #: Steps whose CUDA events are still in flight are kept this long before being given up.
 MAX_PENDING_STEPS = 64
@@ -172,7 +172,9 @@ class StepRecorder:
         self.in_sync_forward = False
         self.in_broadcast = False  # inside DDP's buffer broadcast (read by the hang watchdog)
         self.steps_emitted = 0
-        self._next_index = 0
+        #: index the next step opened gets (``StepHooks.on_forward_pre``'s routine branch opens
+        #: steps too, and advances it)
+        self.next_index = 0
         #: every bucket of every step marked (host marks: they cost the device nothing); else
         #: only at the sampled steps (see the module docstring)
         self.bucket_marks_every_step = bool(self.clock.always_ready)
@@ -182,14 +184,18 @@ class StepRecorder:
         #: opt_end is the end that closes the first
         self._opt_depth = 0
         self._pending: list[OpenStep] = []
-        # closed steps not emitted yet (host marks): appended by the training thread, taken by
-        # whichever thread emits them (``emit_closed``); deque append and popleft are atomic
-        self._closed: deque[OpenStep] = deque()
-        self._emitted_at = 0  # host ns of the last emission of closed steps
+        #: closed steps not emitted yet (host marks): appended by the training thread (``_close``,
+        #: and ``StepHooks.on_forward_pre``'s routine branch), taken by whichever thread emits
+        #: them (``emit_closed``); deque append and popleft are atomic
+        self.closed_steps: deque[OpenStep] = deque()
+        #: host ns of the last emission of closed steps (the batch is due ``BATCH_NS`` after it)
+        self.emitted_at = 0
         self._emit_lock = threading.Lock()  # one emitter at a time: steps reach the sink in order
         self._emitting = 0  # thread id of the emitter (a record it emits must not re-enter)
         self._last_layout: list[tuple[int, str]] | None = None  # (bytes, dtype) per bucket
-        self._last_bytes: list[int | None] = []
+        #: bytes per bucket of the last layout seen (empty before the first): the routine branch
+        #: hands this very list to the native step change, which reuses it where equal
+        self.last_bytes: list[int | None] = []
         # Layouts are looked at in the steps opened after these were set; the decision is taken
         # when a step opens, not when the step before is emitted (closed steps wait for that)
         self._layout_wanted = False  # bucket sizes moved: look at the next step's
@@ -204,14 +210,9 @@ class StepRecorder:
         #: step's record built in C++, equal to the one ``_record`` builds
         self.build_step: Callable[..., Step] | None = None
 
-    @property
-    def next_index(self) -> int:
-        """Index the next step will get."""
-        return self._next_index
-
     def layout_bytes(self) -> list[int | None]:
         """Bytes per bucket of the last layout seen (empty before the first)."""
-        return list(self._last_bytes)
+        return list(self.last_bytes)
 
     def set_comm_hook(self, name: str | None) -> None:
         """A comm hook now in effect (registered after ``instrument``): the next layout names it."""
@@ -221,7 +222,7 @@ class StepRecorder:
     def reset_layout(self) -> None:
         """A new DDP instance: its buckets are new, look at them again."""
         self._last_layout = None
-        self._last_bytes = []
+        self.last_bytes = []
         self._layout_steps = 1
         self._update_layout_next()
 
@@ -233,7 +234,11 @@ class StepRecorder:
     # -- forward ---------------------------------------------------------------------------
 
     def forward_start(self, sync: bool) -> OpenStep:
-        """Open (or continue) the step this forward belongs to, and return it."""
+        """Open (or continue) the step this forward belongs to, and return it.
+
+        ``StepHooks.on_forward_pre`` runs this and ``_close`` unrolled for the routine forward
+        (host marks, nothing pending, a synchronizing step after a synchronizing one): a change
+        here is made there too (``tests/test_routine_forward.py`` compares the two)."""
         now = self.clock.now()
         step = self.current
         opened = None
@@ -245,12 +250,12 @@ class StepRecorder:
             # opened before the close: its monotonic and wall anchors are read now, with its
             # start, not after a batch the close may emit (hundreds of µs under load: every
             # time of the step would be placed that much late on the aligned clock)
-            opened = OpenStep(self._next_index, now)
+            opened = OpenStep(self.next_index, now)
             self._close(step, now)
             step = None
         if step is None:
-            step = self.current = opened if opened is not None else OpenStep(self._next_index, now)
-            self._next_index += 1
+            step = self.current = opened if opened is not None else OpenStep(self.next_index, now)
+            self.next_index += 1
             if not self.bucket_marks_every_step:
                 step.all_marks = is_sampled(step.index, DEFAULT_EVERY)
             if self.layout_next:
@@ -416,22 +421,22 @@ class StepRecorder:
     @property
     def steps_closed(self) -> int:
         """Steps closed so far: emitted, or closed and waiting for the next emission."""
-        return self.steps_emitted + len(self._closed)
+        return self.steps_emitted + len(self.closed_steps)
 
     @property
     def closed_waiting(self) -> bool:
         """Closed steps wait for their emission."""
-        return bool(self._closed)
+        return bool(self.closed_steps)
 
     def closed_age_ns(self, now: int) -> int:
         """How long ago closed steps were last emitted (host ns), when some wait; else 0."""
-        return now - self._emitted_at if self._closed else 0
+        return now - self.emitted_at if self.closed_steps else 0
 
     def emit_closed(self, at: Mark = None) -> None:
         """Emit the closed steps, oldest first, ``at`` (a host mark; None: now). Any thread; a
         call made while this thread already emits them (a record that emission emits) returns."""
         me = threading.get_ident()
-        if self._emitting == me or not self._closed:
+        if self._emitting == me or not self.closed_steps:
             return
         # bounded: an emitter stuck in a sink must not stop the hang watchdog's report (the
         # steps then wait for the next emission)
@@ -439,8 +444,8 @@ class StepRecorder:
             return
         self._emitting = me
         try:
-            self._emitted_at = mono_ns() if at is None else at
-            closed = self._closed
+            self.emitted_at = mono_ns() if at is None else at
+            closed = self.closed_steps
             records: list[Step] = []
             # host marks built in C++ (the native route) are called here, not through _record,
             # and a step whose bytes list is the last layout's own (the routine forward's) and has no
@@ -451,7 +456,7 @@ class StepRecorder:
                 while closed:
                     step = closed.popleft()
                     record = self._record(step, True) if build is None else build(step, Step, rank, ddp, clock_name)
-                    if (step.layout is not None or step.nbytes is not self._last_bytes) and self._layout_due(step):
+                    if (step.layout is not None or step.nbytes is not self.last_bytes) and self._layout_due(step):
                         self._hand_over(records)  # the steps before it, then the layout, then its step
                         records = []
                         self._emit_layout(step)
@@ -469,12 +474,12 @@ class StepRecorder:
             self._expect_buckets = len(step.ready)
         if self.clock.always_ready and not self._pending:
             # host marks: nothing to wait for; emitted with the closed steps before it
-            closed = self._closed
+            closed = self.closed_steps
             closed.append(step)
             if (
                 end is None
                 or len(closed) >= BATCH_STEPS
-                or end - self._emitted_at >= BATCH_NS
+                or end - self.emitted_at >= BATCH_NS
                 or self.steps_emitted == 0
             ):
                 self.emit_closed(end)
@@ -507,7 +512,7 @@ class StepRecorder:
 
     def _layout_due(self, step: OpenStep) -> bool:
         """A layout to look at, or one that moved (most steps: neither)."""
-        return step.layout is not None or (self._last_layout is not None and step.nbytes != self._last_bytes)
+        return step.layout is not None or (self._last_layout is not None and step.nbytes != self.last_bytes)
 
     def _emit_step(self, step: OpenStep, resolved: bool | None = None) -> None:
         """Emit ``step``'s record. ``resolved``: whether the device has passed all its marks,
@@ -630,7 +635,7 @@ class StepRecorder:
                 )
                 self._last_layout = signature
                 self._last_hook = step.comm_hook
-                self._last_bytes = [b.bytes for b in buckets]
-        elif self._last_layout is not None and step.nbytes != self._last_bytes:
+                self.last_bytes = [b.bytes for b in buckets]
+        elif self._last_layout is not None and step.nbytes != self.last_bytes:
             self._layout_wanted = True  # bucket sizes moved: capture names on the next step
             self.layout_next = True

@@ -44,10 +44,11 @@ from typing import Any
 from ddpdoctor.categories import CommHookWarning, warn
 from ddpdoctor.events import Fingerprint, GradFlags, Header, Unused
 from ddpdoctor.events.schedule import is_sampled, next_sampled  # shared with the file writer (sinks.compact)
-from ddpdoctor.runtime import clocks, torch_compat
-from ddpdoctor.runtime.clocks import HostClock
-from ddpdoctor.runtime.fingerprints import Fingerprinter
-from ddpdoctor.runtime.used_map import UsedMap
+from ddpdoctor.runtime import torch_compat
+from ddpdoctor.runtime.checks.fingerprints import Fingerprinter
+from ddpdoctor.runtime.checks.used_map import UsedMap
+from ddpdoctor.runtime.step import clocks
+from ddpdoctor.runtime.step.clocks import HostClock
 
 _requires_grad = operator.attrgetter("requires_grad")
 #: Walks of the model in a row, asked for by torch's registration hooks, that found no change: then
@@ -126,10 +127,11 @@ class SampledChecks:
         self.reduced = [p.reduced for p in header.params]
         self.ignored = [p.ignored for p in header.params]
         self.flags = [p.requires_grad for p in header.params]
-        # the native extension's one-call check (``same_requires_grad``), when it is loaded: a
-        # byte per parameter; None: the flags are read from Python
-        self._same_flags = same_flags
-        self._flag_bytes = bytes(self.flags)
+        #: the native extension's one-call check (``same_requires_grad(params, flag_bytes)``),
+        #: when it is loaded; None: the flags are read from Python
+        self.same_flags = same_flags
+        #: ``flags`` as a byte per parameter, what ``same_flags`` compares with (b"": a walk is due)
+        self.flag_bytes = bytes(self.flags)
         # the native extension's ParamSample, when it is loaded: a sample's per-parameter arrivals
         # stamped by C++ hooks it takes off again (Python's post-accumulate-grad hooks leave a C++
         # caller on every parameter for good, which takes the GIL at every later backward)
@@ -156,10 +158,10 @@ class SampledChecks:
         #: whether ddpdoctor's all-reduce in effect (reads DDP's divisor, sees which gradients DDP
         #: divides in place): the attachment's answer (``Attachment.exact_scaling``)
         self.exact_scaling: Callable[[], tuple[bool, bool]] = lambda: (False, False)
-        # samples in a row that saw no gradient at all: the step's forward had no backward of its
-        # own (a model called twice before one backward, a GAN's discriminator): the next
-        # synchronizing forward samples instead, up to ``VOID_RESAMPLES`` times in a row
-        self._void = 0
+        #: samples in a row that saw no gradient at all: the step's forward had no backward of its
+        #: own (a model called twice before one backward, a GAN's discriminator): the next
+        #: synchronizing forward samples instead, up to ``VOID_RESAMPLES`` times in a row
+        self.void_samples = 0
         #: the routine forward asks ``sample_if_due`` from this step on (the schedule's next
         #: sampled step, or one before it), not at every step
         self.next_sample = 0
@@ -189,7 +191,10 @@ class SampledChecks:
     # -- every forward -------------------------------------------------------------------
 
     def on_step_start(self, step: int, t0_mono_ns: int, sync: bool, new_step: bool) -> None:
-        """A training forward begins (``new_step``: the first of its step)."""
+        """A training forward begins (``new_step``: the first of its step).
+
+        ``StepHooks.on_forward_pre`` runs this unrolled where no sample is in progress, none is
+        void and no fingerprint is pending (its routine branch): a change here is made there too."""
         if new_step:
             if sync and self.used is not None:
                 self.used.step()  # (the step before's map: counted in the sample it ends, if any)
@@ -197,10 +202,14 @@ class SampledChecks:
                 self.end_sample()
             if self.fingerprinter.pending:
                 self.fingerprinter.poll()
-        same = self._same_flags
-        if same is None or not same(self.params, self._flag_bytes):  # (one native call: unchanged)
+        same = self.same_flags
+        if same is None or not same(self.params, self.flag_bytes):  # (one native call: unchanged)
             self.check_grad_flags(step)
-        if sync and self.sample is None and (0 < self._void <= VOID_RESAMPLES or is_sampled(step, self.check_every)):
+        if (
+            sync
+            and self.sample is None
+            and (0 < self.void_samples <= VOID_RESAMPLES or is_sampled(step, self.check_every))
+        ):
             self.begin_sample(step, t0_mono_ns)
 
     def sample_if_due(self, step: int, t0_mono_ns: int) -> None:
@@ -220,7 +229,7 @@ class SampledChecks:
         submodule registered since the last forward (``params_dirty``) has the module walked."""
         if self.params_dirty:
             self.params_dirty = False
-            self._flag_bytes = bytes(self.flags)  # (the native check was made to fail: see mark_dirty)
+            self.flag_bytes = bytes(self.flags)  # (the native check was made to fail: see mark_dirty)
             if self.check_params(step):
                 self._idle_walks = 0
             else:
@@ -233,7 +242,7 @@ class SampledChecks:
         if flags == self.flags:
             return
         self.flags = flags
-        self._flag_bytes = bytes(flags)
+        self.flag_bytes = bytes(flags)
         self._emit_flags(step)
 
     def _emit_flags(self, step: int) -> None:
@@ -264,7 +273,7 @@ class SampledChecks:
         fail (bytes of another length) so that the routine forward takes ``check_grad_flags``,
         which nothing else costs a step."""
         self.params_dirty = True
-        self._flag_bytes = b""
+        self.flag_bytes = b""
 
     def check_params(self, step: int) -> bool:
         """The module's parameters now against the tensors DDP reduces (by identity): one walk.
@@ -470,7 +479,7 @@ class SampledChecks:
             handle.remove()
         hooked = sample.hooked
         if sample.native is not None:  # its hooks come off; the arrivals it stamped, per parameter hooked
-            arrivals = sample.native.end(clocks._OFFSET_NS)
+            arrivals = sample.native.end(clocks.OFFSET_NS)
         else:  # (the Python hooks': by parameter index)
             seen = sample.seen
             arrivals = [seen.get(i) for i, _ in hooked]
@@ -495,9 +504,9 @@ class SampledChecks:
             # no parameter of the model got a gradient: no backward ran between this forward and
             # the next (DDP all-reduces after the backward of its last forward), which says
             # nothing about unused parameters; the next synchronizing forward samples instead
-            self._void += 1
+            self.void_samples += 1
             return
-        self._void = 0
+        self.void_samples = 0
         read, with_unused, changes, ever = self.used.take() if self.used is not None else (0, 0, 0, None)
         # of the parameters unused at this sample, those DDP's map saw used on a step in between:
         # its order is DDP's, that of the reduced parameters (ignored, frozen at wrap: not in it)

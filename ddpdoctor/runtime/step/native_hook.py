@@ -52,8 +52,9 @@ import ddpdoctor.native_cache as native_cache
 from ddpdoctor.categories import CommHookWarning, warn
 from ddpdoctor.errors import SetupError
 from ddpdoctor.events import environment
-from ddpdoctor.runtime import clocks, torch_compat
-from ddpdoctor.runtime.step_recorder import OpenStep
+from ddpdoctor.runtime import torch_compat
+from ddpdoctor.runtime.step import clocks
+from ddpdoctor.runtime.step.recorder import OpenStep
 from ddpdoctor.runtime.torch_compat import (
     compiled_autograd_asked,
     compiled_autograd_enabled,
@@ -164,11 +165,11 @@ def build(timeout: float = BUILD_TIMEOUT_S, verbose: bool = False) -> Path:
     if so is not None:
         return so
     # the child imports this very ddpdoctor, wherever the parent found it
-    package_root = str(Path(__file__).resolve().parents[2])
+    package_root = str(Path(__file__).resolve().parents[3])
     python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PATH=_tool_path(), PYTHONPATH=python_path)
     code = (
-        "import sys; from pathlib import Path; from ddpdoctor.runtime import native_hook as n; "
+        "import sys; from pathlib import Path; from ddpdoctor.runtime.step import native_hook as n; "
         "n._build_here(sys.argv[1], Path(sys.argv[2]), sys.stdin.read(), sys.argv[3] == '1')"
     )
     try:
@@ -334,7 +335,8 @@ class NativeTiming:
 
     def __init__(self, module: ModuleType, ddp: Any, monitor: Any) -> None:
         self._module = module
-        self._monitor = weakref.ref(monitor)
+        #: the hooks this side reports to (``StepHooks``: recorder, probes, own_ns), held weakly
+        self.owner = weakref.ref(monitor)
         self.ring: Any = None
         #: the ``DdpScale`` the hook scales with (its non-finite check is watched through it)
         self.scale: Any = None
@@ -354,17 +356,19 @@ class NativeTiming:
         self._queued: Any = None  # the step whose backward callbacks are queued (leaf outputs)
         self._leaf_hooks: list[Any] = []  # hooks on leaf outputs, removed at the next forward
         #: a backward was armed and the ring not drained since: the monitor's next hook of the step
-        #: (next forward, close) drains it into the open step (``Monitor._drain_native``)
+        #: (next forward, close) drains it into the open step (``StepHooks.drain_native``)
         self.pending = False
         self.delegated = False
         self._asked = False  # torch._dynamo.config.compiled_autograd, as last read
-        self._asked_in = 0  # forwards until it is read again
+        #: synchronizing forwards until the config is read again (``StepHooks.on_forward_pre``'s
+        #: routine branch counts it down as ``on_sync_forward`` does)
+        self.asked_in = 0
         #: the backward's end stamped from Python (compiled autograd may trace it): the monitor's
         #: forward post-hook hooks the output (``arm_python``)
         self.python_end = False
         #: the last synchronizing forward asked nothing of this side but its stamps (no layout,
         #: the backward's end stamped in C++, no hook on an output): the monitor's next forward
-        #: may take its routine path (in ``Monitor.on_forward_pre``)
+        #: may take its routine path (in ``StepHooks.on_forward_pre``)
         self.routine = False
 
     @property
@@ -391,7 +395,7 @@ class NativeTiming:
         bucket)`` (ddpdoctor's Python comm hook, which times it). From then on the Python route
         times the buckets and this side does nothing per step (the stamps of a backward not
         drained yet go into the open step first)."""
-        monitor = self._monitor()
+        monitor = self.owner()
         if self.pending and monitor is not None:
             self.drain(monitor.recorder.current)
         self.ring.delegate(state, hook)
@@ -414,7 +418,9 @@ class NativeTiming:
 
     def on_sync_forward(self, step: Any, monitor: Any) -> None:
         """A synchronizing training forward begins (``step``, open): its backward's stamps are
-        drained at the monitor's next forward; the layout asked for where the step wants it."""
+        drained at the monitor's next forward; the layout asked for where the step wants it.
+        ``StepHooks.on_forward_pre``'s routine branch runs what this does when nothing changed
+        (``asked_in`` counted down, ``pending`` set): a change here is made there too."""
         ring = self.ring
         if ring is None or self.delegated:
             return
@@ -431,9 +437,9 @@ class NativeTiming:
                     self._drop_leaf_hooks()
                 # compiled autograd may trace the graph: the backward's end is then stamped from
                 # Python (it takes Python hooks and callbacks), not by the hook's C++ callback
-                self._asked_in -= 1
-                if self._asked_in <= 0:
-                    self._asked, self._asked_in = compiled_autograd_asked(), CONFIG_EVERY
+                self.asked_in -= 1
+                if self.asked_in <= 0:
+                    self._asked, self.asked_in = compiled_autograd_asked(), CONFIG_EVERY
                 python_end = self._asked or compiled_autograd_enabled()
                 if python_end != self.python_end:
                     ring.stamp_ends(not python_end)
@@ -452,7 +458,7 @@ class NativeTiming:
         full path reads it again and stamps the backward's end from Python)."""
         if compiled_autograd_asked():
             return False
-        self._asked, self._asked_in = False, CONFIG_EVERY + 1
+        self._asked, self.asked_in = False, CONFIG_EVERY + 1
         return True
 
     def bind_step_change(self, stamps: Any) -> bool:
@@ -473,7 +479,7 @@ class NativeTiming:
         asked for nothing when read at most ``CONFIG_EVERY`` forwards ago (the same answer the
         backward's C++ end stamp relies on), and only the module's switch is read. The config
         module's walk took tens of µs a sample with cold caches."""
-        if self.routine and self._asked_in > 0 and self.ring is not None and not self.delegated:
+        if self.routine and self.asked_in > 0 and self.ring is not None and not self.delegated:
             return compiled_autograd_enabled()
         return compiled_autograd_possible()
 
@@ -508,7 +514,7 @@ class NativeTiming:
     def on_backward_end(self, step: Any) -> None:
         """The graph is done (DDP's finalization not yet run): stamp it (the ring is drained at
         the monitor's next hook, as on the C++ path)."""
-        monitor = self._monitor()
+        monitor = self.owner()
         if monitor is None or monitor.closed:
             return
         try:
@@ -536,7 +542,7 @@ class NativeTiming:
     def drain(self, step: Any) -> None:
         """Move the ring's stamps, and the backward end stamped in C++, into ``step`` (the step
         whose backward ran them: the open one, at the monitor's next hook after the backward)."""
-        monitor = self._monitor()
+        monitor = self.owner()
         ring = self.ring
         if ring is None or monitor is None:  # (closing: the monitor drains before its last step)
             return
@@ -552,9 +558,9 @@ class NativeTiming:
             ):
                 # the common case in one call: C++ sets the step's lists and backward end (None
                 # back), or hands the columns over (out of order)
-                columns = self.drain_into(step, clocks._OFFSET_NS)
+                columns = self.drain_into(step, clocks.OFFSET_NS)
             else:
-                columns = ring.drain_columns(clocks._OFFSET_NS)
+                columns = ring.drain_columns(clocks.OFFSET_NS)
             self.pending = False
             if columns is not None:
                 self._apply_columns(monitor, step, columns)
@@ -603,7 +609,7 @@ class NativeTiming:
 
 def _shifted(marks: list[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
     """The marks on the host clock ddpdoctor uses (the tests' clock offset, when it is set)."""
-    off = clocks._OFFSET_NS
+    off = clocks.OFFSET_NS
     if not off:
         return marks
     return [(i, r + off, la + off, d + off if d else 0, b) for i, r, la, d, b in marks]
@@ -622,7 +628,7 @@ class _OutputGradHook:
         timing = self.timing()
         if timing is None:
             return
-        monitor = timing._monitor()
+        monitor = timing.owner()
         if monitor is None or monitor.closed:
             return
         try:

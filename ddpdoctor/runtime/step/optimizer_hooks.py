@@ -9,7 +9,7 @@ leaves, so a process that stops monitoring pays nothing for them.
 
 A monitor on host clocks with the native extension loaded gets C++ callables of its own
 (``OptimizerStamps.pre``/``post``) instead: they stamp the clock and run no Python, and the monitor
-takes the stamps at its next forward (``Monitor.take_optimizer``). The Python hooks serve the
+takes the stamps at its next forward (``StepHooks.take_optimizer``). The Python hooks serve the
 others (CUDA models, whose marks are CUDA events; the route without the extension).
 """
 

@@ -22,11 +22,11 @@ from ddpdoctor.analysis.hang import COLLECTIVE_PHASES, where_waiting
 from ddpdoctor.categories import HangWarning, warn
 from ddpdoctor.events import FindingRecord, Hang, environment
 from ddpdoctor.events.layout import HANG_TIMEOUT_ENV
-from ddpdoctor.runtime.clocks import mono_ns, wall_ns
+from ddpdoctor.runtime.step.clocks import mono_ns, wall_ns
 
 if TYPE_CHECKING:
     from ddpdoctor.runtime.protocols import Watched
-    from ddpdoctor.runtime.step_recorder import StepRecorder
+    from ddpdoctor.runtime.step.recorder import StepRecorder
 
 #: Default seconds without progress before a rank counts as stalled: far below the process
 #: group's own timeout (10 to 30 minutes), above any ordinary step.
@@ -159,11 +159,11 @@ def thread_stack(thread_id: int | None) -> list[str]:
 class _Watch:
     """Per-monitor state: last signature, when it last changed, whether a stall is open."""
 
-    __slots__ = ("_monitor", "timeout", "last", "since", "stalled_at", "thread_id")
+    __slots__ = ("monitor_ref", "timeout", "last", "since", "stalled_at", "thread_id")
 
     def __init__(self, monitor: Watched, timeout: float, thread_id: int) -> None:
-        # weak: a monitor the script drops without close (and its model) is not kept by this thread
-        self._monitor = weakref.ref(monitor)
+        #: weak: a monitor the script drops without close (and its model) is not kept by this thread
+        self.monitor_ref = weakref.ref(monitor)
         self.timeout = timeout
         self.last: tuple[Any, ...] | None = None
         self.since = mono_ns()
@@ -172,7 +172,7 @@ class _Watch:
 
     @property
     def monitor(self) -> Watched:
-        monitor = self._monitor()
+        monitor = self.monitor_ref()
         if monitor is None:
             raise ReferenceError("the watched monitor is gone")
         return monitor
@@ -224,7 +224,7 @@ class Watchdog:
         with self._lock:
             watches = list(self._watches.items())
         for key, watch in watches:
-            monitor = watch._monitor()
+            monitor = watch.monitor_ref()
             if monitor is None:  # dropped without close
                 with self._lock:
                     if self._watches.get(key) is watch:  # the id may be a newer monitor's by now

@@ -111,14 +111,14 @@ def _test_offset_ns() -> int:
         return 0
 
 
-_OFFSET_NS = _test_offset_ns()
-if _OFFSET_NS:  # rebound here, at import, so the hot path costs nothing when it is off
+OFFSET_NS = _test_offset_ns()
+if OFFSET_NS:  # rebound here, at import, so the hot path costs nothing when it is off
 
     def _offset_wall_ns() -> int:
-        return time.time_ns() + _OFFSET_NS
+        return time.time_ns() + OFFSET_NS
 
     def _offset_mono_ns() -> int:
-        return time.perf_counter_ns() + _OFFSET_NS
+        return time.perf_counter_ns() + OFFSET_NS
 
     wall_ns = _offset_wall_ns
     mono_ns = _offset_mono_ns

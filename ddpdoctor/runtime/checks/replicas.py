@@ -13,8 +13,8 @@ from ddpdoctor.analysis.replicas import compare_fingerprints
 from ddpdoctor.events import BufferInfo, Fingerprint, Header, ParamInfo
 from ddpdoctor.runtime import torch_compat
 from ddpdoctor.runtime.attach import monitor_of
-from ddpdoctor.runtime.fingerprints import Fingerprinter
-from ddpdoctor.runtime.live_findings import warn_finding
+from ddpdoctor.runtime.checks.fingerprints import Fingerprinter
+from ddpdoctor.runtime.checks.live_findings import warn_finding
 
 
 def check_replicas(model: torch.nn.Module, group: Any = None, warn: bool = True) -> list[Finding]:
