@@ -56,6 +56,8 @@ def reducer_declares_divisor() -> bool:
         return False
 
 
+#: ``SOURCE_DIR`` as the compiler's messages name it (from the package's parent)
+_SOURCE_NAME = "ddpdoctor/runtime/native"
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"/]+)"\s*$')
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$")
 
@@ -66,7 +68,7 @@ def _expanded(path: Path, seen: set[str]) -> list[str]:
     and after each, so that the compiler names the file and line a message is about. The names are
     relative to the package's parent: the text, and so the build's name, is the same wherever
     ddpdoctor is installed."""
-    name = path.relative_to(Path(__file__).parent.parent).as_posix()
+    name = f"{_SOURCE_NAME}/{path.name}"
     out = [f'#line 1 "{name}"']
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         include = _LOCAL_INCLUDE.match(line)

@@ -24,7 +24,7 @@ namespace {
 // larger one in pieces of this size over the intra-op threads (torch's own grain size).
 constexpr int64_t kSmallBucket = 32768;
 
-// A plain CPU buffer that the loops above may read and write: contiguous, float or double, and
+// A plain CPU buffer that the loops of lanes.h may read and write: contiguous, float or double, and
 // nothing of autograd's or of a lazy view's on it.
 bool plain_cpu_buffer(const at::Tensor& buffer) {
   const at::ScalarType dtype = buffer.scalar_type();
@@ -71,7 +71,7 @@ Scaled multiply_checked(at::Tensor& buffer, double scale) {
 }
 
 // Whether ``tensor`` (a bucket, after a scaling that was not ``multiply_checked``'s) holds a NaN
-// or an infinity: the loops above where they apply, torch's kernels otherwise.
+// or an infinity: the loops of lanes.h where they apply, torch's kernels otherwise.
 bool any_nonfinite(const at::Tensor& tensor) {
   if (tensor.layout() != c10::kStrided || !at::isFloatingType(tensor.scalar_type())) {
     return false;  // (sparse gradients are not looked at; integers are always finite)

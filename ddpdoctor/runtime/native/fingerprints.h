@@ -160,8 +160,8 @@ bool small_float_pass(const at::Tensor& t, FloatPass& out) {
 }
 
 // The fingerprint of each tensor (SampledChecks, at sampled steps): its L2 norm and its bits
-// (above), which is what ranks are compared by; the sum of each tensor from ``sums_from`` on (the
-// buffers). Zeros for a sparse, complex or empty tensor. A small float32, float16 or bfloat16
+// (``tensor_bits``), which is what ranks are compared by; the sum of each tensor from
+// ``sums_from`` on (the buffers). Zeros for a sparse, complex or empty tensor. A small float32, float16 or bfloat16
 // tensor is read once (``float_pass``), its norm and sum given as float32: the values
 // ``fingerprints.float_values`` gives to float32 rounding (summed in another order), the bits
 // equal. Another tensor takes ATen's kernels, as the Python route does. In Python, five operator

@@ -111,7 +111,7 @@ py::object rel_column(int64_t t0, PyObject* marks, py::object* latest) {
     if (latest != nullptr) {
       *latest = py::none();
     }
-    return py::list();  // (an empty column: see new_column)
+    return py::list();  // (an empty column: see column.h's new_column)
   }
   ColumnObject* column = new_column(n);
   py::object out = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(column));
@@ -145,7 +145,7 @@ void rel_packed(int64_t t0, PyObject* packed, py::object* ready, py::object* lau
   const Py_ssize_t n = PyBytes_GET_SIZE(packed) / (kPackedFields * static_cast<Py_ssize_t>(sizeof(int64_t)));
   const auto* marks = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(packed));
   py::object* columns[kPackedFields] = {ready, launch, done};
-  if (n == 0) {  // (an empty column: see new_column)
+  if (n == 0) {  // (an empty column: see column.h's new_column)
     for (py::object* column : columns) {
       *column = py::list();
     }
