@@ -88,8 +88,10 @@ def test_the_drain_in_cpp_leaves_the_step_python_leaves(native_built: Path) -> N
         for native, python in r["compared"]:
             assert native == python
             ready, launch, done, nbytes, bwd_end = native
-            assert len(ready) >= 2 and all(isinstance(m, int) for m in done[: len(ready) - 1])
+            assert ready and all(isinstance(m, int) for m in done[: len(ready) - 1])
             assert bwd_end is not None
+        # one bucket at the first step, several once DDP rebuilt them
+        assert max(len(native[0]) for native, _ in r["compared"]) >= 2
         assert len(r["left_to_python"]) == 3
         for returned, columns in r["left_to_python"]:
             assert tuple(returned) == columns
