@@ -21,8 +21,10 @@ from pathlib import Path
 
 from ddpdoctor.events import environment
 
-#: The C++ source of the native comm hook.
-SOURCE = Path(__file__).parent / "runtime" / "native" / "timed_hook.cpp"
+#: The folder of the native comm hook's C++ source: ``bindings.cpp`` and the headers it includes.
+SOURCE_DIR = Path(__file__).parent / "runtime" / "native"
+#: The one translation unit built (``source_text`` puts the headers it includes in it).
+SOURCE = SOURCE_DIR / "bindings.cpp"
 #: Written into the build directory once a build is complete (a killed build leaves none).
 OK_MARK = "ddpdoctor-built"
 #: The compiler's flags: a release build, as torch itself is. torch's extension builder defines
@@ -54,9 +56,40 @@ def reducer_declares_divisor() -> bool:
         return False
 
 
+#: ``SOURCE_DIR`` as the compiler's messages name it (from the package's parent)
+_SOURCE_NAME = "ddpdoctor/runtime/native"
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"/]+)"\s*$')
+_PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$")
+
+
+def _expanded(path: Path, seen: set[str]) -> list[str]:
+    """``path``'s lines, each ``#include "x.h"`` of ``SOURCE_DIR`` replaced by that file's own
+    lines the first time (later: an empty line, as ``#pragma once`` would), with a ``#line`` before
+    and after each, so that the compiler names the file and line a message is about. The names are
+    relative to the package's parent: the text, and so the build's name, is the same wherever
+    ddpdoctor is installed."""
+    name = f"{_SOURCE_NAME}/{path.name}"
+    out = [f'#line 1 "{name}"']
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        include = _LOCAL_INCLUDE.match(line)
+        header = SOURCE_DIR / include.group(1) if include else None
+        if header is not None and header.is_file():  # (another: left to the compiler, which says so)
+            if header.name not in seen:
+                seen.add(header.name)
+                out += _expanded(header, seen)
+                out.append(f'#line {number + 1} "{name}"')
+            else:
+                out.append("")
+        else:
+            out.append("" if _PRAGMA_ONCE.match(line) else line)
+    return out
+
+
 def source_text() -> str:
-    """The source to build (with the test fault applied, when asked)."""
-    text = SOURCE.read_text()
+    """The source to build: ``SOURCE`` with the headers it includes put in it (``_expanded``),
+    with the divisor's define and the test fault, when asked. The extension's name hashes all of
+    it, so a change in any header is another build."""
+    text = "\n".join(_expanded(SOURCE, {SOURCE.name})) + "\n"
     if reducer_declares_divisor():
         text = DIVISOR_DEFINE + text
     if environment.read(FAULT_ENV) == "compile":

@@ -1,6 +1,6 @@
 """Per-bucket timing at C++ cost: the native comm hook, its build, and its Python side.
 
-The hook (``native/timed_hook.cpp``) does what DDP does without a hook (scale each bucket as DDP
+The hook (``native/comm_hook.h``) does what DDP does without a hook (scale each bucket as DDP
 would, ``ddp_scale``; all-reduce it) and stamps ready, launch and done per bucket on the monotonic
 clock (the clock of ``time.perf_counter_ns``) into a fixed-size ring. No Python runs per bucket and no
 GIL is taken on the comm thread; Python drains the ring once per step.
