@@ -20,7 +20,8 @@ import pytest
 
 from tests.ddp_harness import run_ranks
 
-pytestmark = pytest.mark.torch_compat
+# (timing: each run waits for the monitor's threads against a wall-clock deadline)
+pytestmark = [pytest.mark.torch_compat, pytest.mark.timing]
 
 
 def _model(bucket_view: bool = False) -> Any:

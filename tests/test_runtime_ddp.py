@@ -195,6 +195,7 @@ def test_ranks_agree_on_a_default_run_dir(core: Any) -> None:
     assert sorted(p.name for p in run_dir.iterdir()) == ["rank-00000.jsonl", "rank-00001.jsonl"]
 
 
+@pytest.mark.timing
 def test_timings_measure_real_delays(tmp_path: Path) -> None:
     run_ranks(delay_checks, 2, args=(str(tmp_path),), timeout=180)
     run = ddpdoctor.load_run(tmp_path / "delay")
@@ -221,6 +222,7 @@ def test_timings_measure_real_delays(tmp_path: Path) -> None:
     assert abs(total[0] - total[1]) < 0.1 * max(total), (total, seen)
 
 
+@pytest.mark.timing
 def test_steps_between_samples_keep_their_phases_and_the_straggler_from_two_bucket_marks(tmp_path: Path) -> None:
     """The CUDA default (every bucket marked at the sampled steps only), on real gloo DDP: the
     mark queued from inside the backward-end callback runs after DDP's finalization, so the fast
