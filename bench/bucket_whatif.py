@@ -148,7 +148,7 @@ def worker(rank: int, world: int, port: int, out: str, steps: int, rounds: int, 
                 results.setdefault((model_name, cap), []).append(statistics.median(per_step.tolist()) * 1000.0)
                 del ddp, opt
     if rank == 0:
-        result_q.put({k: statistics.median(v) for k, v in results.items()})
+        result_q.put(results)
     dist.barrier()
     os._exit(0)
 
@@ -167,8 +167,8 @@ def _advice(run: Any) -> str:
     return " | ".join(said) or "nothing about the bucket cap"
 
 
-def _measure(out: str, steps: int, rounds: int) -> dict[tuple[str, float], float]:
-    """Train every (model, cap) on two gloo ranks; the median measured step time of each (ms)."""
+def _measure(out: str, steps: int, rounds: int) -> dict[tuple[str, float], list[float]]:
+    """Train every (model, cap) on two gloo ranks; the measured step time of each per round (ms)."""
     import torch.multiprocessing as mp
 
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -179,7 +179,7 @@ def _measure(out: str, steps: int, rounds: int) -> dict[tuple[str, float], float
     try:
         for p in procs:
             p.start()
-        measured: dict[tuple[str, float], float] = queue.get(timeout=3600)
+        measured: dict[tuple[str, float], list[float]] = queue.get(timeout=3600)
         for p in procs:
             p.join(60)
     finally:
@@ -187,6 +187,80 @@ def _measure(out: str, steps: int, rounds: int) -> dict[tuple[str, float], float
             if p.is_alive():
                 p.kill()
     return measured
+
+
+def _load_measured(path: Path) -> dict[tuple[str, float], list[float]]:
+    """``measured.json``: per (model, cap) the measured step per round (an older file kept only the median)."""
+    raw = json.loads(path.read_text())
+    return {(m, float(c)): (v if isinstance(v, list) else [v]) for m, c, v in raw}
+
+
+def _predictions(
+    out: str, base: float, rounds: int, measured: dict[tuple[str, float], list[float]]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per (model, cap, round): the step predicted from that round's base run against the one measured
+    in the same round; and per model what the report advised from the base run."""
+    from ddpdoctor.analysis.from_run import what_if_run
+    from ddpdoctor.runlog import load_run
+
+    rows, picks = [], {}
+    for model_name in MODELS:
+        for rnd in range(rounds):
+            run = load_run(Path(out) / f"{model_name}-{base:g}-r{rnd}")
+            w = what_if_run(run, caps_mb=CAPS)
+            base_ms = measured[(model_name, base)][min(rnd, len(measured[(model_name, base)]) - 1)]
+            if w is None:
+                print(f"{model_name} from {base:g} MiB, round {rnd}: no prediction (not enough samples)")
+                continue
+            by_cap = {round(c.cap_mb, 3): c for c in w.candidates}
+            for cap in CAPS:
+                per_round = measured[(model_name, cap)]
+                meas = per_round[min(rnd, len(per_round) - 1)]
+                # prediction against prediction, in the base run's measured ms: what the advice uses
+                pred = base_ms * by_cap[cap].step_ms / w.current.step_ms
+                rows.append(
+                    {
+                        "base": base,
+                        "model": model_name,
+                        "round": rnd,
+                        "bucket_cap_mb": cap,
+                        "buckets": by_cap[cap].buckets,
+                        "predicted_ms": round(pred, 2),
+                        "measured_ms": round(meas, 2),
+                        "error_pct": round(100 * abs(pred - meas) / meas, 1),
+                    }
+                )
+            if rnd == 0:
+                medians = {c: statistics.median(measured[(model_name, c)]) for c in CAPS}
+                rec = w.recommended.cap_mb if w.recommended else None
+                picks[f"{model_name} from {base:g}"] = {
+                    "advice": _advice(run),
+                    "verdict": w.verdict,
+                    "recommended": rec,
+                    "measured_base_ms": round(medians[base], 2),
+                    "measured_recommended_ms": round(medians[round(rec, 3)], 2) if rec else None,
+                    "measured_best": min(CAPS, key=medians.__getitem__),
+                    "measured_best_ms": round(min(medians.values()), 2),
+                    "confidence": w.confidence,
+                    "calibration_error_pct": round(w.calibration_error_pct, 1),
+                    "gain_ms": [round(w.gain_ms, 2), round(w.low_gain_ms, 2)] if rec else None,
+                    "comm_model": w.to_dict()["comm_model"],
+                }
+    return rows, picks
+
+
+def _same_layout_spread(rows: list[dict[str, Any]]) -> list[float]:
+    """Per (model, round), how far apart caps with the same layout measured (%): the error a perfect
+    replay would show here, the machine's own noise."""
+    spread = []
+    groups: dict[tuple[str, int, int], list[float]] = {}
+    for r in rows:
+        if r["base"] == rows[0]["base"]:
+            groups.setdefault((r["model"], r["round"], r["buckets"]), []).append(r["measured_ms"])
+    for times in groups.values():
+        if len(times) > 1:
+            spread.append(100 * (max(times) / min(times) - 1))
+    return spread
 
 
 def main() -> int:
@@ -199,86 +273,58 @@ def main() -> int:
     ap.add_argument("--reuse", type=Path, help="predict again from the logs a --keep run left (no training)")
     args = ap.parse_args()
     bases = sorted({args.base, min(CAPS)})  # the default-like cap, and the smallest (latency-bound)
-    from ddpdoctor.analysis.bucket_sim import Prediction
-    from ddpdoctor.analysis.from_run import what_if_run
-    from ddpdoctor.runlog import load_run
 
     keep = args.reuse or args.keep
     with tempfile.TemporaryDirectory(prefix="ddpdoctor-whatif-") as tmp:
         out = str(keep) if keep else tmp
         if args.reuse:
-            raw = json.loads((args.reuse / "measured.json").read_text())
-            measured = {(m, float(c)): v for m, c, v in raw}
+            measured = _load_measured(args.reuse / "measured.json")
         else:
+            load = os.getloadavg()[0]
             measured = _measure(out, args.steps, args.rounds)
+            print(f"load average (1 min) {load:.1f} before, {os.getloadavg()[0]:.1f} after")
             if args.keep:
                 (args.keep / "measured.json").write_text(json.dumps([[m, c, v] for (m, c), v in measured.items()]))
-        rows, errors, picks = [], [], {}
+        rows: list[dict[str, Any]] = []
+        picks: dict[str, Any] = {}
         for base in bases:
-            for model_name in MODELS:
-                runs = [load_run(Path(out) / f"{model_name}-{base:g}-r{rnd}") for rnd in range(args.rounds)]
-                whatifs = [w for run in runs if (w := what_if_run(run, caps_mb=CAPS))]
-                if not whatifs:
-                    print(f"{model_name} from {base:g} MiB: no prediction (not enough samples)")
-                    continue
-                w = whatifs[0]
-                by_cap = [{round(c.cap_mb, 3): c for c in x.candidates} for x in whatifs]
-                predicted = {
-                    cap: Prediction(
-                        cap_mb=cap,
-                        buckets=by_cap[0][cap].buckets,
-                        step_ms=statistics.median(b[cap].step_ms for b in by_cap),
-                    )
-                    for cap in CAPS
-                }
-                for cap in CAPS:
-                    pred = predicted[cap].step_ms  # calibrated by what_if on the base run's own measured step
-                    meas = measured[(model_name, cap)]
-                    err = abs(pred - meas) / meas
-                    if cap != base:  # the base run is the calibration point: its error is 0 by construction
-                        errors.append(err)
-                    rows.append(
-                        {
-                            "base": base,
-                            "model": model_name,
-                            "bucket_cap_mb": cap,
-                            "buckets": predicted[cap].buckets,
-                            "predicted_ms": round(pred, 2),
-                            "measured_ms": round(meas, 2),
-                            "error_pct": round(100 * err, 1),
-                        }
-                    )
-                best_meas = min(CAPS, key=lambda c: measured[(model_name, c)])
-                # what the report advises from the base run (bucket-size, or exposed-communication's advice)
-                advice = _advice(runs[0])
-                picks[f"{model_name} from {base:g}"] = {
-                    "advice": advice,
-                    "measured_best": best_meas,
-                    "measured_base_ms": round(measured[(model_name, base)], 2),
-                    "measured_best_ms": round(measured[(model_name, best_meas)], 2),
-                    "confidence": w.confidence,
-                    "calibration_error_pct": round(w.calibration_error_pct, 1),
-                    "comm_model": w.to_dict()["comm_model"],
-                }
+            base_rows, base_picks = _predictions(out, base, args.rounds, measured)
+            rows += base_rows
+            picks.update(base_picks)
     print(f"{'base':>5} {'model':<11} {'cap MiB':>7} {'buckets':>7} {'predicted':>10} {'measured':>9} {'error':>6}")
     for r in rows:
         print(
             f"{r['base']:>5g} {r['model']:<11} {r['bucket_cap_mb']:>7g} {r['buckets']:>7} {r['predicted_ms']:>8.1f}ms "
-            f"{r['measured_ms']:>7.1f}ms {r['error_pct']:>5.1f}%"
+            f"{r['measured_ms']:>7.1f}ms {r['error_pct']:>5.1f}%  (round {r['round']})"
         )
-    if errors:
+    for base in bases:
+        errors = [r["error_pct"] for r in rows if r["base"] == base and r["bucket_cap_mb"] != base]
+        if errors:
+            print(
+                f"from {base:g} MiB: median prediction error {statistics.median(errors):.1f}% over {len(errors)} "
+                f"(model, cap, round) (max {max(errors):.1f}%)"
+            )
+    spread = _same_layout_spread(rows)
+    if spread:
         print(
-            f"median prediction error: {100 * statistics.median(errors):.1f}% over the {len(errors)} (model, cap) "
-            f"pairs other than the base runs (max {100 * max(errors):.1f}%)"
+            f"the noise: caps with the same layout in one round measured {statistics.median(spread):.1f}% apart "
+            f"(median; max {max(spread):.1f}%)"
         )
     for m, pick in picks.items():
+        rec = pick["recommended"]
+        outcome = (
+            f"recommended {rec:g} MiB (predicted saving {pick['gain_ms'][0]} ms, at least {pick['gain_ms'][1]} "
+            f"in 3 of 4 steps), measured {pick['measured_recommended_ms']} ms"
+            if rec
+            else f"no cap recommended ({pick['verdict']})"
+        )
         print(
             f"{m}: measured {pick['measured_base_ms']} ms there, best {pick['measured_best']:g} MiB "
-            f"({pick['measured_best_ms']} ms); confidence {pick['confidence']} (calibration "
+            f"({pick['measured_best_ms']} ms); {outcome}; confidence {pick['confidence']} (calibration "
             f"{pick['calibration_error_pct']}%); advice: {pick['advice']}"
         )
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "picks": picks}, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "picks": picks, "same_layout_spread_pct": spread}, indent=2))
     return 0
 
 
