@@ -53,9 +53,9 @@ def test_a_cap_that_splits_every_weight_gets_a_bucket_size_recommendation(run: d
     assert w is not None
     assert w.current.buckets == len(run.ranks[0].layouts[-1].buckets)
     assert w.model.samples >= 20 and w.model.latency_us >= 0 and w.hook.us(16 << 10) > 0
-    best = w.best
-    assert best.cap_mb >= 1.0 and best.buckets < w.current.buckets
-    assert best.step_ms < w.current.step_ms
+    best = w.recommended
+    assert best is not None and best.cap_mb >= 1.0 and best.buckets < w.current.buckets
+    assert best.step_ms < w.current.step_ms and w.low_gain_ms > 0
     report = ddpdoctor.analyze(run)
     [finding] = [f for f in report.findings if f.code == "bucket-size"]
     assert finding.evidence["recommended_bucket_cap_mb"] == best.cap_mb
