@@ -35,7 +35,7 @@ class CommModel:
     samples: int
     sizes: int  # distinct bucket sizes seen: with one, the split between latency and bandwidth is a guess
     r2: float  # share of the duration variance the line explains (1.0 when there is one size)
-    median_abs_error_pct: float  # typical misfit of one sample
+    median_abs_error_pct: float  # typical misfit of the line at a size (against that size's mean time)
     typical_bytes: float = 0.0  # the median bucket size sampled
     size_ratio: float = 1.0  # the largest bucket size sampled over the smallest
 
@@ -143,7 +143,11 @@ def fit_comm_model(steps_by_rank: dict[int, list[Step]], skip_steps: int = 2) ->
     if line is None:
         return None
     latency, slope, r2, sizes = line
-    errors = [abs(latency + slope * n - us) / us for n, us in samples if us > 0]
+    by_size: dict[int, list[float]] = {}
+    for n, us in samples:
+        by_size.setdefault(n, []).append(us)
+    # against each size's mean: single all-reduces are bursty (most near 0 on a loaded host, a few long)
+    errors = [abs(latency + slope * n - fmean(t)) / fmean(t) for n, t in by_size.items() if fmean(t) > 0]
     return CommModel(
         latency_us=latency,
         us_per_byte=slope,
