@@ -1,7 +1,7 @@
 """Bucket what-if validation: predicted vs measured step time over bucket_cap_mb, on real 2-rank gloo runs.
 
 usage: python bench/bucket_whatif.py [--steps 20] [--rounds 3] [--base 25] [--json FILE]
-                                     [--keep DIR | --reuse DIR]
+                                     [--keep DIR | --reuse DIR [DIR ...]]
 
 Four model shapes (``mlp-1mib``: about 1 MiB of gradients in 17 tensors, so one bucket per
 tensor at 0.01 MiB; many small layers; a few large ones; mixed) are trained on two gloo ranks on
@@ -134,7 +134,7 @@ def worker(rank: int, world: int, port: int, out: str, steps: int, rounds: int, 
                 ddp = DDP(net, bucket_cap_mb=cap)
                 opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
                 times = []
-                with ddpdoctor.instrument(ddp, run_dir=Path(out) / f"{model_name}-{cap:g}-r{rnd}", check_every=5):
+                with ddpdoctor.instrument(ddp, run_dir=Path(out) / f"{model_name}-{cap:g}-r{rnd}", check_every=3):
                     for i in range(steps + 5):
                         t = time.perf_counter()
                         loss = ddp(x).square().mean()
@@ -253,14 +253,45 @@ def _same_layout_spread(rows: list[dict[str, Any]]) -> list[float]:
     """Per (model, round), how far apart caps with the same layout measured (%): the error a perfect
     replay would show here, the machine's own noise."""
     spread = []
-    groups: dict[tuple[str, int, int], list[float]] = {}
+    groups: dict[tuple[int, str, int, int], list[float]] = {}
     for r in rows:
         if r["base"] == rows[0]["base"]:
-            groups.setdefault((r["model"], r["round"], r["buckets"]), []).append(r["measured_ms"])
+            groups.setdefault((r.get("set", 0), r["model"], r["round"], r["buckets"]), []).append(r["measured_ms"])
     for times in groups.values():
         if len(times) > 1:
             spread.append(100 * (max(times) / min(times) - 1))
     return spread
+
+
+def _rounds_in(out: Path) -> int:
+    """How many rounds a kept run holds (one log directory per model, cap and round)."""
+    return len(list(out.glob(f"{MODELS[0]}-{CAPS[0]:g}-r*")))
+
+
+def _pooled(rows: list[dict[str, Any]]) -> None:
+    """Over every round of every set: per (base, model, cap) the median of predicted and of measured
+    step against the same round's base run, and how far apart they are."""
+    base_ms = {
+        (r["set"], r["base"], r["model"], r["round"]): r["measured_ms"] for r in rows if r["bucket_cap_mb"] == r["base"]
+    }
+    ratios: dict[tuple[float, str, float], tuple[list[float], list[float]]] = {}
+    for r in rows:
+        if r["bucket_cap_mb"] != r["base"]:
+            b = base_ms[(r["set"], r["base"], r["model"], r["round"])]
+            pred, meas = ratios.setdefault((r["base"], r["model"], r["bucket_cap_mb"]), ([], []))
+            pred.append(r["predicted_ms"] / b)
+            meas.append(r["measured_ms"] / b)
+    errors = []
+    for (base, model, cap), (pred, meas) in sorted(ratios.items()):
+        p, m = statistics.median(pred), statistics.median(meas)
+        errors.append(100 * abs(p - m) / m)
+        print(
+            f"{base:>5g} {model:<11} {cap:>7g}  predicted x{p:.2f}  measured x{m:.2f} ({min(meas):.2f}-{max(meas):.2f})"
+        )
+    print(
+        f"pooled over {len(meas)} rounds: median error {statistics.median(errors):.1f}% over {len(errors)} "
+        f"(model, cap) of the step against the base run's (max {max(errors):.1f}%)"
+    )
 
 
 def main() -> int:
@@ -270,27 +301,30 @@ def main() -> int:
     ap.add_argument("--base", type=float, default=25.0, help="the cap whose run the simulator sees")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", type=Path, help="keep the runs' logs and measured times here")
-    ap.add_argument("--reuse", type=Path, help="predict again from the logs a --keep run left (no training)")
+    ap.add_argument(
+        "--reuse", type=Path, nargs="+", help="predict again from the logs --keep runs left (no training); pools them"
+    )
     args = ap.parse_args()
     bases = sorted({args.base, min(CAPS)})  # the default-like cap, and the smallest (latency-bound)
 
-    keep = args.reuse or args.keep
-    with tempfile.TemporaryDirectory(prefix="ddpdoctor-whatif-") as tmp:
-        out = str(keep) if keep else tmp
-        if args.reuse:
-            measured = _load_measured(args.reuse / "measured.json")
-        else:
-            load = os.getloadavg()[0]
-            measured = _measure(out, args.steps, args.rounds)
-            print(f"load average (1 min) {load:.1f} before, {os.getloadavg()[0]:.1f} after")
-            if args.keep:
-                (args.keep / "measured.json").write_text(json.dumps([[m, c, v] for (m, c), v in measured.items()]))
-        rows: list[dict[str, Any]] = []
-        picks: dict[str, Any] = {}
-        for base in bases:
-            base_rows, base_picks = _predictions(out, base, args.rounds, measured)
-            rows += base_rows
-            picks.update(base_picks)
+    rows: list[dict[str, Any]] = []
+    picks: dict[str, Any] = {}
+    for n, source in enumerate(args.reuse or [None]):
+        with tempfile.TemporaryDirectory(prefix="ddpdoctor-whatif-") as tmp:
+            out = str(source or args.keep or tmp)
+            if source is not None:
+                measured, rounds = _load_measured(source / "measured.json"), _rounds_in(source)
+            else:
+                load, rounds = os.getloadavg()[0], args.rounds
+                measured = _measure(out, args.steps, rounds)
+                print(f"load average (1 min) {load:.1f} before, {os.getloadavg()[0]:.1f} after")
+                if args.keep:
+                    (args.keep / "measured.json").write_text(json.dumps([[m, c, v] for (m, c), v in measured.items()]))
+            for base in bases:
+                base_rows, base_picks = _predictions(out, base, rounds, measured)
+                rows += [{**r, "set": n} for r in base_rows]
+                if n == 0:
+                    picks.update(base_picks)
     print(f"{'base':>5} {'model':<11} {'cap MiB':>7} {'buckets':>7} {'predicted':>10} {'measured':>9} {'error':>6}")
     for r in rows:
         print(
@@ -323,6 +357,8 @@ def main() -> int:
             f"({pick['measured_best_ms']} ms); {outcome}; confidence {pick['confidence']} (calibration "
             f"{pick['calibration_error_pct']}%); advice: {pick['advice']}"
         )
+    if args.reuse and len(args.reuse) > 1:
+        _pooled(rows)
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "picks": picks, "same_layout_spread_pct": spread}, indent=2))
     return 0

@@ -222,7 +222,10 @@ def _recommend(w: WhatIf, header: Header, jobs: list[JobSample]) -> None:
             "(a run at another cap would tell)"
         )
     else:
-        w.verdict = f"no other bucket_cap_mb is predicted to save {need:.1f} ms (5%) or more in most replayed steps"
+        w.verdict = (
+            f"no other bucket_cap_mb is predicted to save {need:.1f} ms or more (5% of the step, 0.5 ms at least) "
+            "in three of four replayed steps"
+        )
 
 
 def bucket_size(ranks: Mapping[int, RankBackward]) -> list[Finding]:
@@ -255,7 +258,7 @@ def bucket_size(ranks: Mapping[int, RankBackward]) -> list[Finding]:
                 f"current configuration within {w.calibration_error_pct:.0f}% of the measured "
                 f"{w.measured_step_ms:.1f} ms."
                 + (
-                    f" {_one_size(w.model).capitalize()}: the saving holds whether their time is fixed or per byte."
+                    f" {_one_size(w.model, capital=True)}: the saving holds whether their time is fixed or per byte."
                     if not w.model.split_known
                     else ""
                 )
@@ -274,10 +277,14 @@ def bucket_size(ranks: Mapping[int, RankBackward]) -> list[Finding]:
     ]
 
 
-def _one_size(model: CommModel) -> str:
-    if model.size_ratio <= 1.0:
-        return f"every all-reduce had one size ({model.typical_bytes / 2**20:.3g} MiB)"
-    return f"the all-reduces' sizes were within {model.size_ratio:.2g}x of each other"
+def _one_size(model: CommModel, capital: bool = False) -> str:
+    """Why the fixed cost of an all-reduce is not measured: its sizes."""
+    text = (
+        f"every all-reduce had one size ({model.typical_bytes / 2**20:.3g} MiB)"
+        if model.size_ratio <= 1.0
+        else f"the all-reduces' sizes were within {model.size_ratio:.2g}x of each other"
+    )
+    return text[0].upper() + text[1:] if capital else text
 
 
 def _buckets(n: int) -> str:

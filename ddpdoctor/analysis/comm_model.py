@@ -15,7 +15,6 @@ measured (``CommModel.split_known``): the advice then bounds a saving by both ex
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from statistics import fmean, median
 from typing import cast
@@ -35,7 +34,7 @@ class CommModel:
     samples: int
     sizes: int  # distinct bucket sizes seen: with one, the split between latency and bandwidth is a guess
     r2: float  # share of the duration variance the line explains (1.0 when there is one size)
-    median_abs_error_pct: float  # typical misfit of the line at a size (against that size's mean time)
+    median_abs_error_pct: float  # typical misfit of the line at a size (against that size's time)
     typical_bytes: float = 0.0  # the median bucket size sampled
     size_ratio: float = 1.0  # the largest bucket size sampled over the smallest
 
@@ -95,16 +94,13 @@ def bucket_durations(steps_by_rank: dict[int, list[Step]]) -> dict[tuple[int, in
     return out
 
 
-def fit_line(
-    points: list[tuple[int, float]], center: Callable[[list[float]], float] = median
-) -> tuple[float, float, float, int] | None:
+def fit_line(points: list[tuple[int, float]]) -> tuple[float, float, float, int] | None:
     """(intercept, slope, r2, distinct x) of a least-squares line through (bytes, µs) points.
 
-    One point per distinct size (``center`` of its times: the median, or the mean where rare long
-    times are part of the cost), so a size seen in every step does not outweigh the rest. With a
-    single size the split between intercept and slope is not determined: a tenth of the time is
-    taken as the fixed part. Times that do not grow with the size give a flat line at their
-    median; a line that noise made start below zero goes through zero.
+    One point per distinct size (its median), so a size seen in every step does not outweigh the
+    rest. With a single size the split between intercept and slope is not determined: a tenth of
+    the time is taken as the fixed part. Times that do not grow with the size give a flat line at
+    their median; a line that noise made start below zero goes through zero.
     """
     if not points:
         return None
@@ -112,7 +108,7 @@ def fit_line(
     for nbytes, us in points:
         by_size.setdefault(nbytes, []).append(us)
     xs = sorted(by_size)
-    ys = [center(by_size[x]) for x in xs]
+    ys = [median(by_size[x]) for x in xs]
     if len(xs) == 1 or max(xs) - min(xs) < 0.05 * max(xs):
         fixed = 0.1 * median(ys)
         return fixed, (median(ys) - fixed) / max(1.0, median(xs)), 1.0, len(xs)
@@ -135,19 +131,27 @@ def fit_comm_model(steps_by_rank: dict[int, list[Step]], skip_steps: int = 2) ->
     first all-reduces pay for connection set-up.
     """
     later = {r: [s for s in steps if s.step >= skip_steps] for r, steps in steps_by_rank.items()}
-    samples = list(bucket_durations(later).values())
-    # the mean time per size: on a loaded host most all-reduces finish at once after the one before,
-    # and a few wait milliseconds for a descheduled thread; each all-reduce risks that wait, so the
-    # mean is what one costs (the median, near zero, missed a third of such a run's step)
-    line = fit_line(samples, fmean) if len(samples) >= 3 else None
+    durations = bucket_durations(later)
+    if len(durations) < 3:
+        return None
+    # per size, the mean time in each step, then the median over steps: on a loaded host most
+    # all-reduces finish at once after the one before and a few wait milliseconds for a descheduled
+    # thread, a risk each all-reduce runs (the median of single all-reduces, near zero, missed a
+    # third of such a run's step); a step the whole process lost the cores in is one step of many
+    in_step: dict[tuple[int, int], list[float]] = {}
+    for (step, _), (nbytes, us) in durations.items():
+        in_step.setdefault((nbytes, step), []).append(us)
+    points = [(nbytes, fmean(times)) for (nbytes, _), times in in_step.items()]
+    line = fit_line(points)
     if line is None:
         return None
     latency, slope, r2, sizes = line
     by_size: dict[int, list[float]] = {}
-    for n, us in samples:
-        by_size.setdefault(n, []).append(us)
-    # against each size's mean: single all-reduces are bursty (most near 0 on a loaded host, a few long)
-    errors = [abs(latency + slope * n - fmean(t)) / fmean(t) for n, t in by_size.items() if fmean(t) > 0]
+    for nbytes, us in points:
+        by_size.setdefault(nbytes, []).append(us)
+    centers = {nbytes: median(times) for nbytes, times in by_size.items()}
+    errors = [abs(latency + slope * n - c) / c for n, c in centers.items() if c > 0]
+    samples = list(durations.values())
     return CommModel(
         latency_us=latency,
         us_per_byte=slope,
