@@ -3,73 +3,36 @@
 usage: python bench/bucket_whatif.py [--steps 20] [--rounds 3] [--base 25] [--json FILE]
                                      [--keep DIR | --reuse DIR [DIR ...]]
 
-Four model shapes (``mlp-1mib``: about 1 MiB of gradients in 17 tensors, so one bucket per
-tensor at 0.01 MiB; many small layers; a few large ones; mixed) are trained on two gloo ranks on
-CPU with each ``bucket_cap_mb`` in {0.01, 0.1, 1, 5, 25, 100}, instrumented by ddpdoctor
-(sampled checks every 5 steps, so the per-parameter gradient-ready times are there). All runs
-share one process group and run one after another, in ``--rounds`` rounds that visit the caps in
-a rotated order (the machine's speed drifts). The measured step time of a run is the median over
-its timed steps of the slower rank's wall time per step (``time.perf_counter`` around the whole
-step); a (model, cap) gets the median over its rounds.
+Four model shapes (``mlp-1mib``: about 1 MiB of gradients in 18 tensors, 8 buckets at 0.01 MiB;
+``many-small``: 48 layers, a bucket each at 0.01 MiB; ``few-large``: three 9 MiB weights;
+``mixed``: two large layers and 24 small ones) are trained on two gloo ranks on CPU with each
+``bucket_cap_mb`` in {0.01, 0.1, 1, 5, 25, 100}, instrumented by ddpdoctor (sampled checks every
+3 steps: the per-parameter gradient-ready times). All runs share one process group and run one
+after another, in ``--rounds`` rounds that visit the caps in a rotated order (the machine's speed
+drifts). A run's measured step time is the median over its timed steps of the slower rank's wall
+time per step (``time.perf_counter`` around the whole step).
 
 The simulator sees only the logs of the base runs of each model: ``--base`` (default 25) and the
-smallest cap, 0.01 MiB (a latency-bound run, where the advice once named the run's own cap as
-the best); the median of their rounds' predictions is used. The script prints predicted vs
-measured per base, the median prediction error, and what the report advises from each base run
-(``bucket-size``, or the bucket part of ``exposed-communication``) against the measured best.
-``--keep DIR`` keeps the logs and the measured times; ``--reuse DIR`` predicts again from them.
+smallest cap, 0.01 MiB (a latency-bound layout). Each round's base run predicts every cap, set
+against the same round's measured step: the prediction for cap c is the base run's measured step
+times predicted(c) / predicted(base), prediction against prediction as the advice uses it. It
+prints per (model, cap, round) predicted and measured, the median error from each base, the
+noise (how far apart caps with the same layout measured in one round), and what the report says
+from each model's first base run: the cap it recommends, with the measured step there, or its
+verdict on why it names none. ``--keep DIR`` keeps the logs and the measured times; ``--reuse DIR
+[DIR ...]`` predicts again from them (no training) and, given several, pools their rounds: per
+(base, model, cap) the median over rounds of predicted and of measured step against the base's.
 
-Measured with ``python bench/bucket_whatif.py --steps 15 --rounds 2 --keep DIR`` on a shared
-2-core CPU machine (load average 9 to 13 from other work: the same layout measured at several
-caps, e.g. few-large's 3 buckets at 0.01 to 5 MiB, spread 271 to 392 ms, so differences under
-about 35% are noise here):
-
-    base model       cap MiB buckets  predicted  measured  error
-    0.01 mlp-1mib       0.01       8     29.2ms    33.4ms  12.7%
-    0.01 mlp-1mib        0.1       8     29.2ms    18.0ms  62.0%
-    0.01 mlp-1mib          1       1      9.8ms    12.2ms  19.7%
-    0.01 mlp-1mib          5       1      9.8ms    25.2ms  61.2%
-    0.01 mlp-1mib         25       1      9.8ms    15.3ms  35.8%
-    0.01 mlp-1mib        100       1      9.8ms    14.1ms  30.5%
-    0.01 many-small     0.01      48    444.0ms   241.3ms  84.0%
-    0.01 many-small        1      12    435.1ms   156.4ms 178.2%
-    0.01 many-small       25       1    442.1ms   248.6ms  77.9%
-    0.01 few-large      0.01       3    351.0ms   392.0ms  10.5%
-    0.01 few-large        25       1    362.4ms   394.3ms   8.1%
-    0.01 mixed          0.01      26    345.9ms   510.6ms  32.3%
-    0.01 mixed             1       3    295.4ms   221.6ms  33.3%
-    0.01 mixed             5       1    296.6ms   160.1ms  85.2%
-      25 mlp-1mib       0.01       8     69.9ms    33.4ms 109.0%
-      25 mlp-1mib          1       1     21.8ms    12.2ms  78.6%
-      25 mlp-1mib         25       1     21.8ms    15.3ms  42.8%
-      25 many-small     0.01      48    282.6ms   241.3ms  17.1%
-      25 many-small        1      12    234.4ms   156.4ms  49.9%
-      25 many-small        5       3    223.3ms   207.7ms   7.5%
-      25 many-small       25       1    240.2ms   248.6ms   3.4%
-      25 few-large      0.01       3    372.8ms   392.0ms   4.9%
-      25 few-large        25       1    430.1ms   394.3ms   9.1%
-      25 mixed          0.01      26   1371.7ms   510.6ms 168.7%
-      25 mixed             1       3    262.6ms   221.6ms  18.5%
-      25 mixed             5       1    192.2ms   160.1ms  20.0%
-    median prediction error: 36.3% over the 40 (model, cap) pairs other than the base runs
-    (max 287.7%; the table above leaves out some rows)
-
-What the report advised from each base run, against the measured best:
-
-    mlp-1mib from 0.01 (33.4 ms; best 1 MiB, 12.2 ms): bucket_cap_mb=1, 68% faster, low confidence
-    mixed from 0.01 (510.6 ms; best 5 MiB, 160.1 ms): bucket_cap_mb=2, 21% faster, low confidence
-    few-large from 0.01 (392.0 ms; 25 MiB measured 394.3 ms): bucket_cap_mb=25, 11% faster, low
-        confidence (the 3 buckets at 0.01 are the 3 tensors: within the noise)
-    many-small from 0.01 (241.3 ms; best 1 MiB, 156.4 ms): nothing about the cap (predicted flat)
-    mlp-1mib from 25 (15.3 ms): "the bucket replay cannot predict this run ... says nothing of
-        bucket_cap_mb" (it missed the run by 45%)
-    many-small from 25 (248.6 ms): bucket_cap_mb=5, 9% faster (measured 207.7 ms)
-    few-large from 25 (394.3 ms): bucket_cap_mb=5, 17% faster (measured 290.2 ms)
-    mixed from 25 (164.3 ms; best 5 MiB, 160.1 ms): nothing about the cap
-
-From a 0.01 MiB run the advice never names 0.01 (the run's own cap) and recommends a larger one
-where it predicts a gain; no recommended cap measured slower beyond the noise (few-large from
-0.01: 392.0 -> 394.3 ms).
+Measured on 2026-12-06 on a shared 2-core CPU machine (load average 17 to 18 from other work),
+``--steps 15 --rounds 3``: median error 25.2% from 0.01 MiB and 22.4% from 25 MiB over 60 (model,
+cap, round) each, with caps of the same layout 20.7% apart in one round (median; max 184%). No cap
+was recommended from the eight base runs of round 0: four saved less than 5% in three of four
+replayed steps, four had buckets of one size (or within 1.4x) and gave a range instead, e.g.
+``many-small`` from 0.01 MiB: "every all-reduce had one size (0.251 MiB) ... bucket_cap_mb=1 would
+change the step by between -14.3 and +4.9 ms".
+Pooled with four earlier runs (13 rounds, load average 0 to 23): the replay of a base run's own
+layout within 6.5% of its measured step (median; the model before: 14.7%), each cap against its
+base within 11.8% (before: 14.7%, max 369.5% against 76.0% now). BENCHMARKS.md has the table.
 """
 
 from __future__ import annotations
@@ -97,7 +60,7 @@ def build(name: str) -> tuple[object, object]:
     from torch import nn
 
     torch.manual_seed(0)
-    if name == "mlp-1mib":  # ~1 MiB of gradients in 17 tensors: 16 buckets at bucket_cap_mb=0.01
+    if name == "mlp-1mib":  # ~1 MiB of gradients in 18 tensors: 8 buckets at bucket_cap_mb=0.01
         return nn.Sequential(
             nn.Linear(256, 180), *[m for _ in range(7) for m in (nn.Linear(180, 180), nn.ReLU())], nn.Linear(180, 4)
         ), torch.randn(32, 256)
