@@ -119,6 +119,11 @@ def test_a_latency_bound_run_gets_a_larger_cap_with_its_saving(latency_bound: Pa
     assert f"bucket_cap_mb={cap_text(rec.cap_mb)} is predicted to make the step" in finding.title
     assert "ms saved, at least" in finding.detail and "three of four replayed steps" in finding.detail
     assert "0.00999" not in _said(report)
+    # exposed-communication's advice names the same cap (where the host's load leaves it a warning)
+    exposed = [f for f in report.findings if f.code == "exposed-communication" and f.severity == "warning"]
+    for f in exposed:
+        assert f.evidence["predicted"]["recommended_bucket_cap_mb"] == rec.cap_mb
+        assert f"DistributedDataParallel(net, bucket_cap_mb={cap_text(rec.cap_mb)})" in f.fix
 
 
 def test_a_run_at_a_good_cap_gets_no_bucket_advice(latency_bound: Path) -> None:

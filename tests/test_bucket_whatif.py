@@ -11,15 +11,15 @@ import ddpdoctor
 from ddpdoctor.analysis.bucket_sim import MIB, assign_buckets, samples_of
 from ddpdoctor.analysis.from_run import what_if_run
 from ddpdoctor.analysis.sizes import dtype_bytes
+from tests.bucket_workers import whatif_run
 from tests.ddp_harness import run_ranks
-from tests.runtime_workers import whatif_run
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> ddpdoctor.Run:
     tmp = tmp_path_factory.mktemp("whatif")
     # every all-reduce has a fixed cost, which is what makes a bucket per weight costly: a planted
-    # 2 ms (a slow link's latency, whatever the host's load), and on this project's 2-core hosts
+    # 6 ms (a slow link's latency, whatever the host's load), and on this project's 2-core hosts
     # three ranks wait for a core besides (see whatif_run)
     run_ranks(whatif_run, 3, args=(str(tmp),))
     return ddpdoctor.load_run(Path(tmp) / "whatif")
