@@ -68,14 +68,14 @@ def latency_bound_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
 
 def whatif_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    """``_stack`` at 10 KB buckets (a bucket per weight: a poor bucket_cap_mb) on three ranks, 14 steps.
+    """``_stack`` at 10 KB buckets (a bucket per weight: a poor bucket_cap_mb) on three ranks, 24 steps.
 
     The buckets come in two sizes eight times apart (64 and 8 KB weights), so the all-reduce cost
     model tells its fixed part from its per-byte part (with sizes twice apart, 16 and 8 KB, a noisy
     median once moved the fixed part by half). A bucket per weight costs only where each
     all-reduce has a fixed cost to pay, and a loaded host's own (2-3 ms with three ranks on two
-    cores) comes and goes with its load: each all-reduce also pays a planted one, ``LINK_MS``
-    (at 2 ms, a load average of 15 once left the saving in two replayed steps of seven under the
-    5% the advice asks for)."""
-    _train(SMALL_CAP_MB, Path(tmp) / "whatif", steps=14)
+    cores) comes and goes with its load: each all-reduce also pays a planted one, ``LINK_MS``.
+    Three ranks on two cores jitter by tens of ms a step under load: 11 sampled steps (with 7, a
+    load average of 13 once left the saving in two of them under the 5% the advice asks for)."""
+    _train(SMALL_CAP_MB, Path(tmp) / "whatif", steps=24)
     return {"rank": rank}
