@@ -10,9 +10,9 @@ import pytest
 
 import ddpdoctor
 from ddpdoctor.analysis.bucket_sim import Prediction
-from ddpdoctor.analysis.bucket_size import cap_text, same_cap, savings
+from ddpdoctor.analysis.bucket_size import MAX_REPLAYED_RANKS, cap_text, job_of, same_cap, savings, what_if
 from ddpdoctor.analysis.comm_advice import _bucket_advice
-from ddpdoctor.analysis.from_run import what_if_run
+from ddpdoctor.analysis.from_run import rank_backward, what_if_run
 from tests.bucket_workers import LINK_MS, latency_bound_runs
 from tests.ddp_harness import run_ranks
 from tests.zoo_runs import ZooRuns
@@ -140,3 +140,15 @@ def test_a_run_at_a_good_cap_gets_no_bucket_advice(latency_bound: Path) -> None:
         p = f.evidence.get("predicted", {})
         if p.get("method") == "replay":
             assert "recommended_bucket_cap_mb" not in p and f"nothing about bucket_cap_mb: {w.verdict}" in f.detail
+
+
+def test_a_large_job_replays_its_latest_ranks_only(latency_bound: Path) -> None:
+    run = ddpdoctor.load_run(latency_bound / "small")
+    # 20 ranks, each a copy of one of the two real ones
+    ranks = {r: rank_backward(run.ranks[r % 2]) for r in range(20)}
+    job = job_of(ranks)
+    assert job is not None
+    _, jobs = job
+    assert all(len(j.passes) == MAX_REPLAYED_RANKS for j in jobs)
+    w = what_if(ranks)
+    assert w is not None and w.current.buckets == 8

@@ -38,6 +38,8 @@ MIN_GAIN_SHARE, MIN_GAIN_MS = 0.05, 0.5
 WARN_GAIN_SHARE, WARN_GAIN_MS = 0.15, 5.0
 #: Sampled steps needed per rank.
 MIN_SAMPLES = 3
+#: Ranks replayed at most.
+MAX_REPLAYED_RANKS = 16
 
 
 def cap_text(mb: float) -> str:
@@ -146,6 +148,11 @@ def job_of(ranks: Mapping[int, RankBackward]) -> tuple[Header, list[JobSample]] 
         samples = samples_of(log.header, _as_list(log.unused), steps)
         if len(samples) >= MIN_SAMPLES:
             per_rank[r] = (samples, hook_cost(steps[-200:]))
+    if len(per_rank) > MAX_REPLAYED_RANKS:
+        # the ranks whose backward ends latest set when each all-reduce can start (a replay costs
+        # per rank: a large job's report replays these, not every rank)
+        late = sorted(per_rank, key=lambda r: median(s.bwd_end_us for s in per_rank[r][0]))
+        per_rank = {r: per_rank[r] for r in late[-MAX_REPLAYED_RANKS:]}
     jobs = job_samples(per_rank)
     header = ranks[min(per_rank)].header if per_rank else None
     return (header, jobs) if header is not None and len(jobs) >= MIN_SAMPLES else None
