@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,11 @@ SMALL_CAP_MB, GOOD_CAP_MB = 0.01, 25.0
 #: The fixed cost every all-reduce pays (ms): a slow link's latency, well above what a loaded
 #: 2-core host adds to a step. There a tiny model's backward can take 40 ms, hiding all-reduces
 #: that overlap it: at 2 and 6 ms, a load average of 13 to 20 once left the saving in one replayed
-#: step of four under the 5% the advice asks for. (Gloo's two threads run two of the delays at once.)
+#: step of four under the 5% the advice asks for.
 LINK_MS = 15.0
+#: The link carries one transfer at a time: gloo completes all-reduces on two threads, and two
+#: sleeps at once are no slow link (the replay runs all-reduces one after another).
+_LINK = threading.Lock()
 
 
 def slow_link_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real (not string) annotations
@@ -27,7 +31,8 @@ def slow_link_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks
     future = dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr]
 
     def arrived(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        time.sleep(LINK_MS / 1000.0)
+        with _LINK:
+            time.sleep(LINK_MS / 1000.0)
         return done.value()[0]
 
     return future.then(arrived)
