@@ -1,75 +1,38 @@
 """Bucket what-if validation: predicted vs measured step time over bucket_cap_mb, on real 2-rank gloo runs.
 
 usage: python bench/bucket_whatif.py [--steps 20] [--rounds 3] [--base 25] [--json FILE]
-                                     [--keep DIR | --reuse DIR]
+                                     [--keep DIR | --reuse DIR [DIR ...]]
 
-Four model shapes (``mlp-1mib``: about 1 MiB of gradients in 17 tensors, so one bucket per
-tensor at 0.01 MiB; many small layers; a few large ones; mixed) are trained on two gloo ranks on
-CPU with each ``bucket_cap_mb`` in {0.01, 0.1, 1, 5, 25, 100}, instrumented by ddpdoctor
-(sampled checks every 5 steps, so the per-parameter gradient-ready times are there). All runs
-share one process group and run one after another, in ``--rounds`` rounds that visit the caps in
-a rotated order (the machine's speed drifts). The measured step time of a run is the median over
-its timed steps of the slower rank's wall time per step (``time.perf_counter`` around the whole
-step); a (model, cap) gets the median over its rounds.
+Four model shapes (``mlp-1mib``: about 1 MiB of gradients in 18 tensors, 8 buckets at 0.01 MiB;
+``many-small``: 48 layers, a bucket each at 0.01 MiB; ``few-large``: three 9 MiB weights;
+``mixed``: two large layers and 24 small ones) are trained on two gloo ranks on CPU with each
+``bucket_cap_mb`` in {0.01, 0.1, 1, 5, 25, 100}, instrumented by ddpdoctor (sampled checks every
+3 steps: the per-parameter gradient-ready times). All runs share one process group and run one
+after another, in ``--rounds`` rounds that visit the caps in a rotated order (the machine's speed
+drifts). A run's measured step time is the median over its timed steps of the slower rank's wall
+time per step (``time.perf_counter`` around the whole step).
 
 The simulator sees only the logs of the base runs of each model: ``--base`` (default 25) and the
-smallest cap, 0.01 MiB (a latency-bound run, where the advice once named the run's own cap as
-the best); the median of their rounds' predictions is used. The script prints predicted vs
-measured per base, the median prediction error, and what the report advises from each base run
-(``bucket-size``, or the bucket part of ``exposed-communication``) against the measured best.
-``--keep DIR`` keeps the logs and the measured times; ``--reuse DIR`` predicts again from them.
+smallest cap, 0.01 MiB (a latency-bound layout). Each round's base run predicts every cap, set
+against the same round's measured step: the prediction for cap c is the base run's measured step
+times predicted(c) / predicted(base), prediction against prediction as the advice uses it. It
+prints per (model, cap, round) predicted and measured, the median error from each base, the
+noise (how far apart caps with the same layout measured in one round), and what the report says
+from each model's first base run: the cap it recommends, with the measured step there, or its
+verdict on why it names none. ``--keep DIR`` keeps the logs and the measured times; ``--reuse DIR
+[DIR ...]`` predicts again from them (no training) and, given several, pools their rounds: per
+(base, model, cap) the median over rounds of predicted and of measured step against the base's.
 
-Measured with ``python bench/bucket_whatif.py --steps 15 --rounds 2 --keep DIR`` on a shared
-2-core CPU machine (load average 9 to 13 from other work: the same layout measured at several
-caps, e.g. few-large's 3 buckets at 0.01 to 5 MiB, spread 271 to 392 ms, so differences under
-about 35% are noise here):
-
-    base model       cap MiB buckets  predicted  measured  error
-    0.01 mlp-1mib       0.01       8     29.2ms    33.4ms  12.7%
-    0.01 mlp-1mib        0.1       8     29.2ms    18.0ms  62.0%
-    0.01 mlp-1mib          1       1      9.8ms    12.2ms  19.7%
-    0.01 mlp-1mib          5       1      9.8ms    25.2ms  61.2%
-    0.01 mlp-1mib         25       1      9.8ms    15.3ms  35.8%
-    0.01 mlp-1mib        100       1      9.8ms    14.1ms  30.5%
-    0.01 many-small     0.01      48    444.0ms   241.3ms  84.0%
-    0.01 many-small        1      12    435.1ms   156.4ms 178.2%
-    0.01 many-small       25       1    442.1ms   248.6ms  77.9%
-    0.01 few-large      0.01       3    351.0ms   392.0ms  10.5%
-    0.01 few-large        25       1    362.4ms   394.3ms   8.1%
-    0.01 mixed          0.01      26    345.9ms   510.6ms  32.3%
-    0.01 mixed             1       3    295.4ms   221.6ms  33.3%
-    0.01 mixed             5       1    296.6ms   160.1ms  85.2%
-      25 mlp-1mib       0.01       8     69.9ms    33.4ms 109.0%
-      25 mlp-1mib          1       1     21.8ms    12.2ms  78.6%
-      25 mlp-1mib         25       1     21.8ms    15.3ms  42.8%
-      25 many-small     0.01      48    282.6ms   241.3ms  17.1%
-      25 many-small        1      12    234.4ms   156.4ms  49.9%
-      25 many-small        5       3    223.3ms   207.7ms   7.5%
-      25 many-small       25       1    240.2ms   248.6ms   3.4%
-      25 few-large      0.01       3    372.8ms   392.0ms   4.9%
-      25 few-large        25       1    430.1ms   394.3ms   9.1%
-      25 mixed          0.01      26   1371.7ms   510.6ms 168.7%
-      25 mixed             1       3    262.6ms   221.6ms  18.5%
-      25 mixed             5       1    192.2ms   160.1ms  20.0%
-    median prediction error: 36.3% over the 40 (model, cap) pairs other than the base runs
-    (max 287.7%; the table above leaves out some rows)
-
-What the report advised from each base run, against the measured best:
-
-    mlp-1mib from 0.01 (33.4 ms; best 1 MiB, 12.2 ms): bucket_cap_mb=1, 68% faster, low confidence
-    mixed from 0.01 (510.6 ms; best 5 MiB, 160.1 ms): bucket_cap_mb=2, 21% faster, low confidence
-    few-large from 0.01 (392.0 ms; 25 MiB measured 394.3 ms): bucket_cap_mb=25, 11% faster, low
-        confidence (the 3 buckets at 0.01 are the 3 tensors: within the noise)
-    many-small from 0.01 (241.3 ms; best 1 MiB, 156.4 ms): nothing about the cap (predicted flat)
-    mlp-1mib from 25 (15.3 ms): "the bucket replay cannot predict this run ... says nothing of
-        bucket_cap_mb" (it missed the run by 45%)
-    many-small from 25 (248.6 ms): bucket_cap_mb=5, 9% faster (measured 207.7 ms)
-    few-large from 25 (394.3 ms): bucket_cap_mb=5, 17% faster (measured 290.2 ms)
-    mixed from 25 (164.3 ms; best 5 MiB, 160.1 ms): nothing about the cap
-
-From a 0.01 MiB run the advice never names 0.01 (the run's own cap) and recommends a larger one
-where it predicts a gain; no recommended cap measured slower beyond the noise (few-large from
-0.01: 392.0 -> 394.3 ms).
+Measured on 2026-12-06 on a shared 2-core CPU machine (load average 17 to 18 from other work),
+``--steps 15 --rounds 3``: median error 25.2% from 0.01 MiB and 22.4% from 25 MiB over 60 (model,
+cap, round) each, with caps of the same layout 20.7% apart in one round (median; max 184%). No cap
+was recommended from the eight base runs of round 0: four saved less than 5% in three of four
+replayed steps, four had buckets of one size (or within 1.4x) and gave a range instead, e.g.
+``many-small`` from 0.01 MiB: "every all-reduce had one size (0.251 MiB) ... bucket_cap_mb=1 would
+change the step by between -14.3 and +4.9 ms".
+Pooled with four earlier runs (13 rounds, load average 0 to 23): the replay of a base run's own
+layout within 6.5% of its measured step (median; the model before: 14.7%), each cap against its
+base within 11.8% (before: 14.7%, max 369.5% against 76.0% now). BENCHMARKS.md has the table.
 """
 
 from __future__ import annotations
@@ -97,7 +60,7 @@ def build(name: str) -> tuple[object, object]:
     from torch import nn
 
     torch.manual_seed(0)
-    if name == "mlp-1mib":  # ~1 MiB of gradients in 17 tensors: 16 buckets at bucket_cap_mb=0.01
+    if name == "mlp-1mib":  # ~1 MiB of gradients in 18 tensors: 8 buckets at bucket_cap_mb=0.01
         return nn.Sequential(
             nn.Linear(256, 180), *[m for _ in range(7) for m in (nn.Linear(180, 180), nn.ReLU())], nn.Linear(180, 4)
         ), torch.randn(32, 256)
@@ -134,7 +97,7 @@ def worker(rank: int, world: int, port: int, out: str, steps: int, rounds: int, 
                 ddp = DDP(net, bucket_cap_mb=cap)
                 opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
                 times = []
-                with ddpdoctor.instrument(ddp, run_dir=Path(out) / f"{model_name}-{cap:g}-r{rnd}", check_every=5):
+                with ddpdoctor.instrument(ddp, run_dir=Path(out) / f"{model_name}-{cap:g}-r{rnd}", check_every=3):
                     for i in range(steps + 5):
                         t = time.perf_counter()
                         loss = ddp(x).square().mean()
@@ -148,7 +111,7 @@ def worker(rank: int, world: int, port: int, out: str, steps: int, rounds: int, 
                 results.setdefault((model_name, cap), []).append(statistics.median(per_step.tolist()) * 1000.0)
                 del ddp, opt
     if rank == 0:
-        result_q.put({k: statistics.median(v) for k, v in results.items()})
+        result_q.put(results)
     dist.barrier()
     os._exit(0)
 
@@ -167,8 +130,8 @@ def _advice(run: Any) -> str:
     return " | ".join(said) or "nothing about the bucket cap"
 
 
-def _measure(out: str, steps: int, rounds: int) -> dict[tuple[str, float], float]:
-    """Train every (model, cap) on two gloo ranks; the median measured step time of each (ms)."""
+def _measure(out: str, steps: int, rounds: int) -> dict[tuple[str, float], list[float]]:
+    """Train every (model, cap) on two gloo ranks; the measured step time of each per round (ms)."""
     import torch.multiprocessing as mp
 
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -179,7 +142,7 @@ def _measure(out: str, steps: int, rounds: int) -> dict[tuple[str, float], float
     try:
         for p in procs:
             p.start()
-        measured: dict[tuple[str, float], float] = queue.get(timeout=3600)
+        measured: dict[tuple[str, float], list[float]] = queue.get(timeout=3600)
         for p in procs:
             p.join(60)
     finally:
@@ -189,6 +152,111 @@ def _measure(out: str, steps: int, rounds: int) -> dict[tuple[str, float], float
     return measured
 
 
+def _load_measured(path: Path) -> dict[tuple[str, float], list[float]]:
+    """``measured.json``: per (model, cap) the measured step per round (an older file kept only the median)."""
+    raw = json.loads(path.read_text())
+    return {(m, float(c)): (v if isinstance(v, list) else [v]) for m, c, v in raw}
+
+
+def _predictions(
+    out: str, base: float, rounds: int, measured: dict[tuple[str, float], list[float]]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per (model, cap, round): the step predicted from that round's base run against the one measured
+    in the same round; and per model what the report advised from the base run."""
+    from ddpdoctor.analysis.from_run import what_if_run
+    from ddpdoctor.runlog import load_run
+
+    rows, picks = [], {}
+    for model_name in MODELS:
+        for rnd in range(rounds):
+            run = load_run(Path(out) / f"{model_name}-{base:g}-r{rnd}")
+            w = what_if_run(run, caps_mb=CAPS)
+            base_ms = measured[(model_name, base)][min(rnd, len(measured[(model_name, base)]) - 1)]
+            if w is None:
+                print(f"{model_name} from {base:g} MiB, round {rnd}: no prediction (not enough samples)")
+                continue
+            by_cap = {round(c.cap_mb, 3): c for c in w.candidates}
+            for cap in CAPS:
+                per_round = measured[(model_name, cap)]
+                meas = per_round[min(rnd, len(per_round) - 1)]
+                # prediction against prediction, in the base run's measured ms: what the advice uses
+                pred = base_ms * by_cap[cap].step_ms / w.current.step_ms
+                rows.append(
+                    {
+                        "base": base,
+                        "model": model_name,
+                        "round": rnd,
+                        "bucket_cap_mb": cap,
+                        "buckets": by_cap[cap].buckets,
+                        "predicted_ms": round(pred, 2),
+                        "measured_ms": round(meas, 2),
+                        "error_pct": round(100 * abs(pred - meas) / meas, 1),
+                    }
+                )
+            if rnd == 0:
+                medians = {c: statistics.median(measured[(model_name, c)]) for c in CAPS}
+                rec = w.recommended.cap_mb if w.recommended else None
+                picks[f"{model_name} from {base:g}"] = {
+                    "advice": _advice(run),
+                    "verdict": w.verdict,
+                    "recommended": rec,
+                    "measured_base_ms": round(medians[base], 2),
+                    "measured_recommended_ms": round(medians[round(rec, 3)], 2) if rec else None,
+                    "measured_best": min(CAPS, key=medians.__getitem__),
+                    "measured_best_ms": round(min(medians.values()), 2),
+                    "confidence": w.confidence,
+                    "calibration_error_pct": round(w.calibration_error_pct, 1),
+                    "gain_ms": [round(w.gain_ms, 2), round(w.low_gain_ms, 2)] if rec else None,
+                    "comm_model": w.to_dict()["comm_model"],
+                }
+    return rows, picks
+
+
+def _same_layout_spread(rows: list[dict[str, Any]]) -> list[float]:
+    """Per (model, round), how far apart caps with the same layout measured (%): the error a perfect
+    replay would show here, the machine's own noise."""
+    spread = []
+    groups: dict[tuple[int, str, int, int], list[float]] = {}
+    for r in rows:
+        if r["base"] == rows[0]["base"]:
+            groups.setdefault((r.get("set", 0), r["model"], r["round"], r["buckets"]), []).append(r["measured_ms"])
+    for times in groups.values():
+        if len(times) > 1:
+            spread.append(100 * (max(times) / min(times) - 1))
+    return spread
+
+
+def _rounds_in(out: Path) -> int:
+    """How many rounds a kept run holds (one log directory per model, cap and round)."""
+    return len(list(out.glob(f"{MODELS[0]}-{CAPS[0]:g}-r*")))
+
+
+def _pooled(rows: list[dict[str, Any]]) -> None:
+    """Over every round of every set: per (base, model, cap) the median of predicted and of measured
+    step against the same round's base run, and how far apart they are."""
+    base_ms = {
+        (r["set"], r["base"], r["model"], r["round"]): r["measured_ms"] for r in rows if r["bucket_cap_mb"] == r["base"]
+    }
+    ratios: dict[tuple[float, str, float], tuple[list[float], list[float]]] = {}
+    for r in rows:
+        if r["bucket_cap_mb"] != r["base"]:
+            b = base_ms[(r["set"], r["base"], r["model"], r["round"])]
+            pred, meas = ratios.setdefault((r["base"], r["model"], r["bucket_cap_mb"]), ([], []))
+            pred.append(r["predicted_ms"] / b)
+            meas.append(r["measured_ms"] / b)
+    errors = []
+    for (base, model, cap), (pred, meas) in sorted(ratios.items()):
+        p, m = statistics.median(pred), statistics.median(meas)
+        errors.append(100 * abs(p - m) / m)
+        print(
+            f"{base:>5g} {model:<11} {cap:>7g}  predicted x{p:.2f}  measured x{m:.2f} ({min(meas):.2f}-{max(meas):.2f})"
+        )
+    print(
+        f"pooled over {len(meas)} rounds: median error {statistics.median(errors):.1f}% over {len(errors)} "
+        f"(model, cap) of the step against the base run's (max {max(errors):.1f}%)"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
@@ -196,89 +264,66 @@ def main() -> int:
     ap.add_argument("--base", type=float, default=25.0, help="the cap whose run the simulator sees")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", type=Path, help="keep the runs' logs and measured times here")
-    ap.add_argument("--reuse", type=Path, help="predict again from the logs a --keep run left (no training)")
+    ap.add_argument(
+        "--reuse", type=Path, nargs="+", help="predict again from the logs --keep runs left (no training); pools them"
+    )
     args = ap.parse_args()
     bases = sorted({args.base, min(CAPS)})  # the default-like cap, and the smallest (latency-bound)
-    from ddpdoctor.analysis.bucket_sim import Prediction
-    from ddpdoctor.analysis.from_run import what_if_run
-    from ddpdoctor.runlog import load_run
 
-    keep = args.reuse or args.keep
-    with tempfile.TemporaryDirectory(prefix="ddpdoctor-whatif-") as tmp:
-        out = str(keep) if keep else tmp
-        if args.reuse:
-            raw = json.loads((args.reuse / "measured.json").read_text())
-            measured = {(m, float(c)): v for m, c, v in raw}
-        else:
-            measured = _measure(out, args.steps, args.rounds)
-            if args.keep:
-                (args.keep / "measured.json").write_text(json.dumps([[m, c, v] for (m, c), v in measured.items()]))
-        rows, errors, picks = [], [], {}
-        for base in bases:
-            for model_name in MODELS:
-                runs = [load_run(Path(out) / f"{model_name}-{base:g}-r{rnd}") for rnd in range(args.rounds)]
-                whatifs = [w for run in runs if (w := what_if_run(run, caps_mb=CAPS))]
-                if not whatifs:
-                    print(f"{model_name} from {base:g} MiB: no prediction (not enough samples)")
-                    continue
-                w = whatifs[0]
-                by_cap = [{round(c.cap_mb, 3): c for c in x.candidates} for x in whatifs]
-                predicted = {
-                    cap: Prediction(
-                        cap_mb=cap,
-                        buckets=by_cap[0][cap].buckets,
-                        step_ms=statistics.median(b[cap].step_ms for b in by_cap),
-                    )
-                    for cap in CAPS
-                }
-                for cap in CAPS:
-                    pred = predicted[cap].step_ms  # calibrated by what_if on the base run's own measured step
-                    meas = measured[(model_name, cap)]
-                    err = abs(pred - meas) / meas
-                    if cap != base:  # the base run is the calibration point: its error is 0 by construction
-                        errors.append(err)
-                    rows.append(
-                        {
-                            "base": base,
-                            "model": model_name,
-                            "bucket_cap_mb": cap,
-                            "buckets": predicted[cap].buckets,
-                            "predicted_ms": round(pred, 2),
-                            "measured_ms": round(meas, 2),
-                            "error_pct": round(100 * err, 1),
-                        }
-                    )
-                best_meas = min(CAPS, key=lambda c: measured[(model_name, c)])
-                # what the report advises from the base run (bucket-size, or exposed-communication's advice)
-                advice = _advice(runs[0])
-                picks[f"{model_name} from {base:g}"] = {
-                    "advice": advice,
-                    "measured_best": best_meas,
-                    "measured_base_ms": round(measured[(model_name, base)], 2),
-                    "measured_best_ms": round(measured[(model_name, best_meas)], 2),
-                    "confidence": w.confidence,
-                    "calibration_error_pct": round(w.calibration_error_pct, 1),
-                    "comm_model": w.to_dict()["comm_model"],
-                }
+    rows: list[dict[str, Any]] = []
+    picks: dict[str, Any] = {}
+    for n, source in enumerate(args.reuse or [None]):
+        with tempfile.TemporaryDirectory(prefix="ddpdoctor-whatif-") as tmp:
+            out = str(source or args.keep or tmp)
+            if source is not None:
+                measured, rounds = _load_measured(source / "measured.json"), _rounds_in(source)
+            else:
+                load, rounds = os.getloadavg()[0], args.rounds
+                measured = _measure(out, args.steps, rounds)
+                print(f"load average (1 min) {load:.1f} before, {os.getloadavg()[0]:.1f} after")
+                if args.keep:
+                    (args.keep / "measured.json").write_text(json.dumps([[m, c, v] for (m, c), v in measured.items()]))
+            for base in bases:
+                base_rows, base_picks = _predictions(out, base, rounds, measured)
+                rows += [{**r, "set": n} for r in base_rows]
+                if n == 0:
+                    picks.update(base_picks)
     print(f"{'base':>5} {'model':<11} {'cap MiB':>7} {'buckets':>7} {'predicted':>10} {'measured':>9} {'error':>6}")
     for r in rows:
         print(
             f"{r['base']:>5g} {r['model']:<11} {r['bucket_cap_mb']:>7g} {r['buckets']:>7} {r['predicted_ms']:>8.1f}ms "
-            f"{r['measured_ms']:>7.1f}ms {r['error_pct']:>5.1f}%"
+            f"{r['measured_ms']:>7.1f}ms {r['error_pct']:>5.1f}%  (round {r['round']})"
         )
-    if errors:
+    for base in bases:
+        errors = [r["error_pct"] for r in rows if r["base"] == base and r["bucket_cap_mb"] != base]
+        if errors:
+            print(
+                f"from {base:g} MiB: median prediction error {statistics.median(errors):.1f}% over {len(errors)} "
+                f"(model, cap, round) (max {max(errors):.1f}%)"
+            )
+    spread = _same_layout_spread(rows)
+    if spread:
         print(
-            f"median prediction error: {100 * statistics.median(errors):.1f}% over the {len(errors)} (model, cap) "
-            f"pairs other than the base runs (max {100 * max(errors):.1f}%)"
+            f"the noise: caps with the same layout in one round measured {statistics.median(spread):.1f}% apart "
+            f"(median; max {max(spread):.1f}%)"
         )
     for m, pick in picks.items():
+        rec = pick["recommended"]
+        outcome = (
+            f"recommended {rec:g} MiB (predicted saving {pick['gain_ms'][0]} ms, at least {pick['gain_ms'][1]} "
+            f"in 3 of 4 steps), measured {pick['measured_recommended_ms']} ms"
+            if rec
+            else f"no cap recommended ({pick['verdict']})"
+        )
         print(
             f"{m}: measured {pick['measured_base_ms']} ms there, best {pick['measured_best']:g} MiB "
-            f"({pick['measured_best_ms']} ms); confidence {pick['confidence']} (calibration "
+            f"({pick['measured_best_ms']} ms); {outcome}; confidence {pick['confidence']} (calibration "
             f"{pick['calibration_error_pct']}%); advice: {pick['advice']}"
         )
+    if args.reuse and len(args.reuse) > 1:
+        _pooled(rows)
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "picks": picks}, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "picks": picks, "same_layout_spread_pct": spread}, indent=2))
     return 0
 
 

@@ -437,54 +437,6 @@ def straggler_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     return {"rank": rank}
 
 
-#: The fixed cost ``whatif_run`` plants in every all-reduce (ms).
-WHATIF_LINK_MS = 2.0
-
-
-def _slow_link_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real (not string) annotations
-    """DDP's all-reduce (the mean), completed ``WHATIF_LINK_MS`` late."""
-    tensor = bucket.buffer().div_(dist.get_world_size())
-    future = dist.all_reduce(tensor, async_op=True).get_future()  # type: ignore[union-attr]
-
-    def arrived(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        time.sleep(WHATIF_LINK_MS / 1000.0)
-        return done.value()[0]
-
-    return future.then(arrived)
-
-
-def whatif_run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
-    """A stack of 12 small layers with 10 KB buckets (about one per weight): a poor bucket_cap_mb.
-
-    Widths 128, 128, 16, 128, 128, 16, ...: the buckets come in two sizes eight times apart (64 and
-    8 KB weights), so the all-reduce cost model tells its fixed part from its per-byte part. With
-    one size it takes a tenth as fixed; with sizes twice apart (16 and 8 KB) a noisy median moved
-    the fixed part by half, and a loaded host once predicted a gain under the finding's gate (5%).
-    A bucket per weight costs only where each all-reduce has a fixed cost to pay: two ranks on two
-    cores sometimes run their all-reduces in 0.1-0.3 ms, and merging then saves 0-15% of the step
-    (no finding, rightly; 1 run in 16). Three ranks on two cores wait 2-3 ms in each: over eight
-    runs, merging was predicted to save 65-76%, but once in 16 CI runs a fast hour of the host left
-    no fixed cost to see. So each all-reduce also pays a planted one, whatever the host's load: a
-    comm hook that completes ``WHATIF_LINK_MS`` after gloo did (a slow link's latency), in gloo's
-    thread, as a transfer would."""
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    widths = [128, 128, 16] * 4 + [128]
-    for i in range(12):
-        layers += [torch.nn.Linear(widths[i], widths[i + 1]), torch.nn.ReLU()]
-    ddp = DDP(torch.nn.Sequential(*layers), bucket_cap_mb=BUCKET_CAP_MB)
-    ddp.register_comm_hook(None, _slow_link_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    x = torch.randn(32, widths[0])
-    with ddpdoctor.instrument(ddp, run_dir=Path(tmp) / "whatif", check_every=2):
-        for _ in range(14):
-            loss = ddp(x).square().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    return {"rank": rank}
-
-
 def _param_sums(model: torch.nn.Module) -> list[float]:
     return [float(p.detach().double().sum()) for p in model.parameters()]
 

@@ -209,3 +209,30 @@ def test_every_rank_waiting_in_one_all_reduce_is_named_as_such(tmp_path: Path) -
     assert finding.ranks == [0, 1] and finding.evidence["missing"] == {} and "missing: rank" not in finding.title
     assert "comm hook" in finding.fix and "PowerSGD" in finding.fix
     assert b"or the collective does not complete" in stderr_of_rank0  # the rank's own warning says both
+
+
+def test_a_waiting_buffer_broadcast_names_the_buffers_it_carries() -> None:
+    from ddpdoctor.analysis.hang import hang_findings, hang_findings_in_groups
+
+    buffers = ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    # rank 1 is missing from the broadcast of step 4
+    latest = {0: _hang(0, "buffer broadcast", 4), 1: _hang(1, "between steps", 4)}
+    [f] = hang_findings(latest, {0: 3, 1: 3}, 2, broadcast_buffers=buffers)
+    assert f.ranks == [1] and f.evidence["broadcast_buffers"] == buffers
+    assert (
+        "the broadcast carries rank 0's module buffers (bn.running_mean, bn.running_var, bn.num_batches_tracked): "
+        "DDP broadcasts them at each forward (broadcast_buffers)" in f.detail
+    )
+    # every rank waits in it: the finding names them too; per rank, as the report passes them
+    both = {r: _hang(r, "buffer broadcast", 4) for r in (0, 1)}
+    [g] = hang_findings_in_groups(both, {0: 3, 1: 3}, 2, [[0, 1]], broadcast_buffers={0: buffers, 1: buffers})
+    assert g.title.startswith("every rank waits in the buffer broadcast of step 4")
+    assert "It carries rank 0's module buffers (bn.running_mean, " in g.detail
+    # an all-reduce that waits names its bucket, not the buffers
+    [h] = hang_findings(
+        {0: _hang(0, "allreduce", 4, pending_bucket=0), 1: _hang(1, "between steps", 4)},
+        {0: 3, 1: 3},
+        2,
+        broadcast_buffers=buffers,
+    )
+    assert "bn.running_mean" not in h.detail and "broadcast_buffers" not in h.evidence

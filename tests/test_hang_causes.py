@@ -94,6 +94,10 @@ def test_lone_validation_without_grad_hangs_at_the_end_named_with_its_cause(tmp_
     assert any("validate(model, gen)" in line for line in hang.evidence["waiting"][0]["stack"])
     assert "rank 0's stack (waiting)" in hang.detail and "cause: buffer broadcast missing on rank 0" in hang.detail
     assert "model.module(x)" in hang.fix
+    # what the waiting broadcast carries: the BatchNorm's buffers
+    bn = ["body.1.running_mean", "body.1.running_var", "body.1.num_batches_tracked"]
+    assert hang.evidence["broadcast_buffers"] == bn
+    assert "the broadcast carries rank 0's module buffers (body.1.running_mean, " in hang.detail
     # the cause, named from the first step it shows (before any hang)
     [mismatch] = [f for f in report.findings if f.code == "mismatched-collectives"]
     assert mismatch.ranks == [0] and mismatch.step == 5

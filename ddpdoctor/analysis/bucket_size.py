@@ -3,22 +3,28 @@
 The simulator (``bucket_sim``) predicts the step time for the run's configuration and for each
 candidate cap. Gains are judged prediction against prediction (the model's own bias cancels);
 the prediction for the run's own configuration against its measured step time says how far to
-trust the model (``confidence``). The finding is raised only when the gain is worth a restart.
+trust the model (``confidence``). A cap is recommended only when its predicted saving is worth a
+restart in three of four replayed steps (each with its own backward: the run's own noise), by a
+replay that reproduces the run; where
+the buckets all had one size, the saving must hold whether an all-reduce's time is all fixed
+cost or all per byte (the samples cannot tell). Otherwise the answer says why it names no cap.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from statistics import median
+from dataclasses import dataclass
+from statistics import median, quantiles
 from typing import Any
 
 from ddpdoctor.analysis.bucket_sim import (
     CANDIDATE_CAPS_MB,
     HookCost,
+    JobSample,
     Prediction,
     current_prediction,
     hook_cost,
+    job_samples,
     predict,
     samples_of,
 )
@@ -32,6 +38,8 @@ MIN_GAIN_SHARE, MIN_GAIN_MS = 0.05, 0.5
 WARN_GAIN_SHARE, WARN_GAIN_MS = 0.15, 5.0
 #: Sampled steps needed per rank.
 MIN_SAMPLES = 3
+#: Ranks replayed at most.
+MAX_REPLAYED_RANKS = 16
 
 
 def cap_text(mb: float) -> str:
@@ -62,7 +70,7 @@ class RankBackward:
 
 @dataclass
 class WhatIf:
-    """The simulator's answer for one run."""
+    """The simulator's answer for one run: a prediction per cap, and the cap it recommends (or why none)."""
 
     model: CommModel
     hook: HookCost
@@ -70,8 +78,13 @@ class WhatIf:
     current: Prediction
     candidates: list[Prediction]
     samples: int
-    calibration_error_pct: float  # |predicted - measured| / measured for the run's own configuration, before
-    # the model's fixed cost per all-reduce was adjusted so that it reproduces that measurement
+    calibration_error_pct: float  # |predicted - measured| / measured for the run's own configuration
+    job: tuple[Header, list[JobSample]]  # what was replayed, for other what-ifs (a compression hook)
+    recommended: Prediction | None = None
+    gain_ms: float = 0.0  # its predicted saving (median over the replayed steps; at the worse extreme, one size)
+    low_gain_ms: float = 0.0  # what it saves in three of four replayed steps
+    gain_range_ms: tuple[float, float] | None = None  # the best other cap's saving at both extremes (one size)
+    verdict: str = ""  # why no cap is recommended ("" when one is)
 
     @property
     def best(self) -> Prediction:
@@ -116,6 +129,7 @@ class WhatIf:
             "sampled_steps": self.samples,
             "calibration_error_pct": round(self.calibration_error_pct, 1),
             "confidence": self.confidence,
+            **({"verdict": self.verdict} if self.verdict else {}),
         }
 
 
@@ -123,57 +137,112 @@ def _as_list(items: Sequence[Any]) -> list[Any]:
     return items if isinstance(items, list) else list(items)  # a loaded run's lists are not copied
 
 
-def what_if(ranks: Mapping[int, RankBackward], caps_mb: tuple[float, ...] = CANDIDATE_CAPS_MB) -> WhatIf | None:
-    """Predicted step time per bucket cap for a run's ranks (None when they lack the samples)."""
-    steps_by_rank = {r: _as_list(log.steps) for r, log in ranks.items()}
-    model = fit_comm_model(steps_by_rank)
-    if model is None:
-        return None
-    per_rank = []
-    for log in ranks.values():
+def job_of(ranks: Mapping[int, RankBackward]) -> tuple[Header, list[JobSample]] | None:
+    """A header and the sampled steps lined up across the ranks (None when too few steps were
+    sampled on every rank)."""
+    per_rank = {}
+    for r, log in ranks.items():
         if log.header is None or log.rewrapped:
             continue  # a rewrapped model changed its parameters mid-run: not one backward to replay
         steps = _as_list(log.steps)
         samples = samples_of(log.header, _as_list(log.unused), steps)
         if len(samples) >= MIN_SAMPLES:
-            per_rank.append((log.header, samples, hook_cost(steps[-200:])))
-    if not per_rank:
+            per_rank[r] = (samples, hook_cost(steps[-200:]))
+    if len(per_rank) > MAX_REPLAYED_RANKS:
+        # the ranks whose backward ends latest set when each all-reduce can start (a replay costs
+        # per rank: a large job's report replays these, not every rank)
+        late = sorted(per_rank, key=lambda r: median(s.bwd_end_us for s in per_rank[r][0]))
+        per_rank = {r: per_rank[r] for r in late[-MAX_REPLAYED_RANKS:]}
+    jobs = job_samples(per_rank)
+    header = ranks[min(per_rank)].header if per_rank else None
+    return (header, jobs) if header is not None and len(jobs) >= MIN_SAMPLES else None
+
+
+def savings(current: Prediction, other: Prediction) -> tuple[float, float]:
+    """(median, lower quartile) over the replayed steps of what ``other`` saves against ``current``:
+    each step replayed with its own backward, so the run's step-to-step noise is in their spread."""
+    gains = sorted(a - b for a, b in zip(current.per_sample_ms, other.per_sample_ms, strict=True))
+    low = quantiles(gains, n=4)[0] if len(gains) >= 4 else gains[0]
+    return median(gains), low
+
+
+def what_if(ranks: Mapping[int, RankBackward], caps_mb: tuple[float, ...] = CANDIDATE_CAPS_MB) -> WhatIf | None:
+    """Predicted step time per bucket cap for a run's ranks (None when they lack the samples)."""
+    job = job_of(ranks)
+    if job is None:
         return None
-    # the rank with the smallest measured steps waited least for others: its backward is the job's own
-    header, samples, hook = min(per_rank, key=lambda t: median(s.measured_step_us for s in t[1]))
-    measured = median(s.measured_step_us for s in samples) / 1000.0
-    current = current_prediction(header, samples, model, hook)
-    error_pct = 100.0 * abs(current.step_ms - measured) / measured
-    if current.buckets:
-        # What the replay misses of the run's own step (thread hand-offs, completions that arrive
-        # late and out of order) is charged to each all-reduce's fixed cost: the one term the
-        # per-bucket samples cannot pin down when every bucket has the same size.
-        extra_us = (measured - current.step_ms) * 1000.0 / current.buckets
-        model = replace(model, latency_us=max(0.0, model.latency_us + extra_us))
-        current = current_prediction(header, samples, model, hook)
+    header, jobs = job
+    model = fit_comm_model({r: _as_list(log.steps) for r, log in ranks.items()})
+    if model is None:
+        return None
+    measured = median(j.measured_step_us for j in jobs) / 1000.0
+    current = current_prediction(header, jobs, model)
     caps = sorted(set(caps_mb) | {round(current.cap_mb, 3)})
-    candidates = predict(header, samples, model, hook, caps)
-    return WhatIf(
+    w = WhatIf(
         model=model,
-        hook=hook,
+        hook=jobs[-1].passes[0].hook,
         measured_step_ms=measured,
         current=current,
-        candidates=candidates,
-        samples=len(samples),
-        calibration_error_pct=error_pct,
+        candidates=predict(header, jobs, model, caps),
+        samples=len(jobs),
+        calibration_error_pct=100.0 * abs(current.step_ms - measured) / measured,
+        job=job,
     )
+    _recommend(w, header, jobs)
+    return w
+
+
+def _recommend(w: WhatIf, header: Header, jobs: list[JobSample]) -> None:
+    """Sets ``w``'s recommendation, or its verdict on why there is none. A cap is recommended where
+    it saves enough in three of four replayed steps (the run's own noise), by a replay that
+    reproduces the run; with one bucket size, at both extremes of the fixed / per-byte split."""
+    need = max(MIN_GAIN_MS, MIN_GAIN_SHARE * w.current.step_ms)
+    others = [p for p in w.candidates if not same_cap(p.cap_mb, w.current.cap_mb)]
+    if not others:
+        w.verdict = "no other bucket_cap_mb to try"
+        return
+    saved = {p.cap_mb: savings(w.current, p) for p in others}
+    best_point = max(saved, key=lambda c: (round(saved[c][0], 3), -c))
+    if not w.model.split_known:
+        # one bucket size: what a cap saves is the lesser of the two extremes
+        caps = sorted(saved)
+        extremes = []
+        for m in w.model.extremes():
+            now = current_prediction(header, jobs, m)
+            extremes.append({p.cap_mb: savings(now, p) for p in predict(header, jobs, m, caps)})
+        saved = {
+            c: (min(g[0], *(e[c][0] for e in extremes)), min(g[1], *(e[c][1] for e in extremes)))
+            for c, g in saved.items()
+        }
+        w.gain_range_ms = (min(e[best_point][0] for e in extremes), max(e[best_point][0] for e in extremes))
+    best = max(saved, key=lambda c: (round(saved[c][1], 3), -c))
+    if w.confidence == "low":
+        w.verdict = f"the replay cannot predict this run: it misses the measured step by {w.calibration_error_pct:.0f}%"
+    elif saved[best][1] >= need:
+        w.recommended = next(p for p in others if p.cap_mb == best)
+        w.gain_ms, w.low_gain_ms = saved[best]
+    elif w.gain_range_ms is not None and w.gain_range_ms[1] >= need:
+        low, high = w.gain_range_ms
+        w.verdict = (
+            f"{_one_size(w.model)}, so how much of an all-reduce's time is a fixed cost is not measured: "
+            f"bucket_cap_mb={cap_text(best_point)} would change the step by between {-high:+.1f} and {-low:+.1f} ms "
+            "(a run at another cap would tell)"
+        )
+    else:
+        w.verdict = (
+            f"no other bucket_cap_mb is predicted to save {need:.1f} ms or more (5% of the step, 0.5 ms at least) "
+            "in three of four replayed steps"
+        )
 
 
 def bucket_size(ranks: Mapping[int, RankBackward]) -> list[Finding]:
     """The ``bucket-size`` finding, when another cap is predicted to be worth it."""
     w = what_if(ranks)
-    if w is None:
+    if w is None or w.recommended is None:
         return []
-    best = w.best
-    gain_ms = w.current.step_ms - best.step_ms
+    best = w.recommended
+    gain_ms = w.gain_ms
     share = gain_ms / w.current.step_ms if w.current.step_ms > 0 else 0.0
-    if share < MIN_GAIN_SHARE or gain_ms < MIN_GAIN_MS or same_cap(best.cap_mb, w.current.cap_mb):
-        return []
     warn = share >= WARN_GAIN_SHARE and gain_ms >= WARN_GAIN_MS and w.confidence == "high"
     predicted_ms = w.measured_step_ms * (1.0 - share)
     return [
@@ -187,18 +256,24 @@ def bucket_size(ranks: Mapping[int, RankBackward]) -> list[Finding]:
                 f"({w.measured_step_ms:.1f} -> {predicted_ms:.1f} ms; {w.confidence} confidence)"
             ),
             detail=(
-                f"Replaying the measured backward ({w.samples} sampled steps) with a communication model fitted "
-                f"to this run's all-reduces (latency {w.model.latency_us:.0f} µs, {_bandwidth(w.model)}) predicts "
-                f"{best.step_ms:.1f} ms per step with {_buckets(best.buckets)} of up to {cap_text(best.cap_mb)} MiB, "
-                f"against {w.current.step_ms:.1f} ms with the current {_buckets(w.current.buckets)} "
-                f"(cap {cap_text(w.current.cap_mb)} MiB). Before calibration the model predicted the current "
-                f"configuration within {w.calibration_error_pct:.0f}% of the measured {w.measured_step_ms:.1f} ms; "
-                "the rest was "
-                "charged to each all-reduce's fixed cost."
+                f"Replaying the measured backward of every rank ({w.samples} sampled steps) with a communication "
+                f"model fitted to this run's all-reduces (fixed cost {w.model.latency_us:.0f} µs each, "
+                f"{_bandwidth(w.model)}) predicts {best.step_ms:.1f} ms per step with {_buckets(best.buckets)} of up "
+                f"to {cap_text(best.cap_mb)} MiB, against {w.current.step_ms:.1f} ms with the current "
+                f"{_buckets(w.current.buckets)} (cap {cap_text(w.current.cap_mb)} MiB): {gain_ms:.1f} ms saved, "
+                f"at least {w.low_gain_ms:.1f} ms in three of four replayed steps. The same replay predicts the "
+                f"current configuration within {w.calibration_error_pct:.0f}% of the measured "
+                f"{w.measured_step_ms:.1f} ms."
+                + (
+                    f" {_one_size(w.model, capital=True)}: the saving holds whether their time is fixed or per byte."
+                    if not w.model.split_known
+                    else ""
+                )
             ),
             evidence={
                 "recommended_bucket_cap_mb": best.cap_mb,
                 "predicted_gain_ms": round(gain_ms, 3),
+                "predicted_gain_low_ms": round(w.low_gain_ms, 3),
                 "predicted_gain_share": round(share, 4),
                 "predicted_step_ms": round(predicted_ms, 3),
                 **w.to_dict(),
@@ -207,6 +282,16 @@ def bucket_size(ranks: Mapping[int, RankBackward]) -> list[Finding]:
             "in the report.",
         )
     ]
+
+
+def _one_size(model: CommModel, capital: bool = False) -> str:
+    """Why the fixed cost of an all-reduce is not measured: its sizes."""
+    text = (
+        f"every all-reduce had one size ({model.typical_bytes / 2**20:.3g} MiB)"
+        if model.size_ratio <= 1.0
+        else f"the all-reduces' sizes were within {model.size_ratio:.2g}x of each other"
+    )
+    return text[0].upper() + text[1:] if capital else text
 
 
 def _buckets(n: int) -> str:

@@ -12,11 +12,10 @@ are not modelled: on a GPU they are small next to the transfer they halve.
 from __future__ import annotations
 
 from dataclasses import replace
-from statistics import median
 from typing import Any
 
-from ddpdoctor.analysis.bucket_sim import DEFAULT_CAP_MB, MIB, current_prediction, hook_cost, predict_cap, samples_of
-from ddpdoctor.analysis.bucket_size import MIN_SAMPLES, cap_text, same_cap
+from ddpdoctor.analysis.bucket_sim import DEFAULT_CAP_MB, MIB, current_prediction, predict_cap
+from ddpdoctor.analysis.bucket_size import cap_text, savings
 from ddpdoctor.analysis.comm_hooks import comm_hook_name
 from ddpdoctor.analysis.comm_hooks import compressing as is_compressing
 from ddpdoctor.analysis.findings import Finding
@@ -32,21 +31,6 @@ HOOK_FIX = (
 )
 
 
-def _job(run: Run) -> tuple[Any, list[Any], Any] | None:
-    """The header, sampled backward passes and hook cost of the rank whose steps were shortest
-    (it waited least for the others: its step is the job's own), as the what-if picks them."""
-    per_rank = []
-    for log in run.ranks.values():
-        if log.header is None or len(log.headers) > 1:
-            continue
-        samples = samples_of(log.header, log.unused, log.steps)
-        if len(samples) >= MIN_SAMPLES:
-            per_rank.append((log.header, samples, hook_cost(log.steps[-200:])))
-    if not per_rank:
-        return None
-    return min(per_rank, key=lambda t: median(s.measured_step_us for s in t[1]))
-
-
 def communication_predictions(run: Run, exposed: Finding) -> dict[str, Any]:
     """Predicted step times (ms) with a compression hook and with the recommended bucket size."""
     step_ms = exposed.evidence.get("step_ms")
@@ -54,12 +38,9 @@ def communication_predictions(run: Run, exposed: Finding) -> dict[str, Any]:
     compressing = is_compressing(hook_name)
     out: dict[str, Any] = {"comm_hook": hook_name or "default"}
     w = what_if_run(run)
-    job = _job(run) if w is not None else None
-    if w is not None and job is not None and w.current.step_ms > 0:
-        header, samples, hook = job
+    if w is not None and w.current.step_ms > 0:
+        header, jobs = w.job
         scale = w.measured_step_ms / w.current.step_ms  # prediction against prediction, in measured ms
-        half = replace(w.model, us_per_byte=w.model.us_per_byte / 2)
-        best = w.best
         other = w.best_other
         out.update(
             method="replay",
@@ -68,19 +49,25 @@ def communication_predictions(run: Run, exposed: Finding) -> dict[str, Any]:
             calibration_error_pct=round(w.calibration_error_pct, 1),
             current_bucket_cap_mb=w.current.cap_mb,
             current_buckets=w.current.buckets,
-            recommended_bucket_cap_mb=best.cap_mb,
-            best_is_current=same_cap(best.cap_mb, w.current.cap_mb),
-            bucket_cap_step_ms=round(best.step_ms * scale, 3),
         )
+        if w.recommended is not None:
+            out.update(
+                recommended_bucket_cap_mb=w.recommended.cap_mb,
+                bucket_cap_step_ms=round(w.measured_step_ms - w.gain_ms * scale, 3),
+            )
+        else:
+            out.update(bucket_cap_verdict=w.verdict)
         if other is not None:
             out.update(best_other_bucket_cap_mb=other.cap_mb, best_other_step_ms=round(other.step_ms * scale, 3))
         if not compressing:
-            compressed = current_prediction(header, samples, half, hook)
-            both = predict_cap(header, samples, half, hook, int(best.cap_mb * MIB), int(best.cap_mb * MIB))
-            out.update(
-                compress_hook_step_ms=round(compressed.step_ms * scale, 3),
-                compress_and_bucket_step_ms=round(both.step_ms * scale, 3),
-            )
+            half = replace(w.model, us_per_byte=w.model.us_per_byte / 2)
+            # savings against the current replay, step by step, as the bucket cap's are
+            compressed = savings(w.current, current_prediction(header, jobs, half))[0]
+            out.update(compress_hook_step_ms=round(w.measured_step_ms - compressed * scale, 3))
+            if w.recommended is not None:
+                cap = int(w.recommended.cap_mb * MIB)
+                both = savings(w.current, predict_cap(header, jobs, half, cap, cap))[0]
+                out.update(compress_and_bucket_step_ms=round(w.measured_step_ms - both * scale, 3))
         return out
     # no sampled backward to replay: the exposed part of the all-reduce, halved, is what compression saves
     exposed_ms, comm_ms = exposed.evidence.get("exposed_ms"), exposed.evidence.get("allreduce_ms")
@@ -108,8 +95,8 @@ def advise_communication(run: Run, exposed: Finding) -> Finding:
             f"with bf16_compress_hook/fp16_compress_hook (half the bytes) about {p['compress_hook_step_ms']:.1f} ms"
         )
         fixes.append(HOOK_FIX)
-    if "bucket_cap_step_ms" in p:
-        bucket_part, bucket_fix = _bucket_advice(p, measured)
+    if p.get("method") == "replay":
+        bucket_part, bucket_fix = _bucket_advice(p)
         parts.append(bucket_part)
         if bucket_fix:
             fixes.append(bucket_fix)
@@ -131,43 +118,23 @@ def advise_communication(run: Run, exposed: Finding) -> Finding:
     )
 
 
-def _bucket_advice(p: dict[str, Any], measured: float) -> tuple[str, str]:
-    """The bucket part of the advice (a clause of the detail, and a fix or ""), never naming the
-    run's own cap as a "best" to move to, and saying so where the replay cannot predict the run."""
-    current = cap_text(p["current_bucket_cap_mb"])
-    low = p.get("confidence") == "low"
-    if not p["best_is_current"] and p["bucket_cap_step_ms"] < measured * 0.98:
-        cap = cap_text(p["recommended_bucket_cap_mb"])
-        saving = measured - p["bucket_cap_step_ms"]
-        larger = p["recommended_bucket_cap_mb"] > p["current_bucket_cap_mb"]
-        why = (
-            "fewer all-reduces, each with its fixed cost"
-            if larger
-            else "all-reduces that start earlier, while backward runs"
-        )
-        trust = (
-            f"; low confidence: before calibration the replay missed this run's step by "
-            f"{p['calibration_error_pct']:.0f}%, try it and compare"
-            if low
-            else ""
-        )
-        return (
-            f"with bucket_cap_mb={cap} about {p['bucket_cap_step_ms']:.1f} ms ({saving:.1f} ms saved: {why}{trust})",
-            f"{why[0].upper()}{why[1:]}: DistributedDataParallel(net, bucket_cap_mb={cap}).",
-        )
-    if low:  # "nothing helps" is a prediction too: not made by a replay that misses the run
-        return (
-            f"the bucket replay cannot predict this run (before calibration it missed the measured step by "
-            f"{p['calibration_error_pct']:.0f}%), so it says nothing of bucket_cap_mb",
-            "",
-        )
-    if p["best_is_current"]:
-        return f"no other bucket_cap_mb is predicted to help: the current {current} MiB is predicted best", ""
-    other = cap_text(p.get("best_other_bucket_cap_mb", p["recommended_bucket_cap_mb"]))
+def _bucket_advice(p: dict[str, Any]) -> tuple[str, str]:
+    """The bucket part of the advice (a clause of the detail, and a fix or ""): a cap with its
+    predicted saving where the what-if recommends one, else its verdict on why it names none
+    (never the run's own cap as a "best" to move to)."""
+    if p.get("recommended_bucket_cap_mb") is None:
+        return f"nothing about bucket_cap_mb: {p.get('bucket_cap_verdict') or 'no cap is predicted to help'}", ""
+    cap = cap_text(p["recommended_bucket_cap_mb"])
+    saving = p["measured_step_ms"] - p["bucket_cap_step_ms"]
+    larger = p["recommended_bucket_cap_mb"] > p["current_bucket_cap_mb"]
+    why = "fewer all-reduces, each with its fixed cost"
+    if not larger:
+        why = "all-reduces that start earlier, while backward runs"
+    trust = f"the replay reproduces this run's step within {p['calibration_error_pct']:.0f}%"
     return (
-        f"no bucket_cap_mb is predicted to save 2% or more (the best other, {other} MiB, about "
-        f"{p.get('best_other_step_ms', p['bucket_cap_step_ms']):.1f} ms)",
-        "",
+        f"with bucket_cap_mb={cap} about {p['bucket_cap_step_ms']:.1f} ms ({saving:.1f} ms saved: {why}; "
+        f"{p['confidence']} confidence, {trust})",
+        f"{why[0].upper()}{why[1:]}: DistributedDataParallel(net, bucket_cap_mb={cap}).",
     )
 
 

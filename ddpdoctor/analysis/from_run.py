@@ -49,8 +49,17 @@ def hangs_in_run(run: Run) -> list[Finding]:
     groups = ddp_groups({r: log.header for r, log in run.ranks.items()})
     steps = {r: step_collectives(log.steps) for r, log in run.ranks.items()}
     params = {r: {b.index: b.params for b in log.layouts[-1].buckets} for r, log in run.ranks.items() if log.layouts}
+    buffers = {r: [b.name for b in log.header.buffers if b.broadcast] for r, log in run.ranks.items() if log.header}
     return hang_findings_in_groups(
-        latest, last_step, run.world_size, groups, ended=ended, bare_steps=bare, collectives=steps, bucket_params=params
+        latest,
+        last_step,
+        run.world_size,
+        groups,
+        ended=ended,
+        bare_steps=bare,
+        collectives=steps,
+        bucket_params=params,
+        broadcast_buffers=buffers,
     )
 
 

@@ -17,7 +17,7 @@ only some ranks ran (``collectives``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from ddpdoctor.analysis.collectives import StepCollectives, uneven_collectives
@@ -75,6 +75,7 @@ def hang_findings(
     members: list[int] | None = None,
     mismatch: Finding | None = None,
     bucket_params: Mapping[int, list[str]] | None = None,
+    broadcast_buffers: Sequence[str] = (),
 ) -> list[Finding]:
     """The ``hang`` finding from each rank's latest watchdog record.
 
@@ -91,6 +92,8 @@ def hang_findings(
             cause of the hang, named with it.
         bucket_params: per bucket index, its parameters (the latest layout), to name the
             parameters of the bucket whose all-reduce waits.
+        broadcast_buffers: the buffers DDP broadcasts at each forward (the header's), to name
+            what a waiting buffer broadcast carries.
     """
     ended = ended or {}
     stalled = {r: h for r, h in latest.items() if h.state == "stalled"}
@@ -183,6 +186,9 @@ def hang_findings(
     params = list((bucket_params or {}).get(pending, [])) if pending is not None else []
     if params:
         lines.append(f"bucket {pending} holds {name_list(params)}")
+    buffers = list(broadcast_buffers) if stuck.phase == "buffer broadcast" else []
+    if buffers:
+        lines.append(f"the broadcast carries {_carries(buffers)}")
     first = stuck.step
     waited = {
         r: {
@@ -197,7 +203,7 @@ def hang_findings(
     }
     longest = max(h.waited_s for h in waiting.values())
     if not missing:
-        out.append(_nobody_missing(waited, longest, at, first, params, ddp=stuck.phase != "collective"))
+        out.append(_nobody_missing(waited, longest, at, first, params, buffers, ddp=stuck.phase != "collective"))
         return out
     causes = {missing_info[r].get("cause") for r in missing}
     if mismatch is not None:
@@ -250,20 +256,37 @@ def hang_findings(
             title=f"{waits}; missing: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
             + (f" ({', '.join(because)})" if because else ""),
             detail=f"{waits[0].upper()}{waits[1:]} (no progress for {longest:.0f} s).\n" + "\n".join(lines),
-            evidence={"waiting": waited, "missing": missing_info},
+            evidence={
+                "waiting": waited,
+                "missing": missing_info,
+                **({"broadcast_buffers": buffers} if buffers else {}),
+            },
             fix=fix,
         )
     )
     return out
 
 
+def _carries(buffers: list[str]) -> str:
+    """What a buffer broadcast sends, in words."""
+    return f"rank 0's module buffers ({name_list(buffers)}): DDP broadcasts them at each forward (broadcast_buffers)"
+
+
 def _nobody_missing(
-    waited: dict[int, dict[str, Any]], longest: float, at: str, step: int, params: list[str], ddp: bool = True
+    waited: dict[int, dict[str, Any]],
+    longest: float,
+    at: str,
+    step: int,
+    params: list[str],
+    buffers: list[str],
+    ddp: bool = True,
 ) -> Finding:
     """Every rank waits in the same collective (``waited``: the finding's evidence of each):
     none is missing, the collective does not finish."""
     ranks = sorted(waited)
     holds = f" Its bucket holds {name_list(params)}." if params else ""
+    if buffers:
+        holds = f" It carries {_carries(buffers)}."
     return Finding(
         code="hang",
         severity="error",
@@ -329,6 +352,7 @@ def hang_findings_in_groups(
     history: dict[int, Hang] | None = None,
     collectives: Mapping[int, Mapping[int, StepCollectives]] | None = None,
     bucket_params: Mapping[int, Mapping[int, list[str]]] | None = None,
+    broadcast_buffers: Mapping[int, Sequence[str]] | None = None,
 ) -> list[Finding]:
     """``hang_findings`` within each DDP group (``groups.ddp_groups``): ranks of different groups
     never meet at DDP's collectives, so a hang in one group names its own missing ranks, and a
@@ -336,7 +360,8 @@ def hang_findings_in_groups(
     steps without any bucket; ``history``: every rank's latest hang record where ``latest`` holds
     only the current ones (the live view), for telling a skipped backward. ``collectives``: per
     rank, the collectives of its steps (``collectives.step_collectives``), for the cause;
-    ``bucket_params``: per rank, its latest layout's parameters per bucket index."""
+    ``bucket_params``: per rank, its latest layout's parameters per bucket index;
+    ``broadcast_buffers``: per rank, the buffers DDP broadcasts at its forwards."""
     ended = ended or {}
     bare_steps = bare_steps or {}
     history = history if history is not None else latest
@@ -360,6 +385,7 @@ def hang_findings_in_groups(
             members=members,
             mismatch=next(iter(uneven_collectives(_only(dict(collectives or {}), members))), None),
             bucket_params=next((p for r, p in sorted((bucket_params or {}).items()) if r in group_latest), None),
+            broadcast_buffers=next((b for r, b in sorted((broadcast_buffers or {}).items()) if r in group_latest), ()),
         )
     return out
 
