@@ -136,7 +136,7 @@ def _exit_with(tmp_path: Path, ending: str, before: str = "") -> tuple[subproces
         dist.init_process_group("gloo", rank=0, world_size=1)
         {before}
         ddp = DDP(torch.nn.Linear(4, 4))
-        ddpdoctor.instrument(ddp, run_dir={str(tmp_path)!r})
+        monitor = ddpdoctor.instrument(ddp, run_dir={str(tmp_path)!r})
         ddp(torch.randn(2, 4)).sum().backward()
         print("trained", flush=True)
     """)
@@ -230,6 +230,34 @@ def test_a_signal_the_watcher_took_but_had_not_noted_at_exit_is_still_named(tmp_
     proc, end = _exit_with(tmp_path, _TAKEN_NOT_NOTED)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert end is not None and end.reason == "exit" and end.signal == "SIGTERM"
+
+
+#: The watcher thread held back until the job has closed its log (the process then exits).
+_WATCHER_LATE = (
+    "import threading; from ddpdoctor.runtime.process import exit_flush; "
+    "late = threading.Event(); watch = exit_flush.ExitFlush._watch; "
+    "exit_flush.ExitFlush._watch = lambda self, reader: (late.wait(30), watch(self, reader))"
+)
+
+_CLOSED_AFTER_CATCHING = """
+import signal
+caught = []
+signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+os.kill(os.getpid(), signal.SIGINT)
+while not caught:  # the handler runs between two bytecodes of this thread
+    pass
+monitor.close()  # as destroy_process_group does under ddpdoctor run, before the exit
+late.set()
+sys.exit(0)
+"""
+
+
+def test_a_signal_caught_before_a_close_the_watcher_had_not_read_is_named(tmp_path: Path) -> None:
+    # a preempted job that closes its log (destroy_process_group) before the watcher thread got
+    # the CPU to read the signal's byte: the close reads it itself
+    proc, end = _exit_with(tmp_path, _CLOSED_AFTER_CATCHING, before=_WATCHER_LATE)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert end is not None and end.reason == "close" and end.signal == "SIGINT", end
 
 
 def test_an_exception_stored_before_monitoring_began_is_not_this_exit(tmp_path: Path) -> None:

@@ -91,8 +91,9 @@ class ExitFlush:
         self._monitors: weakref.WeakSet[Closable] = weakref.WeakSet()
         self._lock = threading.Lock()
         #: held while a byte read off the wakeup fd is not yet noted: the exit's last read then
-        #: either finds the byte or finds it noted (``_note_unread_signals``)
-        self._read_lock = threading.Lock()
+        #: either finds the byte or finds it noted (``_note_unread_signals``); reentrant, since a
+        #: signal handler that closes the monitors may run on a thread that holds it
+        self._read_lock = threading.RLock()
         self._installed = False
         self._handled = threading.Event()
         self._handler_installed = False
@@ -151,6 +152,9 @@ class ExitFlush:
     def stop_signal(self) -> str:
         """The stop signal to name in an End record written now: the last SIGTERM a handler of
         this process caught, or a SIGINT caught within ``SIGINT_END_S``; "" where none."""
+        # a log closed before the exit (destroy_process_group, close) may come before the watcher
+        # thread has read the signal's byte on a loaded machine: read what is there first
+        self._note_unread_signals()
         if self._stop_signal == "SIGINT" and time.monotonic() - self._stop_at > SIGINT_END_S:
             return ""
         return self._stop_signal
@@ -268,7 +272,7 @@ class ExitFlush:
         there would read, in the parent's watcher thread, as the parent's own, which it then
         closed and killed."""
         self._lock = threading.Lock()  # (a thread of the parent may have held it at the fork)
-        self._read_lock = threading.Lock()
+        self._read_lock = threading.RLock()
         self._handled = threading.Event()
         self._stop_signal = ""  # (a signal the parent caught is not the child's)
         self._undo()  # (the forking thread is the child's main thread)
