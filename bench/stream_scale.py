@@ -45,6 +45,14 @@ index). ``--ranks 2048 --analysis 70`` (load average 14 to 17), CPU ms:
     after     0.84 s   1.66 s  2.7 s   23.9 %        5.7 s        64         23 / 41 ms
     before    2.8 s    6.4 s   7.6 s   37.3 %        10.2 s       34         94 / 308 ms
 
+After the change, on the quiet machine (load average under 0.3; senders and receiver still on
+its 2 cores), ``--ranks 256,1024,2048 --seconds 30``, then 2,048 twice more:
+
+    ranks  mode    lag p50      p95          max          received/sent   receiver CPU  peak RSS
+    256    direct  0.11 s       0.19 s       0.21 s       8,192/8,192     1.7 %         67 MiB
+    1,024  direct  0.17 s       0.27 s       0.35 s       32,768/32,768   7.5 %         152 MiB
+    2,048  direct  0.26-0.29 s  0.56-0.58 s  0.59-1.48 s  65,536/65,536   16.5-17.8 %   265 MiB
+
 Before the change, on the same machine (load average 8 to 14 while measuring), ``--seconds 30``:
 
     ranks  mode    lag p50  p95    max    received/sent   receiver CPU  peak RSS  load

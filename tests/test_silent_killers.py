@@ -281,7 +281,13 @@ def test_optimizer_steps_with_no_all_reduce_are_named_within_two(zoo_runs: ZooRu
 
 def test_accumulation_done_right_is_silent(zoo_runs: ZooRuns) -> None:
     proc, run_dir = run_ok(zoo_runs, "accumulation_never_synced", "--right")
-    assert at_least(list(ddpdoctor.analyze(ddpdoctor.load_run(run_dir)).findings), "warning") == []
+    found = findings(run_dir)
+    for code in ("gradients-never-synchronized", "sync-during-accumulation", "replica-divergence"):
+        assert code not in found
+    warned = at_least(list(ddpdoctor.analyze(ddpdoctor.load_run(run_dir)).findings), "warning")
+    # (a busy machine can leave the all-reduce exposed: a measured cost, said of any run, not a
+    # diagnosis of this one)
+    assert {f.code for f in warned} <= {"exposed-communication"}, warned
     assert "Warning: ddpdoctor" not in proc.stderr
 
 
