@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def native_built() -> Path:
-    """Build (or find) the native extension once per session; skip where it cannot build here."""
+    """Build (or find) the native extension once per pytest run; skip where it cannot build here."""
     from ddpdoctor.runtime.step import native_hook
 
     try:
@@ -56,7 +56,7 @@ DEMO_STEPS = 8
 
 @pytest.fixture(scope="session")
 def headless_demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """The session's one ``ddpdoctor demo --headless --ranks 2 --steps 8`` run, as a user without
+    """The pytest run's one ``ddpdoctor demo --headless --ranks 2 --steps 8`` run, as a user without
     numpy runs it (torch then warns at import, which the demo must filter): ``(run dir, the
     finished process)``. test_cli.py reads its run and output, test_demo_output.py its noise."""
     folder = tmp_path_factory.mktemp("demo")

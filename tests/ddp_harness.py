@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from ddpdoctor.cli.ports import free_port
 
 #: What the fork server imports once, before it forks the ranks: torch's import is most of a
-#: rank's start-up (seconds on a busy 2-core machine), paid once per test session instead of once
+#: rank's start-up (seconds on a busy 2-core machine), paid once per pytest run instead of once
 #: per rank, and so is dynamo's, which DDP's constructor imports (1.7 CPU-s a rank, measured
 #: 2026-12-06). Importing these starts no thread and initializes neither CUDA nor a process group,
 #: so a forked rank starts as clean as a spawned one.
@@ -44,7 +44,7 @@ def _entry(
     backend: str,
 ) -> None:
     # A forked rank has the fork server's environment and working directory (those of the first
-    # run_ranks of the session): the test's own come first, as a spawned rank would have them,
+    # run_ranks of the pytest run): the test's own come first, as a spawned rank would have them,
     # and only then is the test's module imported (``fn`` is named, not pickled, for that).
     os.environ.clear()
     os.environ.update(env)
@@ -92,7 +92,7 @@ def run_ranks(
     The ranks use gloo unless ``backend`` says otherwise. ``fn`` must be importable
     (module-level). A rank's exception is re-raised here with its traceback; a rank still
     running after ``timeout`` seconds fails the test; every child is killed on the way out.
-    Each rank is forked from a fork server that imported torch once per session, with the
+    Each rank is forked from a fork server that imported torch once per pytest run, with the
     caller's environment and working directory, as a spawned process would have them.
     """
     ctx = _context()
@@ -153,7 +153,7 @@ def torchrun_cmd(*args: str, nproc: int = 2) -> list[str]:
 
 
 def run_tree(argv: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` in a session of its own; whatever it started is killed on the way out (torchrun
+    """Run ``argv`` in a process session of its own (setsid); whatever it started is killed on the way out (torchrun
     starts each worker in a session of its own: the whole tree is collected, then killed)."""
     proc = subprocess.Popen(
         argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True

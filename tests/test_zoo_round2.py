@@ -26,7 +26,7 @@ ZOO = ROOT / "examples" / "zoo"
 def report(script: str, tmp_path: Path, zoo_runs: ZooRuns | None) -> dict[str, Any]:
     """Run examples/zoo/<script>.py on 2 gloo ranks, then ``ddpdoctor report --format json``.
 
-    With ``zoo_runs``, the session's one run of that script (test_zoo.py reads the same ones);
+    With ``zoo_runs``, the pytest run's one run of that script (test_zoo.py reads the same ones);
     without, a run of its own (a scenario that changes the machine around the script)."""
     if zoo_runs is not None:
         proc, run_dir = zoo_runs.run(ZOO / f"{script}.py")
